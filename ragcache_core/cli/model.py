@@ -1,0 +1,36 @@
+"""`ragcache model build`: build the offline random-weight model (no download needed)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("model", help="build the offline test/benchmark model")
+    actions = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    build = actions.add_parser(
+        "build",
+        help="train a BPE tokenizer on shipped text and save a random-weight Llama",
+        description="Build a random-weight Llama model folder that vLLM loads offline.",
+    )
+    build.add_argument("--size", choices=("tiny", "bench"), default="tiny")
+    build.add_argument("--attention", choices=("mha", "gqa"), default="mha")
+    build.add_argument(
+        "--out", type=Path, default=None, help="folder (default: $RAGCACHE_HOME/models/...)"
+    )
+    build.set_defaults(func=_build)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from ragcache_core.testing.tiny_model import build_tiny_model, recipe_for
+
+    path = build_tiny_model(args.out, size=args.size, attention=args.attention)
+    recipe = recipe_for(args.size, args.attention)
+    print(
+        f"{path}  ({recipe.size}, {recipe.attention}: {recipe.num_layers} layers, hidden "
+        f"{recipe.hidden_size}, {recipe.num_heads} heads / {recipe.num_kv_heads} KV heads, "
+        f"vocab {recipe.vocab_size})"
+    )
+    return 0

@@ -1,0 +1,17 @@
+"""Cost model: estimated prefill time T(cached, new) from a profiled grid (DESIGN.md 2.3)."""
+
+from __future__ import annotations
+
+from ragcache_core.cost.analytic import AnalyticPrefill, analytic_profile, default_cost_model
+from ragcache_core.cost.model import CostModel, InterpolatedCostModel
+from ragcache_core.cost.profile import PROFILE_FORMAT, CostProfile
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "AnalyticPrefill",
+    "CostModel",
+    "CostProfile",
+    "InterpolatedCostModel",
+    "analytic_profile",
+    "default_cost_model",
+]

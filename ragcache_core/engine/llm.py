@@ -1,0 +1,134 @@
+"""A thin synchronous wrapper over `vllm.LLM`: start with safe defaults, generate from token
+ids, report vLLM's own per-request TTFT.
+
+Used by `ragcache doctor`, the tests and the benchmarks. The RAG controller uses vLLM's async
+engine instead (`ragcache_core.engine.async_engine`).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragcache_core.engine.config import EngineSettings
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One finished request."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    ttft_s: float
+    """vLLM's first-token latency (arrival to first token); wall time when vLLM has none."""
+    logprobs: tuple[float, ...] = field(default=())
+    """Log-probability of each generated token (when requested)."""
+
+
+@dataclass(frozen=True)
+class GreedySampling:
+    """Sampling settings for tests and benchmarks (greedy by default)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    logprobs: bool = False
+
+
+class Engine:
+    """A started vLLM engine. Not thread-safe; close it (or use `with`) to free its processes."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        from ragcache_core.engine.compat import check_vllm_version
+
+        check_vllm_version()
+        settings.apply_environment()
+        from vllm import LLM
+
+        self.settings = settings
+        started = time.perf_counter()
+        self._llm: Any = LLM(**settings.to_engine_kwargs())
+        self.start_s = time.perf_counter() - started
+
+    @property
+    def llm(self) -> Any:
+        """The underlying `vllm.LLM` (for tests and advanced use)."""
+        return self._llm
+
+    def tokenizer(self) -> Any:
+        return self._llm.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: GreedySampling | None = None,
+        kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> list[Generation]:
+        """Generate for each prompt (token ids) in one batch; results in prompt order."""
+        from vllm import SamplingParams
+
+        from ragcache_core.engine.compat import first_token_latency, token_prompt
+
+        sampling = sampling or GreedySampling()
+        params = []
+        for i in range(len(prompts)):
+            extra = None
+            if kv_transfer_params is not None and kv_transfer_params[i] is not None:
+                extra = {"kv_transfer_params": dict(kv_transfer_params[i] or {})}
+            params.append(
+                SamplingParams(
+                    max_tokens=sampling.max_tokens,
+                    temperature=sampling.temperature,
+                    logprobs=0 if sampling.logprobs else None,
+                    ignore_eos=True,
+                    extra_args=extra,
+                )
+            )
+        started = time.perf_counter()
+        outputs = self._llm.generate(
+            [token_prompt(list(p)) for p in prompts], params, use_tqdm=False
+        )
+        wall = time.perf_counter() - started
+        results = []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            completion = output.outputs[0]
+            logprobs: tuple[float, ...] = ()
+            if sampling.logprobs and completion.logprobs:
+                logprobs = tuple(
+                    float(step[tok].logprob)
+                    for step, tok in zip(completion.logprobs, completion.token_ids, strict=True)
+                )
+            ttft = first_token_latency(output)
+            results.append(
+                Generation(
+                    prompt_token_ids=tuple(prompt),
+                    token_ids=tuple(completion.token_ids),
+                    text=completion.text,
+                    ttft_s=ttft if ttft is not None else wall,
+                    logprobs=logprobs,
+                )
+            )
+        return results
+
+    def close(self) -> None:
+        """Shut the engine's processes down. Safe to call twice."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None) or getattr(
+            getattr(engine, "engine_core", None), "shutdown", None
+        )
+        if callable(shutdown):
+            shutdown()
+        del llm
+        gc.collect()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

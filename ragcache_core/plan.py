@@ -1,0 +1,124 @@
+"""Plans: what the control plane asks the data plane to copy for one request.
+
+A plan is decided in the app process (the controller owns the tree and both slot allocators)
+and executed by the worker-side KV connector inside vLLM, which decides nothing. It travels
+with its request as JSON in `SamplingParams.extra_args["kv_transfer_params"]`.
+
+Pools are addressed by *slot*: one page of `page_size` tokens holding K and V of every layer.
+A node of n tokens owns ceil(n / page_size) slots; its last page may be partly used.
+
+Token positions are positions in the request's prompt (0 = first template/system token):
+
+    prompt:  [ root (system) | doc 1 | doc 2 | doc 3 | question ]
+              <---- load spans ----><- store span ->   computed
+              cached (pool -> paged KV)   computed, then paged KV -> GPU pool
+
+Execution order in the worker (DESIGN.md section 3.2):
+  1. swap_out: GPU slots -> host slots (first eviction of a node from the GPU pool),
+  2. promote:  host slots -> GPU slots,
+  3. load:     pool slots -> the request's token positions in vLLM's paged cache,
+  4. (forward pass computes the remaining tokens)
+  5. store:    the request's token range -> GPU pool slots.
+Frees are allocator bookkeeping in the app process and never appear here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+PLAN_KEY = "ragcache_plan"
+"""Key of the plan inside a request's `kv_transfer_params` dict."""
+
+
+class Tier(StrEnum):
+    """Where a node's KV lives. A node may be on both (GPU copy + host copy)."""
+
+    GPU = "gpu"
+    HOST = "host"
+
+
+@dataclass(frozen=True, slots=True)
+class SlotCopy:
+    """Copy whole pages: `src_slots[i]` of one pool to `dst_slots[i]` of the other."""
+
+    src_slots: tuple[int, ...]
+    dst_slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.src_slots) != len(self.dst_slots):
+            raise ValueError(
+                f"SlotCopy needs as many source as destination slots "
+                f"({len(self.src_slots)} != {len(self.dst_slots)})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpan:
+    """Load `num_tokens` tokens from `slots` of `tier` into prompt positions
+    [token_start, token_start + num_tokens). Token t of the span sits in
+    slot `slots[t // page_size]`, offset `t % page_size`."""
+
+    tier: Tier
+    slots: tuple[int, ...]
+    token_start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSpan:
+    """After the forward pass, copy prompt positions [token_start, token_start + num_tokens)
+    into GPU-pool `slots` (same page layout as `LoadSpan`)."""
+
+    slots: tuple[int, ...]
+    token_start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything the connector does for one request, in execution order."""
+
+    page_size: int
+    swap_out: tuple[SlotCopy, ...] = ()
+    promote: tuple[SlotCopy, ...] = ()
+    load: tuple[LoadSpan, ...] = ()
+    store: tuple[StoreSpan, ...] = ()
+
+    @property
+    def num_loaded_tokens(self) -> int:
+        """Tokens the connector will load; they form a prefix of the prompt."""
+        return sum(span.num_tokens for span in self.load)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.swap_out or self.promote or self.load or self.store)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "page_size": self.page_size,
+            "swap_out": [[list(c.src_slots), list(c.dst_slots)] for c in self.swap_out],
+            "promote": [[list(c.src_slots), list(c.dst_slots)] for c in self.promote],
+            "load": [[str(s.tier), list(s.slots), s.token_start, s.num_tokens] for s in self.load],
+            "store": [[list(s.slots), s.token_start, s.num_tokens] for s in self.store],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        return cls(
+            page_size=int(data["page_size"]),
+            swap_out=tuple(SlotCopy(tuple(s), tuple(d)) for s, d in data["swap_out"]),
+            promote=tuple(SlotCopy(tuple(s), tuple(d)) for s, d in data["promote"]),
+            load=tuple(
+                LoadSpan(Tier(t), tuple(slots), int(start), int(n))
+                for t, slots, start, n in data["load"]
+            ),
+            store=tuple(
+                StoreSpan(tuple(slots), int(start), int(n)) for slots, start, n in data["store"]
+            ),
+        )
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))

@@ -1,0 +1,20 @@
+"""Replacement policies (PGDSF, GDSF, LRU, LFU): priority functions behind a registry."""
+
+from __future__ import annotations
+
+from ragcache_core.policy.base import EvictionPolicy, GreedyDualPolicy, NodeStats, Priority
+from ragcache_core.policy.policies import GDSF, LFU, LRU, PGDSF
+from ragcache_core.policy.registry import POLICIES, make_policy
+
+__all__ = [
+    "GDSF",
+    "LFU",
+    "LRU",
+    "PGDSF",
+    "POLICIES",
+    "EvictionPolicy",
+    "GreedyDualPolicy",
+    "NodeStats",
+    "Priority",
+    "make_policy",
+]

@@ -1,0 +1,1 @@
+"""Adapters that put RAGCache into LlamaIndex and LangChain apps. Thin: they translate, the core decides."""
