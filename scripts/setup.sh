@@ -26,13 +26,13 @@ if [[ ! -x $VENV/bin/python ]]; then
 fi
 started=$SECONDS
 echo "ragcache setup: installing into $VENV (first run takes a few minutes)"
-$PIP install -q --upgrade pip
-
 # 1. torch 2.13.0 CPU build: from a local wheel folder if pip is configured with one, else from
 #    the PyTorch CPU index.
 if ! $VENV/bin/python -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' 2>/dev/null; then
-  $PIP install -q --no-index "torch==2.13.0+cpu" 2>/dev/null \
-    || $PIP install -q --index-url "$TORCH_INDEX" "torch==2.13.0+cpu"
+  # (--no-deps: only the torch wheel itself can come from the local folder; its dependencies are
+  # installed from PyPI with vLLM below.)
+  $PIP install -q --no-index --no-deps "torch==2.13.0+cpu" 2>/dev/null \
+    || $PIP install -q --extra-index-url "$TORCH_INDEX" "torch==2.13.0+cpu"
 fi
 
 # 2. vLLM for CPU (its torch pin is now satisfied, so no other index is needed).
