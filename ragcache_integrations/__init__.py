@@ -1,1 +1,4 @@
-"""Adapters that put RAGCache into LlamaIndex and LangChain apps. Thin: they translate, the core decides."""
+"""Adapters that put RAGCache into LlamaIndex and LangChain apps.
+
+Thin: they translate, the core decides (`ragcache_core` never imports either framework).
+"""
