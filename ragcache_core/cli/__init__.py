@@ -23,6 +23,8 @@ from ragcache_core.errors import RAGCacheError
 COMMAND_MODULES: tuple[str, ...] = (
     "doctor",
     "model",
+    "simulate",
+    "bench",
 )
 
 

@@ -1,0 +1,118 @@
+"""Replacement policies: a policy maps a node's statistics to a sortable priority.
+
+The tree keeps the statistics (`NodeStats`) and a min-heap of each tier's eviction candidates;
+the lowest priority is evicted first. A policy never sees nodes, slots or tiers' contents: it
+reads `NodeStats`, may keep per-tier state (GDSF's clocks), and hears about each eviction.
+Adding a policy is adding one small subclass and one registry entry (`registry.py`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from ragcache_core.plan import Tier
+
+Priority = tuple[float, float]
+"""Sortable priority; compared lexicographically, lowest evicted first."""
+
+
+class NodeStats:
+    """What the tree records about one node; policies read it.
+
+    - `frequency`: retrievals of this document at this prefix by *final* requests in the
+      current frequency window (speculative requests do not count).
+    - `cost_per_token_sum` / `num_computed`: the paper's prefix-aware Cost/Size: sum over the
+      requests that computed this node (it was not cached) of T(alpha, beta) / beta.
+    - `standalone_cost_per_token`: T(0, n) / n, the cost of the document computed alone
+      (classic GDSF's Cost/Size).
+    - `last_access`: logical time (request counter) of the latest access, any request.
+    """
+
+    __slots__ = (
+        "cost_per_token_sum",
+        "frequency",
+        "last_access",
+        "num_computed",
+        "num_tokens",
+        "standalone_cost_per_token",
+        "window",
+    )
+
+    def __init__(self, num_tokens: int, standalone_cost_per_token: float, now: int) -> None:
+        self.num_tokens = num_tokens
+        self.standalone_cost_per_token = standalone_cost_per_token
+        self.frequency = 0
+        self.cost_per_token_sum = 0.0
+        self.num_computed = 0
+        self.last_access = now
+        self.window = 0
+
+    @property
+    def avg_cost_per_token(self) -> float:
+        """Algorithm 1's `avg_cost`: mean of T(alpha, beta) / beta over computing requests."""
+        return self.cost_per_token_sum / self.num_computed if self.num_computed else 0.0
+
+    def touch(self, now: int, *, count: bool, window: int) -> None:
+        """An access at logical time `now`; `count` bumps the frequency (final requests).
+
+        `window` is the current frequency-window index; a count from an older window is reset.
+        """
+        self.last_access = now
+        if count:
+            if self.window != window:
+                self.window = window
+                self.frequency = 0
+            self.frequency += 1
+
+    def record_computed(self, cost_per_new_token: float) -> None:
+        """The node was computed (not cached) by a request whose prefill cost this much per
+        computed token."""
+        self.cost_per_token_sum += cost_per_new_token
+        self.num_computed += 1
+
+
+class EvictionPolicy(ABC):
+    """A priority function, plus optional per-tier state updated on evictions.
+
+    `priority` must be pure given the policy's state; the tree calls it when a node is accessed
+    or enters a tier and stores the result (so a priority is a snapshot, as in GDSF).
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def priority(self, stats: NodeStats, tier: Tier) -> Priority:
+        """The node's priority in `tier` as of now."""
+
+    def on_evict(self, tier: Tier, priority: Priority) -> None:  # noqa: B027 (optional hook)
+        """A node of priority `priority` was evicted from `tier`."""
+
+    def reset(self) -> None:  # noqa: B027 (optional hook)
+        """Forget all state (the cache was cleared)."""
+
+
+class GreedyDualPolicy(EvictionPolicy):
+    """Greedy-Dual-Size-Frequency family: Clock[tier] + Frequency x Cost/Size.
+
+    One logical clock per tier, starting at 0; on each eviction the tier's clock becomes
+    max(clock, evicted priority), so nodes not accessed for a while fall below newly refreshed
+    ones (aging). Ties are broken by recency.
+    """
+
+    def __init__(self) -> None:
+        self.clocks: dict[Tier, float] = {Tier.GPU: 0.0, Tier.HOST: 0.0}
+
+    @abstractmethod
+    def cost_per_token(self, stats: NodeStats) -> float:
+        """Cost/Size of the node."""
+
+    def priority(self, stats: NodeStats, tier: Tier) -> Priority:
+        value = self.clocks[tier] + stats.frequency * self.cost_per_token(stats)
+        return (value, float(stats.last_access))
+
+    def on_evict(self, tier: Tier, priority: Priority) -> None:
+        self.clocks[tier] = max(self.clocks[tier], priority[0])
+
+    def reset(self) -> None:
+        self.clocks = {Tier.GPU: 0.0, Tier.HOST: 0.0}

@@ -1,0 +1,176 @@
+"""Trace-driven simulation of the control plane: hit rates, recomputation, queueing.
+
+One engine serves prefill batches of at most `max_prefill_bs` requests. A batch's requests
+all begin (match, plan, store) before any of them confirms, as in the real engine, so a
+request cannot hit KV that a batch-mate is still computing. Batch time is the sum of the
+requests' estimated prefill times T(cached, computed) from the cost model; every request of
+a batch gets its first token when the batch ends (TTFT = wait + batch time). Decoding is not
+modelled. Without reordering the queue is FCFS, so the same run gives the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ragcache_core.cost import CostModel, default_cost_model
+from ragcache_core.errors import ConfigError
+from ragcache_core.plan import Tier
+from ragcache_core.scheduler import make_queue
+from ragcache_core.sim.trace import TraceRequest
+from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RootKey
+
+SIM_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    gpu_tokens: int
+    host_tokens: int
+    policy: str = "pgdsf"
+    system_tokens: int = 0
+    max_depth: int | None = None
+    reorder: bool = False
+    max_prefill_bs: int = 1
+    window: int = 16
+    page_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_prefill_bs < 1:
+            raise ConfigError(f"max_prefill_bs must be >= 1, got {self.max_prefill_bs}")
+        for name in ("gpu_tokens", "host_tokens", "system_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} cannot be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """Totals of one `Simulator.run`; rates are over requested documents/tokens."""
+
+    requests: int
+    requested_docs: int
+    cached_docs: int
+    doc_hit_rate: float
+    token_hit_rate: float
+    gpu_doc_hit_rate: float
+    host_doc_hit_rate: float
+    recomputed_tokens: int
+    estimated_prefill_s: float
+    wait_mean_s: float
+    wait_p95_s: float
+    ttft_mean_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _p95(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+class Simulator:
+    """Runs traces through one `KnowledgeCache`; the cache persists across `run` calls."""
+
+    def __init__(self, config: SimConfig, cost_model: CostModel | None = None) -> None:
+        self.config = config
+        self.cost_model: CostModel = cost_model or default_cost_model()
+        self.cache = KnowledgeCache.from_tokens(
+            SIM_ROOT,
+            gpu_tokens=config.gpu_tokens,
+            host_tokens=config.host_tokens,
+            page_size=config.page_size,
+            policy=config.policy,
+            cost_model=self.cost_model,
+            max_depth=config.max_depth,
+        )
+
+    @staticmethod
+    def specs(request: TraceRequest) -> list[DocSpec]:
+        # The trace has no content hashes; the token count stands in (same id, same text).
+        return [
+            DocSpec(DocKey(doc, str(n)), n)
+            for doc, n in zip(request.docs, request.doc_tokens, strict=True)
+        ]
+
+    def score(self, request: TraceRequest) -> tuple[int, int]:
+        """(cached tokens, tokens to compute) of `request` against the cache now."""
+        specs = self.specs(request)
+        if self.config.max_depth is not None:
+            specs = specs[: self.config.max_depth]
+        cached = self.cache.cached_tokens(specs)
+        total = self.config.system_tokens + sum(request.doc_tokens) + request.question_tokens
+        return cached, total - cached
+
+    def run(self, requests: list[TraceRequest]) -> SimResult:
+        """Simulate `requests` (served in arrival order, or reordered). Time starts at 0."""
+        cfg = self.config
+        pending = sorted(requests, key=lambda r: r.arrival_s)  # stable: ties keep file order
+        queue = make_queue(
+            "cache_aware" if cfg.reorder else "fcfs", score=self.score, window=cfg.window
+        )
+        now, next_index = 0.0, 0
+        waits: list[float] = []
+        ttfts: list[float] = []
+        requested = cached = gpu_docs = host_docs = 0
+        requested_tokens = cached_doc_tokens = recomputed = 0
+        prefill_s = 0.0
+        while next_index < len(pending) or len(queue):
+            if not len(queue):
+                now = max(now, pending[next_index].arrival_s)
+            while next_index < len(pending) and pending[next_index].arrival_s <= now:
+                queue.push(pending[next_index])
+                next_index += 1
+            batch = [queue.pop() for _ in range(min(cfg.max_prefill_bs, len(queue)))]
+            handles = [
+                self.cache.begin_request(cfg.system_tokens, self.specs(r), r.question_tokens)
+                for r in batch
+            ]
+            batch_s = 0.0
+            for request, handle in zip(batch, handles, strict=True):
+                batch_s += self.cost_model.prefill_time(
+                    handle.cached_tokens, handle.computed_tokens
+                )
+                hits = handle.hits
+                requested += len(request.docs)
+                requested_tokens += sum(request.doc_tokens)
+                cached += len(hits.doc_hits)
+                gpu_docs += hits.docs_on(Tier.GPU)
+                host_docs += hits.docs_on(Tier.HOST)
+                cached_doc_tokens += sum(h.num_tokens for h in hits.doc_hits)
+                recomputed += handle.computed_tokens
+            for handle in handles:
+                self.cache.confirm(handle)
+            for request in batch:
+                waits.append(now - request.arrival_s)
+                ttfts.append(now - request.arrival_s + batch_s)
+            prefill_s += batch_s
+            now += batch_s
+        return SimResult(
+            requests=len(pending),
+            requested_docs=requested,
+            cached_docs=cached,
+            doc_hit_rate=_ratio(cached, requested),
+            token_hit_rate=_ratio(cached_doc_tokens, requested_tokens),
+            gpu_doc_hit_rate=_ratio(gpu_docs, requested),
+            host_doc_hit_rate=_ratio(host_docs, requested),
+            recomputed_tokens=recomputed,
+            estimated_prefill_s=prefill_s,
+            wait_mean_s=_ratio(sum(waits), len(waits)),
+            wait_p95_s=_p95(waits),
+            ttft_mean_s=_ratio(sum(ttfts), len(ttfts)),
+        )
+
+
+def simulate(
+    requests: list[TraceRequest], config: SimConfig, cost_model: CostModel | None = None
+) -> SimResult:
+    """One fresh simulator, one run."""
+    return Simulator(config, cost_model).run(requests)

@@ -1,0 +1,78 @@
+"""A node of the knowledge tree: one document's KV computed after exactly its path's prefix."""
+
+from __future__ import annotations
+
+from ragcache_core.plan import Tier
+from ragcache_core.policy.base import NodeStats, Priority
+from ragcache_core.tree.keys import DocKey, RootKey
+
+
+class Node:
+    """Mutable tree node, internal to `ragcache_core.tree` (never crosses the API boundary).
+
+    - `slots[tier]`: the pool slots of the node's copy in that tier. A copy exists from
+      allocation on; it is *readable* only once in `ready` (its writer's request confirmed).
+    - `tier_children[tier]`: how many children have a copy in that tier (O(1) leaf test).
+    - `pins`: in-flight requests that read or write this node; a pinned node is never evicted.
+    - `attached`: False once removed from the tree (invalidated, cleared, freed); a detached
+      node that is still pinned keeps its slots until its last pin is released.
+    """
+
+    __slots__ = (
+        "attached",
+        "children",
+        "depth",
+        "heap_seq",
+        "key",
+        "num_tokens",
+        "parent",
+        "pins",
+        "priority",
+        "ready",
+        "slots",
+        "stats",
+        "tier_children",
+    )
+
+    def __init__(
+        self,
+        key: DocKey | RootKey,
+        parent: Node | None,
+        num_tokens: int,
+        stats: NodeStats,
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.depth: int = 0 if parent is None else parent.depth + 1
+        self.num_tokens = num_tokens
+        self.children: dict[DocKey, Node] = {}
+        self.slots: dict[Tier, tuple[int, ...]] = {}
+        self.ready: set[Tier] = set()
+        self.tier_children: dict[Tier, int] = {Tier.GPU: 0, Tier.HOST: 0}
+        self.pins = 0
+        self.stats = stats
+        self.priority: dict[Tier, Priority] = {}
+        self.heap_seq: dict[Tier, int] = {}
+        self.attached = True
+
+    def readable_tier(self) -> Tier | None:
+        """The tier a reader should load from (GPU preferred), or None while in flight."""
+        if Tier.GPU in self.ready:
+            return Tier.GPU
+        if Tier.HOST in self.ready:
+            return Tier.HOST
+        return None
+
+    def is_candidate(self, tier: Tier) -> bool:
+        """Evictable from `tier` now: has a copy there, no child has one, not pinned."""
+        return (
+            self.attached
+            and self.pins == 0
+            and tier in self.slots
+            and self.tier_children[tier] == 0
+        )
+
+    def __repr__(self) -> str:
+        name = self.key.doc_id if isinstance(self.key, DocKey) else "<root>"
+        tiers = ",".join(f"{t}{'' if t in self.ready else '?'}" for t in self.slots)
+        return f"Node({name}, depth={self.depth}, tokens={self.num_tokens}, [{tiers}])"

@@ -1,0 +1,65 @@
+"""One tier's bookkeeping: its slot allocator and a lazy min-heap of eviction candidates."""
+
+from __future__ import annotations
+
+import heapq
+
+from ragcache_core.plan import Tier
+from ragcache_core.policy.base import Priority
+from ragcache_core.tree.allocator import SlotAllocator
+from ragcache_core.tree.node import Node
+
+
+class TierPool:
+    """Allocator + candidate heap of one tier. Mutated only by `KnowledgeCache`.
+
+    Heap entries are (priority, seq, node); an entry is live only while `node.heap_seq[tier]`
+    still equals its seq and the node is still a candidate, so refreshing a priority is one
+    push and stale entries are skipped on pop (lazy deletion, rebuilt when mostly stale).
+    `pinned_slots` counts slots of this tier owned by pinned nodes; `quarantined` counts slots
+    held back until the request whose plan still reads them completes.
+    """
+
+    __slots__ = ("_heap", "_seq", "allocator", "pinned_slots", "quarantined", "tier")
+
+    def __init__(self, tier: Tier, num_slots: int, page_size: int) -> None:
+        self.tier = tier
+        self.allocator = SlotAllocator(num_slots, page_size)
+        self._heap: list[tuple[Priority, int, Node]] = []
+        self._seq = 0
+        self.pinned_slots = 0
+        self.quarantined = 0
+
+    def push(self, node: Node) -> None:
+        """(Re)offer `node` as a candidate with its current `priority[tier]`."""
+        if not node.is_candidate(self.tier):
+            return
+        self._seq += 1
+        node.heap_seq[self.tier] = self._seq
+        heapq.heappush(self._heap, (node.priority[self.tier], self._seq, node))
+
+    def pop_victim(self) -> Node | None:
+        """Remove and return the lowest-priority live candidate, or None if there is none."""
+        heap, tier = self._heap, self.tier
+        while heap:
+            _, seq, node = heapq.heappop(heap)
+            if node.heap_seq.get(tier) == seq and node.is_candidate(tier):
+                del node.heap_seq[tier]
+                return node
+        return None
+
+    def evictable_bound(self) -> int:
+        """Upper bound on slots that evictions could free (used minus pinned and quarantined)."""
+        return self.allocator.num_used - self.pinned_slots - self.quarantined
+
+    def maybe_compact(self, live_nodes: int) -> None:
+        """Drop stale heap entries when they dominate (keeps memory O(nodes))."""
+        if len(self._heap) > 4 * live_nodes + 1024:
+            tier = self.tier
+            self._heap = [
+                e for e in self._heap if e[2].heap_seq.get(tier) == e[1] and e[2].is_candidate(tier)
+            ]
+            heapq.heapify(self._heap)
+
+    def clear_heap(self) -> None:
+        self._heap = []

@@ -1,0 +1,89 @@
+"""Cost model: bilinear interpolation over a profile grid, extrapolation, JSON format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ragcache_core.cost import (
+    AnalyticPrefill,
+    CostProfile,
+    InterpolatedCostModel,
+    analytic_profile,
+    default_cost_model,
+)
+from ragcache_core.errors import ConfigError, InputError
+
+
+def bilinear(a: float, b: float) -> float:
+    return 0.01 + 2e-5 * a + 3e-4 * b + 1e-8 * a * b
+
+
+def profile_of(f: object = bilinear) -> CostProfile:
+    alphas, betas = (0, 100, 1000), (10, 50, 500)
+    return CostProfile(
+        model="m",
+        hardware="h",
+        cached_tokens=alphas,
+        new_tokens=betas,
+        prefill_s=tuple(tuple(bilinear(a, b) for b in betas) for a in alphas),
+    )
+
+
+@pytest.mark.parametrize("a,b", [(0, 10), (100, 50), (1000, 500), (37, 12), (640, 333)])
+def test_bilinear_interpolation_is_exact_for_bilinear_functions(a: int, b: int) -> None:
+    model = InterpolatedCostModel(profile_of())
+    assert model.prefill_time(a, b) == pytest.approx(bilinear(a, b), rel=1e-12)
+
+
+@pytest.mark.parametrize("a,b", [(2000, 500), (1000, 2000), (5000, 4000)])
+def test_linear_extrapolation_outside_the_grid(a: int, b: int) -> None:
+    # The edge cell's bilinear form continues linearly along each axis.
+    model = InterpolatedCostModel(profile_of())
+    assert model.prefill_time(a, b) == pytest.approx(bilinear(a, b), rel=1e-12)
+
+
+def test_extrapolation_is_clamped_at_zero() -> None:
+    profile = CostProfile("m", "h", (0, 10), (10, 20), ((0.0, 1.0), (0.0, 1.0)))
+    assert InterpolatedCostModel(profile).prefill_time(0, 0) == 0.0
+
+
+def test_interpolation_between_points_of_a_nonlinear_profile_is_bounded() -> None:
+    model = default_cost_model()
+    exact = AnalyticPrefill()
+    for a, b in [(300, 100), (5000, 2000), (20000, 64)]:
+        assert model.prefill_time(a, b) == pytest.approx(exact.prefill_time(a, b), rel=0.15)
+    assert model.prefill_time(0, 1024) == pytest.approx(exact.prefill_time(0, 1024))
+
+
+def test_cost_grows_with_new_and_cached_tokens() -> None:
+    model = default_cost_model()
+    assert model.prefill_time(0, 200) < model.prefill_time(0, 400)
+    assert model.prefill_time(100, 200) < model.prefill_time(4000, 200)
+    # Reusing 1,000 cached tokens beats recomputing them.
+    assert model.prefill_time(1000, 100) < model.prefill_time(0, 1100) / 4
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    profile = analytic_profile()
+    profile.save(path)
+    assert CostProfile.load(path) == profile
+    data = json.loads(path.read_text())
+    assert {"format", "model", "hardware", "cached_tokens", "new_tokens", "prefill_s"} <= set(data)
+
+
+def test_bad_profiles_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        CostProfile("m", "h", (0, 0), (1, 2), ((1.0, 1.0), (1.0, 1.0)))
+    with pytest.raises(ConfigError, match="grid"):
+        CostProfile("m", "h", (0, 1), (1, 2), ((1.0, 1.0),))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "ragcache-cost-profile/1", "model": "m"}')
+    with pytest.raises(InputError, match="missing field 'hardware'"):
+        CostProfile.load(bad)
+    bad.write_text("{nope")
+    with pytest.raises(InputError, match="not valid JSON"):
+        CostProfile.load(bad)

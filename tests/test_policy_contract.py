@@ -1,0 +1,161 @@
+"""Replacement policies: one contract suite run against every policy, plus the exact
+eviction order of each policy on constructed scenarios."""
+
+from __future__ import annotations
+
+import pytest
+from _tree_helpers import ROOT, cached_paths, doc, run
+
+from ragcache_core.plan import Tier
+from ragcache_core.policy import POLICIES, NodeStats, make_policy
+from ragcache_core.tree import KnowledgeCache
+
+ALL = sorted(POLICIES)
+
+
+def make(policy: str, gpu: int, host: int = 0, page: int = 1, **kw: object) -> KnowledgeCache:
+    return KnowledgeCache(ROOT, gpu_slots=gpu, host_slots=host, page_size=page, policy=policy, **kw)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_priority_is_a_deterministic_pair(policy: str) -> None:
+    p = make_policy(policy)
+    stats = NodeStats(10, 0.5, now=3)
+    stats.touch(4, count=True, window=0)
+    stats.record_computed(0.25)
+    first = p.priority(stats, Tier.GPU)
+    assert first == p.priority(stats, Tier.GPU)
+    assert len(first) == 2 and all(isinstance(x, float) for x in first)
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_no_eviction_below_capacity(policy: str) -> None:
+    cache = make(policy, gpu=50)
+    for name in "abcde":
+        run(cache, doc(name))
+    assert len(cached_paths(cache)) == 6
+    for name in "abcde":
+        assert len(cache.match([doc(name)]).doc_hits) == 1
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_capacity_is_never_exceeded_and_hot_item_repeats_hit(policy: str) -> None:
+    cache = make(policy, gpu=30, host=20)
+    hits = 0
+    for i in range(40):
+        name = "hot" if i % 2 == 0 else f"cold{i}"
+        handle = cache.begin_request(0, [doc(name)], 0)
+        hits += len(handle.hits.doc_hits) if name == "hot" else 0
+        cache.confirm(handle)
+        stats = cache.stats()
+        assert stats.gpu_used_slots <= 30 and stats.host_used_slots <= 20
+        cache.check_integrity()
+    assert hits >= 15  # every policy keeps a document requested every other time
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_pinned_nodes_are_never_victims(policy: str) -> None:
+    cache = make(policy, gpu=30)
+    run(cache)
+    holder = cache.begin_request(0, [doc("pinned")], 0)
+    for i in range(10):
+        run(cache, doc(f"other{i}"))
+        assert ("pinned",) in cached_paths(cache)
+    cache.confirm(holder)
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_only_leaves_are_evicted(policy: str) -> None:
+    cache = make(policy, gpu=30)
+    run(cache, doc("a"), doc("b"))
+    for _ in range(3):
+        run(cache, doc("a"), doc("b"))  # a and b hot, b a leaf
+    run(cache, doc("c"))  # needs 10: the only leaves are b and c's sibling-free path
+    paths = cached_paths(cache)
+    assert ("a", "b") not in paths or ("a",) in paths  # never a child without its parent
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_clear_resets_policy_state(policy: str) -> None:
+    cache = make(policy, gpu=20)
+    for name in "abcd":
+        run(cache, doc(name))
+    cache.clear()
+    fresh = make_policy(policy)
+    stats = NodeStats(10, 1.0, now=0)
+    assert cache.policy.priority(stats, Tier.GPU) == fresh.priority(stats, Tier.GPU)
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_swap_out_once_for_every_policy(policy: str) -> None:
+    cache = make(policy, gpu=10, host=100)
+    swaps = 0
+    for i in range(12):
+        handle = cache.begin_request(0, [doc("a" if i % 2 else "b")], 0)
+        swaps += len(handle.plan.swap_out)
+        cache.confirm(handle)
+    assert swaps == 2  # a and b each copied to host exactly once
+
+
+# --------------------------------------------------------------------------- exact orders
+
+
+def _evicted_in_order(cache: KnowledgeCache, names: list[str]) -> list[str]:
+    """Insert one new 10-token document per name; return which document each one evicted."""
+    order = []
+    for name in names:
+        before = set(cached_paths(cache))
+        run(cache, doc(name))
+        gone = before - set(cached_paths(cache))
+        assert len(gone) == 1, gone
+        order.append(gone.pop()[-1])
+    return order
+
+
+# Stream [a] [b] [c] [a] [a] [c]: frequency a=3, b=1, c=2; recency b < a < c.
+# LRU evicts by recency; LFU by frequency (d, new with frequency 1, goes before c);
+# GDSF ages: evicting b raises the clock, so new d (clock + 1 unit) ties c (0 + 2 units)
+# and the older c goes first.
+FREQUENCY_ORDER = {
+    "lru": ["b", "a", "c"],
+    "lfu": ["b", "d", "e"],
+    "gdsf": ["b", "c", "d"],
+    "pgdsf": ["b", "c", "d"],
+}
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_exact_order_frequency_and_recency(policy: str) -> None:
+    cache = make(policy, gpu=30)  # three 10-token documents, root of 0 tokens
+    for name in ["a", "b", "c", "a", "a", "c"]:
+        run(cache, doc(name))
+    assert _evicted_in_order(cache, ["d", "e", "f"]) == FREQUENCY_ORDER[policy]
+
+
+class PrefixCost:
+    """T(alpha, beta) = beta * (1 + alpha / 100): computing after a long cached prefix is
+    costlier per token (attention), which only the prefix-aware policy sees."""
+
+    def prefill_time(self, cached_tokens: int, new_tokens: int) -> float:
+        return new_tokens * (1 + cached_tokens / 100)
+
+
+# Two leaves of equal size and frequency: x was computed after a 1,000-token cached prefix
+# (cost/token 11), y after a 10-token one (1.1). x is older. Only PGDSF keeps x.
+PREFIX_ORDER = {"lru": "x", "lfu": "x", "gdsf": "x", "pgdsf": "y"}
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_exact_order_prefix_aware_cost(policy: str) -> None:
+    cache = make(policy, gpu=1000 + 10 + 10 + 10, cost_model=PrefixCost())
+    run(cache, doc("long", 1000))
+    run(cache, doc("long", 1000), doc("x"))
+    run(cache, doc("short", 10))
+    run(cache, doc("short", 10), doc("y"))
+    before = set(cached_paths(cache))
+    run(cache, doc("short", 10), doc("z"))  # needs 10 tokens: evicts one leaf
+    gone = before - set(cached_paths(cache))
+    assert [p[-1] for p in gone] == [PREFIX_ORDER[policy]]

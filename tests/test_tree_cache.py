@@ -1,0 +1,317 @@
+"""KnowledgeCache mechanics: matching, plans, tiers, pins, invalidation, failures."""
+
+from __future__ import annotations
+
+import pytest
+from _tree_helpers import ROOT, cached_paths, doc, run
+
+from ragcache_core.errors import ConfigError, InputError, RAGCacheError
+from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
+from ragcache_core.tree import (
+    DocKey,
+    DocSpec,
+    IntegrityError,
+    KnowledgeCache,
+    RootKey,
+    SlotAllocator,
+    bytes_for_tokens,
+    kv_bytes_per_token,
+    slots_for_tokens,
+    tokens_for_bytes,
+)
+
+
+def make(gpu: int = 100, host: int = 0, page: int = 4, **kw: object) -> KnowledgeCache:
+    return KnowledgeCache(ROOT, gpu_slots=gpu, host_slots=host, page_size=page, **kw)  # type: ignore[arg-type]
+
+
+def test_first_request_stores_root_then_docs_with_prompt_offsets() -> None:
+    cache = make(page=4)
+    a, b = doc("a", 10), doc("b", 5)
+    handle = cache.begin_request(7, [a, b], 3)
+    plan = handle.plan
+    assert plan.load == ()
+    starts = [(s.token_start, s.num_tokens, len(s.slots)) for s in plan.store]
+    assert starts == [(0, 7, 2), (7, 10, 3), (17, 5, 2)]
+    assert handle.cached_tokens == 0 and handle.computed_tokens == 25
+    assert handle.stored_root and handle.stored_docs == 2
+    assert Plan.from_json(plan.to_json()) == plan
+    cache.check_integrity()
+
+
+def test_unconfirmed_nodes_are_in_flight_not_hits() -> None:
+    cache = make()
+    first = cache.begin_request(8, [doc("a")], 2)
+    assert cache.match([doc("a")]).hits == ()
+    second = cache.begin_request(8, [doc("a")], 2)
+    assert second.plan.load == () and second.plan.store == ()  # blocked, not duplicated
+    cache.confirm(first)
+    cache.confirm(second)
+    result = cache.match([doc("a").key])
+    assert [h.tier for h in result.hits] == [Tier.GPU, Tier.GPU]
+    assert result.root_cached and result.cached_tokens == 18
+
+
+def test_hit_plan_loads_prefix_in_order_and_stores_the_tail() -> None:
+    cache = make(page=4)
+    run(cache, doc("a", 6), doc("b", 6), root=4)
+    handle = cache.begin_request(4, [doc("a", 6), doc("c", 9)], 5)
+    loads = [(s.tier, s.token_start, s.num_tokens) for s in handle.plan.load]
+    assert loads == [(Tier.GPU, 0, 4), (Tier.GPU, 4, 6)]
+    assert [(s.token_start, s.num_tokens) for s in handle.plan.store] == [(10, 9)]
+    assert handle.cached_tokens == 10 and handle.computed_tokens == 14
+    assert handle.hits.docs_on(Tier.GPU) == 1 and handle.hits.doc_tokens_on(Tier.GPU) == 6
+    cache.confirm(handle)
+    cache.check_integrity()
+
+
+def test_match_does_not_modify_the_cache() -> None:
+    cache = make(gpu=6, page=4)
+    run(cache, doc("a", 8), root=4)
+    before = {n.key: (dict(n.slots), n.pins, n.stats.frequency) for n in cache.iter_nodes()}
+    for _ in range(3):
+        cache.match([doc("a", 8), doc("b", 8)])
+    after = {n.key: (dict(n.slots), n.pins, n.stats.frequency) for n in cache.iter_nodes()}
+    assert before == after
+
+
+def test_swap_out_only_once_then_zero_copy_and_promote() -> None:
+    # Room for the root + one document on GPU, plenty on host.
+    cache = make(gpu=2, host=10, page=4)
+    run(cache, doc("a", 4), root=4)
+    first = cache.begin_request(4, [doc("b", 4)], 0)  # evicts a: first time -> swap out
+    assert len(first.plan.swap_out) == 1
+    cache.confirm(first)
+    promote = cache.begin_request(4, [doc("a", 4)], 0)  # host hit: promoted, b zero-copy out
+    assert len(promote.plan.promote) == 1 and promote.plan.swap_out[0:1] != ()
+    assert promote.hits.docs_on(Tier.HOST) == 1
+    assert promote.plan.load[1].tier is Tier.GPU
+    cache.confirm(promote)
+    again = cache.begin_request(4, [doc("b", 4)], 0)  # a already on host: no copy out
+    assert again.plan.swap_out == () and len(again.plan.promote) == 1
+    cache.confirm(again)
+    assert cached_paths(cache)[("a",)] == {"host"}
+    cache.check_integrity()
+
+
+def test_host_eviction_frees_and_parent_before_child() -> None:
+    cache = make(gpu=1, host=2, page=4)  # root 0 tokens, docs of one slot
+    run(cache, doc("a", 4))
+    run(cache, doc("a", 4), doc("b", 4))  # a, b: b swapped out? no: gpu has 1 slot
+    paths = cached_paths(cache)
+    for path, tiers in paths.items():
+        if "gpu" in tiers and len(path) > 1:
+            assert "gpu" in paths[path[:-1]]
+    run(cache, doc("c", 4))
+    run(cache, doc("d", 4))
+    assert cache.stats().host_used_slots <= 2
+    assert cache.num_nodes <= 1 + 3
+
+
+def test_pinned_nodes_survive_pressure_and_room_shortage_is_not_an_error() -> None:
+    cache = make(gpu=3, host=0, page=4)
+    run(cache)  # the (empty) root is confirmed: it no longer blocks other requests
+    holder = cache.begin_request(0, [doc("a", 4), doc("b", 4)], 0)
+    assert holder.stored_docs == 2
+    other = cache.begin_request(0, [doc("c", 4), doc("d", 4)], 0)
+    assert other.stored_docs == 1  # one free slot, nothing evictable
+    cache.check_integrity()
+    cache.confirm(other)
+    squeezed = cache.begin_request(0, [doc("e", 8)], 0)
+    assert squeezed.stored_docs == 0 or ("a",) in cached_paths(cache)
+    assert ("a", "b") in cached_paths(cache)
+    cache.confirm(squeezed)
+    cache.confirm(holder)
+    cache.check_integrity()
+
+
+def test_zero_gpu_capacity_stores_nothing() -> None:
+    cache = make(gpu=0, host=10)
+    for _ in range(3):
+        handle = cache.begin_request(4, [doc("a", 4)], 1)
+        assert handle.plan.is_empty and handle.cached_tokens == 0
+        cache.confirm(handle)
+    cache.check_integrity()
+
+
+def test_abort_discards_unconfirmed_nodes_and_frees_slots() -> None:
+    cache = make(gpu=10, host=0)
+    handle = cache.begin_request(4, [doc("a", 4), doc("b", 4)], 0)
+    assert cache.stats().gpu_used_slots == 3
+    cache.abort(handle)
+    assert cache.stats().gpu_used_slots == 0 and cache.num_nodes == 0
+    with pytest.raises(RAGCacheError, match="already aborted"):
+        cache.confirm(handle)
+    cache.check_integrity()
+
+
+def test_abort_of_a_swap_out_drops_the_victim() -> None:
+    cache = make(gpu=2, host=4, page=4)
+    run(cache, doc("a", 4), root=4)
+    handle = cache.begin_request(4, [doc("b", 4)], 0)
+    assert handle.plan.swap_out
+    cache.abort(handle)
+    assert ("a",) not in cached_paths(cache)
+    cache.check_integrity()
+
+
+def test_max_depth_caches_only_the_first_documents() -> None:
+    cache = make(max_depth=1)
+    run(cache, doc("a"), doc("b"), doc("c"))
+    assert set(cached_paths(cache)) == {(), ("a",)}
+    handle = cache.begin_request(0, [doc("a"), doc("b")], 0)
+    assert len(handle.hits.doc_hits) == 1 and handle.computed_tokens == 10
+    cache.confirm(handle)
+
+
+def test_invalidate_drops_every_prefix_of_the_document_and_subtrees() -> None:
+    cache = make()
+    run(cache, doc("a"), doc("x"), doc("b"))
+    run(cache, doc("x"), doc("c"))
+    run(cache, doc("d"))
+    assert cache.invalidate("x") == 4  # a/x, a/x/b, x, x/c
+    assert set(cached_paths(cache)) == {(), ("a",), ("d",)}
+    cache.check_integrity()
+
+
+def test_invalidate_while_pinned_frees_slots_on_release() -> None:
+    cache = make(gpu=10)
+    run(cache, doc("a", 8), root=4)
+    reader = cache.begin_request(4, [doc("a", 8)], 0)
+    used = cache.stats().gpu_used_slots
+    cache.invalidate("a")
+    assert cache.match([doc("a", 8)]).doc_hits == ()
+    assert cache.stats().gpu_used_slots == used  # still being read
+    cache.check_integrity()
+    cache.confirm(reader)
+    assert cache.stats().gpu_used_slots == 1  # the root only
+    cache.check_integrity()
+
+
+def test_clear_resets_everything_and_open_requests_finish_cleanly() -> None:
+    cache = make(host=10)
+    run(cache, doc("a"), root=4)
+    writer = cache.begin_request(4, [doc("b")], 0)
+    cache.clear()
+    assert cache.num_nodes == 0 and cache.match([doc("a")]).hits == ()
+    cache.confirm(writer)  # its nodes were detached: confirmation makes nothing readable
+    assert cache.match([doc("b")]).hits == ()
+    assert cache.stats().gpu_used_slots == 0
+    cache.check_integrity()
+
+
+def test_drop_gpu_keeps_only_confirmed_host_copies_with_a_surviving_parent() -> None:
+    cache = make(gpu=3, host=10, page=4)
+    run(cache, doc("a", 4), root=4)
+    run(cache, doc("b", 4), root=4)
+    run(cache, doc("c", 4), root=4)  # a swapped out, root stays on GPU
+    open_handle = cache.begin_request(4, [doc("d", 4)], 0)
+    cache.drop_tier(Tier.GPU)
+    assert not open_handle.is_open
+    # The root was only on GPU: nothing can survive below it.
+    assert cache.num_nodes == 0 and cache.stats().host_used_slots == 0
+    cache.check_integrity()
+
+
+def test_drop_gpu_with_root_on_host_keeps_host_nodes() -> None:
+    cache = make(gpu=2, host=10, page=4)
+    run(cache, doc("a", 4), root=4)
+    run(cache, doc("b", 4), root=4)  # a -> host
+    run(cache, doc("c", 4), doc("e", 4), root=4)  # b -> host; root stays (has GPU child)
+    cache.drop_tier(Tier.GPU)
+    cache.check_integrity()
+    assert all(tiers == {"host"} for tiers in cached_paths(cache).values())
+
+
+def test_mark_final_counts_frequency_once() -> None:
+    cache = make()
+    handle = cache.begin_request(0, [doc("a")], 0, final=False)
+    node = next(n for n in cache.iter_nodes() if n.parent is not None)
+    assert node.stats.frequency == 0 and node.stats.num_computed == 1
+    cache.mark_final(handle)
+    cache.mark_final(handle)
+    assert node.stats.frequency == 1
+    cache.confirm(handle)
+
+
+def test_frequency_window_restarts_counts() -> None:
+    cache = make(frequency_window=2)
+    for _ in range(3):
+        run(cache, doc("a"))
+    node = next(n for n in cache.iter_nodes() if n.parent is not None)
+    assert node.stats.frequency == 1  # third final request opened a new window
+
+
+def test_root_size_mismatch_and_negative_sizes_are_input_errors() -> None:
+    cache = make()
+    run(cache, doc("a"), root=4)
+    with pytest.raises(InputError, match="root has 4 cached tokens"):
+        cache.begin_request(5, [doc("a")], 0)
+    with pytest.raises(InputError, match="negative"):
+        DocSpec(DocKey("x", "h"), -1)
+    with pytest.raises(InputError, match="negative"):
+        cache.begin_request(4, [], -1)
+
+
+def test_check_integrity_detects_corruption() -> None:
+    cache = make()
+    run(cache, doc("a"), root=4)
+    node = next(n for n in cache.iter_nodes() if n.parent is not None)
+    cache._pools[Tier.GPU].allocator.free(node.slots[Tier.GPU][:1])
+    with pytest.raises(IntegrityError, match="also free"):
+        cache.check_integrity()
+
+
+def test_check_integrity_detects_hierarchy_violation() -> None:
+    cache = make(gpu=10, host=10)
+    run(cache, doc("a"), doc("b"), root=4)
+    parent = next(n for n in cache.iter_nodes() if n.depth == 1)
+    parent.slots[Tier.HOST] = parent.slots.pop(Tier.GPU)
+    parent.ready = {Tier.HOST}
+    with pytest.raises(IntegrityError):
+        cache.check_integrity()
+
+
+def test_capacity_helpers() -> None:
+    per_token = kv_bytes_per_token(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert per_token == 131072
+    assert tokens_for_bytes(8 * 2**30, per_token) == 65536
+    assert bytes_for_tokens(65536, per_token) == 8 * 2**30
+    assert slots_for_tokens(33, 16) == 3 and slots_for_tokens(0, 16) == 0
+    cache = KnowledgeCache.from_tokens(ROOT, gpu_tokens=100, host_tokens=33, page_size=16)
+    assert cache.stats().gpu_slots == 6 and cache.stats().host_slots == 2
+    with pytest.raises(ConfigError):
+        kv_bytes_per_token(num_layers=0, num_kv_heads=1, head_dim=1, dtype_bytes=1)
+
+
+def test_allocator_double_free_and_exhaustion() -> None:
+    alloc = SlotAllocator(3, page_size=16)
+    slots = alloc.allocate(2)
+    assert alloc.num_free == 1
+    with pytest.raises(RAGCacheError):
+        alloc.allocate(2)
+    alloc.free(slots)
+    with pytest.raises(RAGCacheError, match="twice"):
+        alloc.free(slots[:1])
+
+
+def test_different_roots_never_share_kv() -> None:
+    other = RootKey("model", "tokenizer", "another system prompt", "float16")
+    assert other != ROOT
+    a, b = make(), KnowledgeCache(other, gpu_slots=10, host_slots=0, page_size=4)
+    run(a, doc("x"), root=4)
+    assert b.match([doc("x")]).hits == ()
+
+
+def test_load_and_store_spans_tile_the_prompt_prefix() -> None:
+    cache = make(gpu=50, host=50, page=3)
+    run(cache, doc("a", 5), doc("b", 7), root=4)
+    handle = cache.begin_request(4, [doc("a", 5), doc("b", 7), doc("c", 2)], 6)
+    spans: list[LoadSpan | StoreSpan] = [*handle.plan.load, *handle.plan.store]
+    position = 0
+    for span in spans:
+        assert span.token_start == position
+        assert len(span.slots) == slots_for_tokens(span.num_tokens, 3)
+        position += span.num_tokens
+    assert position == 4 + 5 + 7 + 2
+    cache.confirm(handle)
