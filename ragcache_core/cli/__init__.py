@@ -23,6 +23,9 @@ from ragcache_core.errors import RAGCacheError
 COMMAND_MODULES: tuple[str, ...] = (
     "doctor",
     "model",
+    "index",
+    "trace",
+    "search_stats",
     "simulate",
     "bench",
 )

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ragcache_core.retrieval.base import Metric, Stage, StagedSearch
 from ragcache_core.retrieval.corpus import Question, load_corpus, load_questions
 from ragcache_core.retrieval.embedder import EmbedderConfig, TfidfSvdEmbedder
-from ragcache_core.retrieval.flat import SingleStage, staged_search_for
+from ragcache_core.retrieval.flat import MatrixFlat, SingleStage, staged_search_for
 from ragcache_core.retrieval.hnsw import StagedHNSW
 from ragcache_core.retrieval.index_store import IndexSettings, LocalIndex, build_index
 from ragcache_core.retrieval.ivf import ListsPerStage, StagedIVF, StagePlan, TargetStageTime
@@ -35,6 +35,7 @@ __all__ = [
     "IndexSettings",
     "ListsPerStage",
     "LocalIndex",
+    "MatrixFlat",
     "Metric",
     "Question",
     "SearchSource",

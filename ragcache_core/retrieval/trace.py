@@ -1,0 +1,121 @@
+"""Request traces: questions retrieved against an index, with token counts and Poisson arrivals.
+
+One JSON object per line, the format the simulator reads (control plane issue):
+`{"id": str, "arrival_s": float, "docs": [doc ids in prompt order], "doc_tokens": [int per doc],
+"question_tokens": int}`. Document tokens count the document as the prompt shows it
+(`render_document`), tokenized on its own, exactly as the controller will tokenize it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate, render_document
+from ragcache_core.errors import ConfigError, InputError, ModelError
+from ragcache_core.retrieval.base import StagedSearch
+from ragcache_core.retrieval.corpus import Question
+from ragcache_core.retrieval.index_store import LocalIndex
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One request of a trace."""
+
+    id: str
+    arrival_s: float
+    docs: tuple[str, ...]
+    doc_tokens: tuple[int, ...]
+    question_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "arrival_s": self.arrival_s,
+            "docs": list(self.docs),
+            "doc_tokens": list(self.doc_tokens),
+            "question_tokens": self.question_tokens,
+        }
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> npt.NDArray[np.float64]:
+    """Arrival times of n requests of a Poisson process at `rate` per second (seeded, pure)."""
+    if not rate > 0:
+        raise ConfigError(f"request rate must be > 0, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)  # [n]
+    return np.cumsum(gaps)
+
+
+def tokenizer_counter(model: str) -> Callable[[str], int]:
+    """Token counter of a model's tokenizer (no special tokens). Raises `ModelError`."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load a tokenizer from {model!r}: {exc}") from exc
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    return count
+
+
+def build_trace(
+    index: LocalIndex,
+    questions: Sequence[Question],
+    k: int,
+    count_tokens: Callable[[str], int],
+    *,
+    rate: float,
+    seed: int = 0,
+    staged: StagedSearch | None = None,
+    template: DocumentTemplate = DEFAULT_DOC_TEMPLATE,
+    batch: int = 256,
+) -> list[TraceRecord]:
+    """Retrieve the final top-k of every question and build the trace (pure w.r.t. the index).
+
+    Raises `InputError` for no questions or k larger than the index.
+    """
+    if not questions:
+        raise InputError("no questions to build a trace from")
+    if k > len(index.documents):
+        raise InputError(f"top-k {k} is larger than the index ({len(index.documents)} documents)")
+    search = staged or index.staged()
+    arrivals = poisson_arrivals(len(questions), rate, seed)
+    doc_tokens: dict[str, int] = {}
+    records: list[TraceRecord] = []
+    for start in range(0, len(questions), batch):
+        chunk = questions[start : start + batch]
+        vectors = index.embedder.embed([q.text for q in chunk])  # [b, d]
+        final = search.search(vectors, k)
+        for j, question in enumerate(chunk):
+            docs = index.documents_for([int(r) for r in final.ids[j]])
+            for doc in docs:
+                if doc.id not in doc_tokens:
+                    doc_tokens[doc.id] = count_tokens(render_document(doc, template))
+            records.append(
+                TraceRecord(
+                    id=question.id,
+                    arrival_s=float(arrivals[start + j]),
+                    docs=tuple(d.id for d in docs),
+                    doc_tokens=tuple(doc_tokens[d.id] for d in docs),
+                    question_tokens=count_tokens(question.text),
+                )
+            )
+    return records
+
+
+def write_trace(records: Sequence[TraceRecord], path: Path | str) -> None:
+    """Write one JSON object per line (parent folders are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
