@@ -315,3 +315,22 @@ def test_load_and_store_spans_tile_the_prompt_prefix() -> None:
         position += span.num_tokens
     assert position == 4 + 5 + 7 + 2
     cache.confirm(handle)
+
+
+def test_root_backup_keeps_a_host_copy_of_the_system_prompt() -> None:
+    """Paper 2.6: the root is copied to host beside its GPU copy, so it survives a GPU loss."""
+    from ragcache_core.tree.cache import KnowledgeCache
+
+    cache = KnowledgeCache(
+        ROOT, gpu_slots=4, host_slots=4, page_size=4, policy="lru", backup_root=True
+    )
+    run(cache, doc("a", 4), root=4)
+    second = cache.begin_request(4, [doc("a", 4)], 1)
+    assert len(second.plan.swap_out) == 1  # the root's backup copy
+    cache.confirm(second)
+    cache.check_integrity()
+    cache.drop_tier(Tier.GPU)
+    cache.check_integrity()
+    after = cache.match([doc("a", 4)])
+    assert after.root_cached and after.hits[0].tier is Tier.HOST
+    assert not after.doc_hits  # the document had no host copy: gone with the GPU

@@ -62,6 +62,7 @@ def _check_no_orphans(cache: KnowledgeCache) -> None:
     page=st.integers(1, 4),
     root_tokens=st.integers(0, 6),
     max_depth=st.one_of(st.none(), st.integers(0, 3)),
+    backup_root=st.booleans(),
     ops=st.lists(operation, min_size=1, max_size=40),
 )
 def test_random_lifecycles_keep_invariants(
@@ -71,10 +72,17 @@ def test_random_lifecycles_keep_invariants(
     page: int,
     root_tokens: int,
     max_depth: int | None,
+    backup_root: bool,
     ops: list[tuple[Any, ...]],
 ) -> None:
     cache = KnowledgeCache(
-        ROOT, gpu_slots=gpu, host_slots=host, page_size=page, policy=policy, max_depth=max_depth
+        ROOT,
+        gpu_slots=gpu,
+        host_slots=host,
+        page_size=page,
+        policy=policy,
+        max_depth=max_depth,
+        backup_root=backup_root,
     )
     open_handles: list[tuple[RequestHandle, Any]] = []
     for op in ops:

@@ -41,6 +41,7 @@ class KnowledgeCache:
     `max_depth` caches only the first j documents of a sequence (paper 2.7; None: all).
     `frequency_window` restarts PGDSF/GDSF/LFU frequencies every that many final requests
     (None: frequencies last until `clear()`).
+    `backup_root` keeps a host copy of the root beside its GPU copy (paper 2.6).
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class KnowledgeCache:
         cost_model: CostModel | None = None,
         max_depth: int | None = None,
         frequency_window: int | None = None,
+        backup_root: bool = False,
     ) -> None:
         if max_depth is not None and max_depth < 0:
             raise ConfigError(f"max_depth cannot be negative, got {max_depth}")
@@ -63,6 +65,7 @@ class KnowledgeCache:
         self.page_size = page_size
         self.max_depth = max_depth
         self.frequency_window = frequency_window
+        self.backup_root = backup_root
         self.policy = make_policy(policy)
         self.cost_model: CostModel = cost_model or default_cost_model()
         self._pools = {
@@ -219,6 +222,8 @@ class KnowledgeCache:
         handle._path = list(path)
 
         promote, load = self._plan_hits(hits, starts, handle)
+        if self.backup_root:
+            self._plan_root_backup(hits, handle)
         store: list[StoreSpan] = []
         if len(hits) == len(path):  # an in-flight node blocks storing below it
             store = self._plan_stores(path, root_tokens, cached_docs, starts, cost_per_new, handle)
@@ -350,6 +355,25 @@ class KnowledgeCache:
             if node.num_tokens:
                 load.append(LoadSpan(source, node.slots[source], starts[index], node.num_tokens))
         return promote, load
+
+    def _plan_root_backup(self, hits: list[tuple[Node, Tier]], handle: RequestHandle) -> None:
+        """Keep a host copy of the root (the system prompt) beside its GPU copy (paper 2.6):
+        the host pool outlives a GPU worker, so after a worker failure the most shared node
+        is still cached. Copied by the plan's swap_out step; readable once this request
+        confirms. Skipped when the host tier has no room."""
+        if not hits or hits[0][0] is not self._root:
+            return
+        root = self._root
+        if Tier.HOST in root.slots or Tier.GPU not in root.ready or not root.num_tokens:
+            return
+        count = len(root.slots[Tier.GPU])
+        if not self._make_room(Tier.HOST, count, handle):
+            return
+        host_slots = self._allocate(Tier.HOST, count, handle)
+        self._add_copy(root, Tier.HOST, host_slots)
+        handle._pending.append((root, Tier.HOST))
+        handle._swap_out.append(SlotCopy(root.slots[Tier.GPU], host_slots))
+        root.priority[Tier.HOST] = self.policy.priority(root.stats, Tier.HOST)
 
     def _plan_stores(
         self,
