@@ -28,6 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "search_stats",
     "simulate",
     "bench",
+    "profile",
 )
 
 

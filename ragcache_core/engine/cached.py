@@ -1,0 +1,267 @@
+"""`CachedEngine`: a vLLM engine started with the RAGCache connector and its two pools.
+
+App side of the data plane. It creates the host pool (shared memory that outlives the
+engine), checks that both pools fit before anything starts, starts vLLM with the connector,
+and runs requests with a given `Plan`, returning the connector's report. It decides no plan:
+`ragcache_core.engine.single.run_request` (or the controller) asks the `KnowledgeCache`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ragcache_core.engine.config import EngineSettings
+from ragcache_core.engine.connector.config import ConnectorConfig
+from ragcache_core.engine.connector.result import ConnectorResult
+from ragcache_core.engine.llm import Engine, GreedySampling
+from ragcache_core.errors import ConfigError, InputError
+from ragcache_core.plan import PLAN_KEY, Plan
+from ragcache_core.storage.host_pool import HostPool
+from ragcache_core.storage.layout import PoolLayout, layout_for_model
+from ragcache_core.storage.memory import GIB, available_host_bytes, check_fits
+
+DEFAULT_PAGE_SIZE = 16
+"""Tokens per pool slot; see docs/data-plane.md ("Page size") for the measurement."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """Sizes of the two pools. `host_pool_name` names the shared-memory file, so a restarted
+    engine with the same name finds the same host pool (and its contents)."""
+
+    gpu_pool_gib: float = 0.25
+    host_pool_gib: float = 0.5
+    page_size: int = DEFAULT_PAGE_SIZE
+    host_pool_name: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.gpu_pool_gib < 0 or self.host_pool_gib < 0:
+            raise ConfigError(
+                f"pool sizes cannot be negative (gpu_pool_gib={self.gpu_pool_gib}, "
+                f"host_pool_gib={self.host_pool_gib})"
+            )
+        if self.page_size <= 0:
+            raise ConfigError(f"page_size must be positive, got {self.page_size}")
+
+    def slots(self, layout: PoolLayout) -> tuple[int, int]:
+        """(GPU slots, host slots) for a layout."""
+        return (
+            int(self.gpu_pool_gib * GIB) // layout.slot_bytes,
+            int(self.host_pool_gib * GIB) // layout.slot_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRun:
+    """One finished request run with a plan."""
+
+    prompt_len: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    ttft_s: float
+    connector: ConnectorResult
+
+
+class CachedEngine:
+    """vLLM + the RAGCache connector + both pools. Not thread-safe; `close()` when done.
+
+    Raises `ConfigError` before starting vLLM when a pool does not fit in memory (with the
+    numbers). The host pool file is kept on `close()` unless `unlink_host_pool=True`.
+    """
+
+    def __init__(self, settings: EngineSettings, pools: PoolSettings | None = None) -> None:
+        pools = pools or PoolSettings()
+        self.pools = pools
+        self.layout = layout_for_model(
+            settings.model, dtype=settings.dtype, page_size=pools.page_size
+        )
+        gpu_slots, host_slots = pools.slots(self.layout)
+        self.config = ConnectorConfig(
+            layout=self.layout,
+            gpu_slots=gpu_slots,
+            host_slots=host_slots,
+            host_pool_name=pools.host_pool_name if host_slots else "",
+        )
+        self._check_device_pool(settings)
+        self.host_pool: HostPool | None = None
+        if host_slots:
+            self.host_pool = HostPool.create(pools.host_pool_name, self.layout, host_slots)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        extra = dict(settings.extra)
+        extra.setdefault("async_scheduling", False)  # see docs/data-plane.md, "Limits"
+        self.settings = settings.with_(
+            kv_transfer_config=self.config.kv_transfer_config(), extra=extra
+        )
+        try:
+            self.engine = Engine(self.settings)
+        except BaseException:
+            if self.host_pool is not None:
+                self.host_pool.close()
+            raise
+
+    @property
+    def gpu_slots(self) -> int:
+        return self.config.gpu_slots
+
+    @property
+    def host_slots(self) -> int:
+        return self.config.host_slots
+
+    @property
+    def max_model_len(self) -> int:
+        return self.settings.max_model_len
+
+    def run(
+        self,
+        prompt: Sequence[int],
+        plan: Plan | None,
+        sampling: GreedySampling | None = None,
+        *,
+        read_prefix_cache: bool = False,
+        extra_transfer_params: Mapping[str, Any] | None = None,
+    ) -> PlannedRun:
+        """Run one request (token ids) with `plan` (None: uncached). Blocks until it finishes.
+
+        `read_prefix_cache=True` lets vLLM's own prefix cache serve it (only meaningful when the
+        engine was started with it on; benchmarks use that for the floor). A request with a plan
+        always reads vLLM's prefix cache (vLLM would skip the connector's loads otherwise): with
+        vLLM's prefix caching on, `reset_prefix_cache()` first. Raises `InputError` when the
+        prompt does not fit in the context.
+        """
+        return self.run_batch(
+            [prompt],
+            [plan],
+            sampling,
+            read_prefix_cache=read_prefix_cache,
+            extra_transfer_params=extra_transfer_params,
+        )[0]
+
+    def run_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        plans: Sequence[Plan | None],
+        sampling: GreedySampling | None = None,
+        *,
+        read_prefix_cache: bool = False,
+        extra_transfer_params: Mapping[str, Any] | None = None,
+    ) -> list[PlannedRun]:
+        """Run requests in one vLLM batch (scheduled in order). See `run`.
+        `extra_transfer_params` are merged into every planned request's `kv_transfer_params`
+        (tests use it for the connector's fault hook, `FAULT_KEY`)."""
+        from vllm import SamplingParams
+
+        from ragcache_core.engine.compat import first_token_latency, token_prompt
+
+        sampling = sampling or GreedySampling()
+        for prompt in prompts:
+            check_fits_context(len(prompt), sampling.max_tokens, self.max_model_len)
+        params = []
+        for plan in plans:
+            extra = None
+            if plan is not None:
+                transfer = {PLAN_KEY: plan.to_json(), **(extra_transfer_params or {})}
+                extra = {"kv_transfer_params": transfer}
+            params.append(
+                SamplingParams(
+                    max_tokens=sampling.max_tokens,
+                    temperature=sampling.temperature,
+                    logprobs=0 if sampling.logprobs else None,
+                    ignore_eos=True,
+                    # vLLM skips connector loads too when a request skips its prefix cache.
+                    skip_reading_prefix_cache=not read_prefix_cache and plan is None,
+                    extra_args=extra,
+                )
+            )
+        started = time.perf_counter()
+        outputs = self.engine.llm.generate(
+            [token_prompt(list(p)) for p in prompts], params, use_tqdm=False
+        )
+        wall = time.perf_counter() - started
+        return [
+            _planned_run(p, out, sampling, first_token_latency(out), wall)
+            for p, out in zip(prompts, outputs, strict=True)
+        ]
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache (when on), so the next run cannot hit it."""
+        self.engine.llm.reset_prefix_cache()
+
+    def close(self, *, unlink_host_pool: bool = False) -> None:
+        """Stop vLLM. The host pool file stays (for a restart) unless `unlink_host_pool`."""
+        self.engine.close()
+        if self.host_pool is not None:
+            if unlink_host_pool:
+                self.host_pool.unlink()
+            else:
+                self.host_pool.close()
+
+    def __enter__(self) -> CachedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_device_pool(self, settings: EngineSettings) -> None:
+        """Refuse a device pool that cannot fit next to vLLM's own KV cache."""
+        wanted = self.layout.pool_bytes(self.config.gpu_slots)
+        host = self.layout.pool_bytes(self.config.host_slots)
+        if host and HostPool.exists(self.pools.host_pool_name, self.layout, self.config.host_slots):
+            host = 0  # reused: its memory is taken already
+        try:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        except ImportError:  # pragma: no cover
+            cuda = False
+        if cuda:
+            free, total = torch.cuda.mem_get_info()
+            left = int(free - settings.gpu_memory_utilization * total)
+            check_fits(
+                "the GPU KV pool (beside vLLM's gpu_memory_utilization share)",
+                wanted,
+                max(left, 0),
+                "lower gpu_pool_gib or gpu_memory_utilization",
+            )
+            check_fits("the host KV pool", host, available_host_bytes(), "lower host_pool_gib")
+        else:
+            # On CPU both pools and vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE) share the RAM.
+            vllm_kv = int(settings.kv_cache_space_gib * GIB)
+            check_fits(
+                f"the KV pools ({wanted} bytes device pool + {host} bytes host pool + "
+                f"{vllm_kv} bytes of vLLM's own KV cache)",
+                wanted + host + vllm_kv,
+                available_host_bytes(),
+                "lower gpu_pool_gib / host_pool_gib / kv_cache_space_gib",
+            )
+
+
+def check_fits_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+    """Raise `InputError` (with the numbers) when prompt + generation exceed the context."""
+    if prompt_len + max_tokens > max_model_len:
+        raise InputError(
+            f"prompt of {prompt_len} tokens + {max_tokens} generated tokens exceeds the "
+            f"model's context of {max_model_len} tokens"
+        )
+
+
+def _planned_run(
+    prompt: Sequence[int], output: Any, sampling: GreedySampling, ttft: float | None, wall: float
+) -> PlannedRun:
+    completion = output.outputs[0]
+    logprobs: tuple[float, ...] = ()
+    if sampling.logprobs and completion.logprobs:
+        logprobs = tuple(
+            float(step[tok].logprob)
+            for step, tok in zip(completion.logprobs, completion.token_ids, strict=True)
+        )
+    return PlannedRun(
+        prompt_len=len(prompt),
+        token_ids=tuple(completion.token_ids),
+        logprobs=logprobs,
+        ttft_s=ttft if ttft is not None else wall,
+        connector=ConnectorResult.from_transfer_params(output.kv_transfer_params),
+    )

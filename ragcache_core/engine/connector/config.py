@@ -1,0 +1,86 @@
+"""What the RAGCache connector is told at engine start, and the keys it reads/writes per request.
+
+The app builds a `ConnectorConfig` and passes it through vLLM's `KVTransferConfig` (see
+`kv_transfer_config()`); both connector roles rebuild it from `kv_connector_extra_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ragcache_core.errors import ConfigError
+from ragcache_core.storage.layout import PoolLayout
+
+CONNECTOR_CLASS = "RAGCacheConnector"
+CONNECTOR_MODULE = "ragcache_core.engine.connector"
+EXTRA_KEY = "ragcache"
+
+RESULT_KEY = "ragcache_result"
+"""Key of the connector's per-request report in `RequestOutput.kv_transfer_params`."""
+
+FAULT_KEY = "ragcache_inject_fault"
+"""Test hook in a request's `kv_transfer_params`: `{"fail_load_span": i}` makes the worker
+raise while copying load span i (after spans < i were copied), exercising the recovery path
+exactly as a real copy failure would."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Pool sizes and layout. `host_slots == 0` means no host tier (no shared-memory file)."""
+
+    layout: PoolLayout
+    gpu_slots: int
+    host_slots: int = 0
+    host_pool_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.gpu_slots < 0 or self.host_slots < 0:
+            raise ConfigError(
+                f"pool sizes cannot be negative (gpu_slots={self.gpu_slots}, "
+                f"host_slots={self.host_slots})"
+            )
+        if self.host_slots and not self.host_pool_name:
+            raise ConfigError("a host pool needs a name (host_pool_name)")
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return {
+            EXTRA_KEY: {
+                "layout": self.layout.to_json(),
+                "gpu_slots": self.gpu_slots,
+                "host_slots": self.host_slots,
+                "host_pool_name": self.host_pool_name,
+            }
+        }
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        if not extra or EXTRA_KEY not in extra:
+            raise ConfigError(
+                f"the RAGCache connector needs kv_connector_extra_config[{EXTRA_KEY!r}]"
+            )
+        data = extra[EXTRA_KEY]
+        return cls(
+            layout=PoolLayout.from_json(data["layout"]),
+            gpu_slots=int(data["gpu_slots"]),
+            host_slots=int(data["host_slots"]),
+            host_pool_name=str(data["host_pool_name"]),
+        )
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        """Keyword arguments of vLLM's `KVTransferConfig` that load this connector.
+
+        Load failures are recomputed by vLLM (`kv_load_failure_policy="recompute"`), so a
+        failed copy costs time, never correctness.
+        """
+        return {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": self.to_extra_config(),
+        }

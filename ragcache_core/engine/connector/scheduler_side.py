@@ -1,0 +1,217 @@
+"""Scheduler-side connector logic (runs in vLLM's engine-core process).
+
+It reads each request's plan from `kv_transfer_params`, tells vLLM how many prompt tokens the
+worker will load, and puts each request's copies into the step where they must run:
+
+    first step the request is scheduled   swap_out, promote (once), load (when vLLM accepted
+                                          the external tokens)
+    step whose forward completes prompt   store (the prompt's KV is then final in paged KV)
+
+It decides nothing about what is cached: the plan says which slots, the app owns them.
+Pure Python over vLLM's scheduler objects; no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragcache_core.engine.connector.config import FAULT_KEY, RESULT_KEY, ConnectorConfig
+from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerReport
+from ragcache_core.engine.connector.result import ConnectorResult
+from ragcache_core.engine.connector.spans import plan_problems
+from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side knows about one request with a plan."""
+
+    plan: Plan
+    prompt_len: int
+    problems: tuple[str, ...]
+    fail_load_span: tuple[int, ...]
+    block_ids: list[int] = field(default_factory=list)
+    query_start: int = 0
+    load_lo: int = 0
+    load_hi: int = 0
+    loaded_end: int = 0
+    """End of the prompt prefix actually served from the pools (after failures)."""
+    load_pending: bool = False
+    copies_sent: bool = False
+    store_sent: bool = False
+    failed_spans: list[int] = field(default_factory=list)
+
+    @property
+    def num_loadable(self) -> int:
+        # vLLM computes at least the last prompt token itself.
+        return min(self.plan.num_loaded_tokens, self.prompt_len - 1)
+
+
+class SchedulerSide:
+    """State of the requests carrying plans, keyed by vLLM request id. Mutated only by vLLM's
+    scheduler thread, through the methods below (which mirror `KVConnectorBase_V1`)."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self._tracked: dict[str, _Tracked] = {}
+
+    def num_new_matched_tokens(
+        self, req_id: str, params: dict[str, Any] | None, prompt_len: int, num_computed: int
+    ) -> int:
+        """Tokens past `num_computed` the worker will load. Side-effect free apart from parsing
+        the plan once. Zero once the prompt was completed (a preempted request that already
+        produced a token recomputes: its plan's pins may be gone)."""
+        tracked = self._track(req_id, params, prompt_len)
+        if tracked is None or tracked.problems or tracked.store_sent:
+            return 0
+        tracked.query_start = num_computed
+        return max(0, tracked.num_loadable - num_computed)
+
+    def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
+        tracked = self._tracked.get(req_id)
+        if tracked is None or num_external_tokens <= 0:
+            return
+        tracked.load_lo = tracked.query_start
+        tracked.load_hi = tracked.query_start + num_external_tokens
+        tracked.loaded_end = tracked.load_hi
+        tracked.load_pending = True
+
+    def build_step(self, scheduler_output: Any) -> StepOps:
+        """This step's copies for every scheduled request with a plan."""
+        step = StepOps()
+        num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            ops = self._ops(new.req_id, tracked, new.num_computed_tokens, num_scheduled)
+            if ops is not None:
+                step.requests.append(ops)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # A resumed (preempted) request gets its whole block list anew.
+                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracked.block_ids.extend(new_blocks[0])
+            ops = self._ops(req_id, tracked, cached.num_computed_tokens[i], num_scheduled)
+            if ops is not None:
+                step.requests.append(ops)
+        return step
+
+    def on_worker_report(self, report: object) -> None:
+        """A step's load failures: vLLM recomputes from the failed span's block, so the
+        prompt will be completed again and the store must be sent again then."""
+        if not isinstance(report, WorkerReport):
+            return
+        for req_id, span in report.load_failures.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            tracked.failed_spans.append(span)
+            tracked.store_sent = False
+            first = max(tracked.plan.load[span].token_start, tracked.load_lo)
+            tracked.loaded_end = min(tracked.loaded_end, first - first % self.block_size)
+
+    def finished(self, req_id: str) -> dict[str, Any] | None:
+        """Forget the request; its report for `RequestOutput.kv_transfer_params`."""
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is None:
+            return None
+        return {RESULT_KEY: _result(tracked).to_json()}
+
+    def hit_tokens_by_tier(self, req_id: str) -> dict[Tier, int]:
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            return {}
+        result = _result(tracked)
+        return {Tier.GPU: result.gpu_tokens, Tier.HOST: result.host_tokens}
+
+    def _track(
+        self, req_id: str, params: dict[str, Any] | None, prompt_len: int
+    ) -> _Tracked | None:
+        tracked = self._tracked.get(req_id)
+        if tracked is not None or not params or PLAN_KEY not in params:
+            return tracked
+        try:
+            plan = Plan.from_json(params[PLAN_KEY])
+            problems = tuple(
+                plan_problems(
+                    plan,
+                    prompt_len=prompt_len,
+                    page_size=self.config.page_size,
+                    gpu_slots=self.config.gpu_slots,
+                    host_slots=self.config.host_slots,
+                )
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            plan, problems = Plan(page_size=self.config.page_size), (f"malformed plan: {exc}",)
+        fault = params.get(FAULT_KEY) or {}
+        tracked = _Tracked(
+            plan=plan,
+            prompt_len=prompt_len,
+            problems=problems,
+            fail_load_span=tuple(int(i) for i in fault.get("fail_load_span", ())),
+        )
+        self._tracked[req_id] = tracked
+        return tracked
+
+    def _ops(
+        self, req_id: str, tracked: _Tracked, num_computed: int, num_scheduled: dict[str, int]
+    ) -> RequestOps | None:
+        if tracked.problems:
+            return None
+        plan = tracked.plan
+        swap_out: tuple[SlotCopy, ...] = ()
+        promote: tuple[SlotCopy, ...] = ()
+        if not tracked.copies_sent:
+            tracked.copies_sent = True
+            swap_out, promote = plan.swap_out, plan.promote
+        load: tuple[LoadSpan, ...] = ()
+        lo = hi = 0
+        if tracked.load_pending:
+            tracked.load_pending = False
+            load, lo, hi = plan.load, tracked.load_lo, tracked.load_hi
+        store: tuple[StoreSpan, ...] = ()
+        completes_prompt = (
+            num_computed < tracked.prompt_len <= num_computed + num_scheduled.get(req_id, 0)
+        )
+        if completes_prompt and not tracked.store_sent:
+            tracked.store_sent = True
+            store = plan.store
+        if not (swap_out or promote or load or store):
+            return None
+        return RequestOps(
+            req_id=req_id,
+            block_ids=tuple(tracked.block_ids),
+            swap_out=swap_out,
+            promote=promote,
+            load=load,
+            load_lo=lo,
+            load_hi=hi,
+            store=store,
+            fail_load_span=tracked.fail_load_span,
+        )
+
+
+def _result(tracked: _Tracked) -> ConnectorResult:
+    tokens = {Tier.GPU: 0, Tier.HOST: 0}
+    for span in tracked.plan.load:
+        first = max(span.token_start, tracked.load_lo)
+        last = min(span.token_start + span.num_tokens, tracked.loaded_end)
+        tokens[span.tier] += max(0, last - first)
+    return ConnectorResult(
+        loaded_tokens=tokens[Tier.GPU] + tokens[Tier.HOST],
+        gpu_tokens=tokens[Tier.GPU],
+        host_tokens=tokens[Tier.HOST],
+        stored=tracked.store_sent and bool(tracked.plan.store),
+        failed_load_spans=tuple(tracked.failed_spans),
+        rejected=tracked.problems,
+    )

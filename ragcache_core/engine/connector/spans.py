@@ -1,0 +1,124 @@
+"""Plan checks and token-level index building (pure; torch only to hold the indices).
+
+A plan reaches the connector from the app; the scheduler-side connector checks it once with
+`plan_problems` and ignores a plan that fails (the request then runs uncached). The worker
+turns each span into a `TokenIndex` with `span_index`:
+
+    prompt positions   lo ......................... hi      (the part of the span to copy)
+    span               |token_start ........ token_start + num_tokens|
+    pool side          slot = slots[(p - token_start) // page_size], row = (p - token_start) % P
+    paged side         block = block_ids[p // block_size],          offset = p % block_size
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ragcache_core.plan import Plan, Tier
+
+if TYPE_CHECKING:
+    import torch
+
+    from ragcache_core.storage.copy_ops import TokenIndex
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def plan_problems(
+    plan: Plan, *, prompt_len: int, page_size: int, gpu_slots: int, host_slots: int
+) -> list[str]:
+    """Everything wrong with `plan` for a prompt of `prompt_len` tokens (empty when valid).
+
+    Valid means: the pools' page size; loads are contiguous from position 0; every span's
+    slot count matches its tokens; every slot is inside its pool; stores lie in the prompt.
+    """
+    problems: list[str] = []
+    capacity = {Tier.GPU: gpu_slots, Tier.HOST: host_slots}
+
+    def check_slots(what: str, slots: Sequence[int], tier: Tier) -> None:
+        bad = [s for s in slots if not 0 <= s < capacity[tier]]
+        if bad:
+            problems.append(
+                f"{what}: {tier} slot(s) {bad[:4]} outside the pool (0..{capacity[tier] - 1})"
+            )
+
+    if plan.page_size != page_size:
+        problems.append(f"plan page size {plan.page_size} != pool page size {page_size}")
+        return problems
+    for i, copy in enumerate(plan.swap_out):
+        check_slots(f"swap_out[{i}] source", copy.src_slots, Tier.GPU)
+        check_slots(f"swap_out[{i}] destination", copy.dst_slots, Tier.HOST)
+    for i, copy in enumerate(plan.promote):
+        check_slots(f"promote[{i}] source", copy.src_slots, Tier.HOST)
+        check_slots(f"promote[{i}] destination", copy.dst_slots, Tier.GPU)
+    position = 0
+    for i, load in enumerate(plan.load):
+        if load.token_start != position:
+            problems.append(f"load[{i}] starts at {load.token_start}, expected {position}")
+        if load.num_tokens <= 0 or len(load.slots) != pages_for(load.num_tokens, page_size):
+            problems.append(
+                f"load[{i}]: {len(load.slots)} slots for {load.num_tokens} tokens "
+                f"(page size {page_size})"
+            )
+        check_slots(f"load[{i}]", load.slots, load.tier)
+        position = load.token_start + load.num_tokens
+    if position > prompt_len:
+        problems.append(f"loads cover {position} tokens, the prompt has {prompt_len}")
+    for i, store in enumerate(plan.store):
+        end = store.token_start + store.num_tokens
+        if store.token_start < 0 or store.num_tokens <= 0 or end > prompt_len:
+            problems.append(
+                f"store[{i}] covers [{store.token_start}, {end}) outside the prompt "
+                f"[0, {prompt_len})"
+            )
+        if len(store.slots) != pages_for(store.num_tokens, page_size):
+            problems.append(
+                f"store[{i}]: {len(store.slots)} slots for {store.num_tokens} tokens "
+                f"(page size {page_size})"
+            )
+        check_slots(f"store[{i}]", store.slots, Tier.GPU)
+    return problems
+
+
+def span_index(
+    *,
+    slots: Sequence[int],
+    token_start: int,
+    num_tokens: int,
+    lo: int,
+    hi: int,
+    block_ids: Sequence[int],
+    block_size: int,
+    page_size: int,
+    device: torch.device,
+) -> TokenIndex:
+    """The rows of span [token_start, token_start + num_tokens) that fall in [lo, hi).
+
+    Raises `IndexError` if a position has no block in `block_ids`.
+    """
+    import torch
+
+    from ragcache_core.storage.copy_ops import TokenIndex
+
+    first = max(token_start, lo)
+    last = min(token_start + num_tokens, hi)
+    if last <= first:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return TokenIndex(empty, empty, empty)
+    if (last - 1) // block_size >= len(block_ids):
+        raise IndexError(
+            f"position {last - 1} has no block (request holds {len(block_ids)} blocks)"
+        )
+    positions = torch.arange(first, last, dtype=torch.long)  # [T]
+    relative = positions - token_start  # [T]
+    slot_table = torch.tensor(list(slots), dtype=torch.long)  # [pages]
+    block_table = torch.tensor(list(block_ids), dtype=torch.long)  # [blocks]
+    slot_mapping = block_table[positions // block_size] * block_size + positions % block_size
+    return TokenIndex(
+        pool_slots=slot_table[relative // page_size].to(device),
+        pool_rows=(relative % page_size).to(device),
+        slot_mapping=slot_mapping.to(device),
+    )

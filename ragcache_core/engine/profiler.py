@@ -1,0 +1,110 @@
+"""Measure the engine's prefill time T(alpha cached, beta new) for the cost model.
+
+For each alpha on the grid, alpha tokens of KV are stored once in the GPU pool; then for each
+beta a request of alpha + beta tokens loads the alpha tokens through the RAGCache connector and
+computes the beta new ones. T is vLLM's TTFT (arrival to first token, one output token), the
+median over `repeats` runs with fresh new tokens. alpha = 0 is a full prefill. The result is a
+`CostProfile` (ragcache_core.cost.profile), the format PGDSF and the simulator read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ragcache_core.cost.profile import CostProfile
+from ragcache_core.engine.cached import CachedEngine, PoolSettings
+from ragcache_core.engine.config import EngineSettings
+from ragcache_core.engine.llm import GreedySampling
+from ragcache_core.errors import ConfigError
+from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
+from ragcache_core.storage.layout import layout_for_model
+from ragcache_core.storage.memory import GIB
+
+DEFAULT_CACHED = (0, 256, 1024, 2048)
+DEFAULT_NEW = (16, 128, 512, 1024)
+PAGE = 16
+
+
+def hardware_name() -> str:
+    """A short description of where the profile was measured."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    except ImportError:  # pragma: no cover
+        pass
+    return f"CPU {platform.machine()} x{os.cpu_count()} ({platform.processor() or 'unknown'})"
+
+
+def profile_prefill(
+    model: str,
+    cached_tokens: Sequence[int] = DEFAULT_CACHED,
+    new_tokens: Sequence[int] = DEFAULT_NEW,
+    repeats: int = 3,
+    seed: int = 0,
+    on_point: Callable[[int, int, float], None] | None = None,
+) -> CostProfile:
+    """Measure the grid in one engine run. `on_point(alpha, beta, seconds)` is called after
+    each grid point (progress bars). Raises `ConfigError` for a bad grid."""
+    alphas, betas = tuple(sorted(set(cached_tokens))), tuple(sorted(set(new_tokens)))
+    if len(alphas) < 2 or len(betas) < 2 or alphas[0] < 0 or betas[0] < 1 or repeats < 1:
+        raise ConfigError(
+            "the profile grid needs >= 2 cached values >= 0, >= 2 new values >= 1, repeats >= 1"
+        )
+    longest = alphas[-1] + betas[-1]
+    layout = layout_for_model(model, dtype="float32", page_size=PAGE)
+    pool_gib = (-(-alphas[-1] // PAGE) + 1) * layout.slot_bytes / GIB
+    settings = EngineSettings(
+        model=model,
+        max_model_len=longest + 16,
+        max_num_batched_tokens=longest + 16,
+        kv_cache_space_gib=max(1.0, 3 * (longest + 64) * layout.token_bytes / GIB),
+    )
+    rng = random.Random(seed)
+    vocab = int(_config(model).get("vocab_size", 1000))
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    sampling = GreedySampling(max_tokens=1)
+    grid: list[list[float]] = []
+    pools = PoolSettings(gpu_pool_gib=pool_gib, host_pool_gib=0.0, page_size=PAGE)
+    with CachedEngine(settings, pools) as engine:
+        engine.run(tokens(64), None, sampling)  # warm-up
+        for alpha in alphas:
+            prefix = tokens(alpha)
+            slots = tuple(range(-(-alpha // PAGE)))
+            plan: Plan | None = None
+            if alpha:
+                store = Plan(PAGE, store=(StoreSpan(slots, 0, alpha),))
+                engine.run(prefix + tokens(1), store, sampling)
+                plan = Plan(PAGE, load=(LoadSpan(Tier.GPU, slots, 0, alpha),))
+            row = []
+            for beta in betas:
+                times = [
+                    engine.run(prefix + tokens(beta), plan, sampling).ttft_s for _ in range(repeats)
+                ]
+                row.append(statistics.median(times))
+                if on_point is not None:
+                    on_point(alpha, beta, row[-1])
+            grid.append(row)
+    return CostProfile(
+        model=str(_config(model).get("_name_or_path") or Path(model).name),
+        hardware=hardware_name(),
+        cached_tokens=alphas,
+        new_tokens=betas,
+        prefill_s=tuple(tuple(row) for row in grid),
+    )
+
+
+def _config(model: str) -> dict[str, Any]:
+    data = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    return dict(data.get("text_config", data))

