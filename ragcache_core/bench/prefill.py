@@ -17,15 +17,14 @@ full hit within 1.5x of the floor.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import statistics
 import sys
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ragcache_core.cli.output import stdout_to_stderr
 
 DOC_TOKENS = (512, 1024, 2048, 4096)
 QUESTION_TOKENS = 32
@@ -156,20 +155,6 @@ def _row(r: PrefillResult) -> str:
     )
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 at stderr (inherited by vLLM's child processes) meanwhile."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def register(bench_subparsers: Any) -> None:
     parser = bench_subparsers.add_parser(
         "prefill", help="TTFT: full prefill vs GPU-pool / host-pool hits vs vLLM prefix cache"
@@ -205,7 +190,7 @@ def _run(args: argparse.Namespace) -> int:
         model = str(check_model_folder(model))
     if args.json:
         # vLLM's processes log to stdout: keep stdout for the JSON document alone.
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             report = measure(model, tuple(args.doc_tokens), args.repeats)
     else:
         report = measure(model, tuple(args.doc_tokens), args.repeats, progress=True)

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ragcache_core.engine.cached import CachedEngine, PlannedRun, check_fits_context
+from ragcache_core.engine.cached import CachedEngine, check_fits_context
 from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.llm import GreedySampling
 from ragcache_core.plan import Tier
@@ -98,7 +98,7 @@ def run_request(
     except BaseException:
         cache.abort(handle)
         raise
-    confirmed = _settle(cache, handle, run)
+    confirmed = settle(cache, handle, run.connector)
     hits = handle.hits
     return RequestResult(
         token_ids=run.token_ids,
@@ -115,10 +115,10 @@ def run_request(
     )
 
 
-def _settle(cache: KnowledgeCache, handle: RequestHandle, run: PlannedRun) -> bool:
-    """Confirm the request's copies, or drop them when the connector says they are not all
-    trustworthy. Returns whether it confirmed."""
-    result = run.connector
+def settle(cache: KnowledgeCache, handle: RequestHandle, result: ConnectorResult) -> bool:
+    """Confirm the request's copies, or drop them when the connector's report says they are
+    not all trustworthy (plan rejected, a load failed, the store did not run); a node whose
+    load failed is invalidated. Returns whether it confirmed."""
     plan = handle.plan
     stores_ok = result.stored or not plan.store
     if not result.rejected and not result.load_failed and stores_ok:

@@ -147,6 +147,12 @@ class HostPool:
         _remove(pool_path(self.name))
 
 
+def remove_pool(name: str) -> None:
+    """Remove the pool file of `name` and its sidecar, if present (no process may attach
+    afterwards; processes that mapped it keep their mapping)."""
+    _remove(pool_path(name))
+
+
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 

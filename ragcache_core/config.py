@@ -1,0 +1,131 @@
+"""`CacheConfig`: every setting of a `RAGCache`, with sensible defaults.
+
+Grouped by the part that reads it: pools and policy (the knowledge tree and the KV connector),
+scheduling (reordering and speculation), prompt (template, system prompt, document wrapper),
+engine (vLLM) and fault tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate
+from ragcache_core.errors import ConfigError
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the documents below."
+)
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """How a request's prompt is assembled (DESIGN.md 3.3).
+
+    prompt = head + system prompt (the tree's root) + each document through `document`
+    (position independent) + `question` (never cached). With a chat template (`chat_template`
+    True, or None and the tokenizer has one) the head and the question part come from the
+    model's chat template instead, with the documents inside the user turn.
+    """
+
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    head: str = "{system}\n\n"
+    document: DocumentTemplate = DEFAULT_DOC_TEMPLATE
+    question: str = "Question: {question}\nAnswer:"
+    chat_template: bool | None = None
+    add_bos: bool = True
+
+    def __post_init__(self) -> None:
+        if "{question}" not in self.question:
+            raise ConfigError(
+                f"the question template must contain '{{question}}': {self.question!r}"
+            )
+        if "{system}" not in self.head:
+            raise ConfigError(f"the head template must contain '{{system}}': {self.head!r}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Generation settings of one request."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature cannot be negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Settings of a `RAGCache`. Immutable; derive variants with `with_(...)`."""
+
+    # Pools and policy.
+    gpu_pool_tokens: int = 16_384
+    """Capacity of the GPU-tier pool in tokens (on CPU-only machines: a second pool in RAM)."""
+    host_pool_tokens: int = 65_536
+    """Capacity of the host-tier pool (shared memory) in tokens; 0 turns the host tier off."""
+    page_size: int = 16
+    """Tokens per pool slot (see docs/benchmarks.md, "Page size")."""
+    policy: str = "pgdsf"
+    max_cached_depth: int | None = None
+    """Cache only the first j documents of a sequence (paper 2.7); None caches all."""
+    cost_profile: str | None = None
+    """A `ragcache profile` JSON for PGDSF's cost model; None uses the built-in analytic one."""
+
+    # Scheduling.
+    reorder: bool = True
+    reorder_window: int = 8
+    """A waiting request is overtaken at most this many times (starvation bound)."""
+    max_prefill_bs: int = 4
+    """Requests in prefill at once; more wait in the reordering queue. Speculation starts only
+    while fewer than this are in prefill."""
+    speculation: bool = True
+    top_k: int = 2
+
+    # Prompt and sampling.
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    # Engine.
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    block_size: int = 32
+    vllm_kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.1
+    engine_extra: dict[str, Any] = field(default_factory=dict)
+
+    # Fault tolerance.
+    request_timeout_s: float = 120.0
+    max_retries: int = 1
+    restart_engine: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_pool_tokens", "host_pool_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} cannot be negative, got {getattr(self, name)}")
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be at least 1, got {self.page_size}")
+        if self.max_prefill_bs < 1:
+            raise ConfigError(f"max_prefill_bs must be at least 1, got {self.max_prefill_bs}")
+        if self.top_k < 1:
+            raise ConfigError(f"top_k must be at least 1, got {self.top_k}")
+        if self.reorder_window < 0:
+            raise ConfigError(f"reorder_window cannot be negative, got {self.reorder_window}")
+        if self.max_cached_depth is not None and self.max_cached_depth < 0:
+            raise ConfigError(f"max_cached_depth cannot be negative, got {self.max_cached_depth}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if self.max_retries < 0:
+            raise ConfigError(f"max_retries cannot be negative, got {self.max_retries}")
+
+    def with_(self, **changes: Any) -> CacheConfig:
+        return replace(self, **changes)

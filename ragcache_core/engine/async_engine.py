@@ -1,0 +1,141 @@
+"""vLLM's async engine (`AsyncLLM`) in the app process: many concurrent requests on one event
+loop, each streamed token by token, abortable, with vLLM's own TTFT.
+
+The controller is the only user. `EngineDied` tells it the engine core is gone (a crashed or
+killed process); it then closes this engine and starts a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ragcache_core.config import SamplingConfig
+from ragcache_core.engine.config import EngineSettings
+from ragcache_core.errors import RAGCacheError
+
+
+class EngineDied(RAGCacheError):
+    """The vLLM engine core stopped (crash or kill); requests in it are lost."""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of a streamed request: the tokens generated so far."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    first_token_latency_s: float | None
+    kv_transfer_params: Mapping[str, Any] | None
+
+
+class AsyncEngine:
+    """A started `AsyncLLM`. Create it from a thread that may block (start takes ~25 s on CPU);
+    use it from one event loop."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from ragcache_core.engine.compat import check_vllm_version
+
+        check_vllm_version()
+        settings.apply_environment()
+        self.settings = settings
+        started = time.perf_counter()
+        kwargs = settings.to_engine_kwargs()
+        self._engine: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.start_s = time.perf_counter() - started
+        self._closed = False
+
+    @property
+    def is_dead(self) -> bool:
+        return bool(self._closed or self._engine is None or self._engine.errored)
+
+    def tokenizer(self) -> Any:
+        return self._engine.get_tokenizer()
+
+    def engine_core_pids(self) -> list[int]:
+        """Process ids of the engine core (for fault-injection tests)."""
+        core = getattr(self._engine, "engine_core", None)
+        manager = getattr(core, "resources", None)
+        procs = getattr(getattr(manager, "engine_manager", None), "processes", None) or []
+        return [int(p.pid) for p in procs if getattr(p, "pid", None)]
+
+    def kill_engine_core(self) -> None:
+        """Kill the engine core process with SIGKILL (fault-injection tests only)."""
+        pids = self.engine_core_pids()
+        if not pids:
+            raise RAGCacheError("cannot find the engine core process to kill")
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """Submit one request and yield its progress. Raises `EngineDied` if the engine core
+        died; cancelling the iteration aborts the request in vLLM."""
+        from vllm import SamplingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        from ragcache_core.engine.compat import first_token_latency, token_prompt
+
+        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
+            extra_args=extra,
+        )
+        if self.is_dead:
+            raise EngineDied("the vLLM engine is not running")
+        try:
+            async for output in self._engine.generate(token_prompt(prompt_ids), params, request_id):
+                completion = output.outputs[0]
+                yield StreamEvent(
+                    token_ids=tuple(completion.token_ids),
+                    text=completion.text,
+                    finished=bool(output.finished),
+                    finish_reason=completion.finish_reason,
+                    first_token_latency_s=first_token_latency(output),
+                    kv_transfer_params=getattr(output, "kv_transfer_params", None),
+                )
+        except EngineDeadError as exc:
+            raise EngineDied(f"the vLLM engine core died: {exc}") from exc
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache (when it is on)."""
+        await self._engine.reset_prefix_cache()
+
+    async def abort(self, request_id: str) -> None:
+        if not self.is_dead:
+            await self._engine.abort(request_id)
+
+    def close(self) -> None:
+        """Shut the engine down. Call it on the loop that used the engine (its output task
+        lives there). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        engine, self._engine = self._engine, None
+        engine.shutdown()
+        # Drop the last reference now, while the interpreter is whole: AsyncLLM.__del__ shuts
+        # down again and fails noisily if it runs at interpreter exit.
+        del engine
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)

@@ -1,0 +1,264 @@
+"""`RAGCacheLLM`: for chains where only the LLM node can change (`prompt | llm`).
+
+The LLM receives the rendered prompt text, where the retrieved documents are already pasted in.
+To cache them it must find them again: `DocumentMemory` remembers the documents your retriever
+returned (register it with `llm.watch(retriever)`, or pass `llm.memory` as a callback), and
+`DocumentMemory.split` locates their texts in the prompt:
+
+    "<preamble>" doc1 "<sep>" doc2 "<tail>"  ->  documents [doc1, doc2],
+                                                 question "<preamble>\\n\\n<tail>"
+
+The documents go to RAGCache as cacheable units; the rest of the prompt becomes the question
+part (rendered through the cache's question template: build the cache with
+`PromptConfig(question="{question}")` to keep it verbatim). Text between documents must be a
+short separator (at most `max_separator` non-blank characters), or nothing would be cached: a
+prompt whose documents cannot be found cleanly is answered uncached (the whole prompt as the
+question, no documents), and the first such prompt is logged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.callbacks.manager import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
+from langchain_core.documents import Document as LCDocument
+from langchain_core.language_models.llms import LLM
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.runnables import Runnable, RunnableLambda
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from ragcache_core.config import SamplingConfig
+from ragcache_core.controller import QueryResult, RAGCache
+from ragcache_core.documents import Document
+from ragcache_core.errors import InputError
+from ragcache_integrations.langchain.documents import to_ragcache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptSplit:
+    """A rendered prompt taken apart: the documents found in it, in prompt order, and the
+    remaining text (the question part)."""
+
+    documents: tuple[Document, ...]
+    question: str
+
+
+class DocumentMemory(BaseCallbackHandler):
+    """The documents retrievers returned lately, keyed by text (an LRU of `max_documents`).
+
+    As a LangChain callback handler it records every `on_retriever_end` of the runs it is
+    attached to; `remember` records documents directly. Thread-safe.
+    """
+
+    run_inline = True  # record before the next step of the chain formats the prompt
+
+    def __init__(self, max_documents: int = 10_000, max_separator: int = 32) -> None:
+        if max_documents < 1 or max_separator < 0:
+            raise InputError("max_documents must be positive and max_separator not negative")
+        self.max_documents = max_documents
+        self.max_separator = max_separator
+        self._docs: OrderedDict[str, Document] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def remember(self, documents: Iterable[LCDocument]) -> None:
+        """Record `documents` (documents without text are skipped: they cannot be cached)."""
+        converted = [to_ragcache(d) for d in documents if d.page_content.strip()]
+        with self._lock:
+            for doc in converted:
+                self._docs[doc.text] = doc
+                self._docs.move_to_end(doc.text)
+            while len(self._docs) > self.max_documents:
+                self._docs.popitem(last=False)
+
+    def on_retriever_end(
+        self,
+        documents: Sequence[LCDocument],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.remember(documents)
+
+    def split(self, prompt: str) -> PromptSplit | None:
+        """Find remembered documents in `prompt` (pure; None when none are found or the text
+        between two found documents is more than a short separator)."""
+        with self._lock:
+            docs = list(self._docs.values())
+        found = []
+        for doc in docs:
+            start = prompt.find(doc.text)
+            if start >= 0:
+                found.append((start, -len(doc.text), doc))
+        found.sort(key=lambda item: (item[0], item[1]))  # by position, longest first
+        chosen: list[tuple[int, int, Document]] = []
+        end = 0
+        for start, neg_len, doc in found:
+            if start >= end:  # skip documents overlapping one already chosen
+                chosen.append((start, start - neg_len, doc))
+                end = start - neg_len
+        if not chosen:
+            return None
+        for (_, prev_end, _), (start, _, _) in itertools.pairwise(chosen):
+            if len("".join(prompt[prev_end:start].split())) > self.max_separator:
+                return None
+        preamble, tail = prompt[: chosen[0][0]].strip(), prompt[chosen[-1][1] :].strip()
+        question = "\n\n".join(part for part in (preamble, tail) if part)
+        if not question:
+            return None
+        return PromptSplit(tuple(doc for _, _, doc in chosen), question)
+
+
+class RAGCacheLLM(LLM):
+    """A LangChain LLM answering through a `RAGCache` (`ragcache=`: LangChain's own `cache`
+    field means something else). Documents found in the prompt by `memory` are cached; see
+    the module docstring. `generation_info` carries TTFT, cache hits and token ids."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    ragcache: RAGCache
+    sampling: SamplingConfig | None = None
+    memory: DocumentMemory = Field(default_factory=DocumentMemory)
+    _warned_uncached: bool = PrivateAttr(default=False)
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragcache"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.ragcache.model, "sampling": repr(self.sampling)}
+
+    def watch(self, retriever: Runnable[Any, Any]) -> Runnable[Any, Any]:
+        """`retriever` with `memory` attached, so the documents it returns are recognised."""
+        return retriever.with_config(callbacks=[self.memory])
+
+    @property
+    def remember_documents(self) -> Runnable[list[LCDocument], list[LCDocument]]:
+        """A pass-through step recording documents: `retriever | llm.remember_documents`."""
+
+        def remember(documents: list[LCDocument]) -> list[LCDocument]:
+            self.memory.remember(documents)
+            return documents
+
+        return RunnableLambda(remember, name="remember_documents")
+
+    # ------------------------------------------------------------------ LangChain hooks
+
+    def _call(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        return self._generate([prompt], stop, run_manager).generations[0][0].text
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            question, documents, sampling = self._request(prompt, stop)
+            result = self.ragcache.generate(question, documents, sampling=sampling)
+            generations.append([Generation(text=result.answer, generation_info=_info(result))])
+        return LLMResult(generations=generations)
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            question, documents, sampling = self._request(prompt, stop)
+            result = await self.ragcache.agenerate(question, documents, sampling=sampling)
+            generations.append([Generation(text=result.answer, generation_info=_info(result))])
+        return LLMResult(generations=generations)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        question, documents, sampling = self._request(prompt, stop)
+        for piece in self.ragcache.stream(question, documents=documents, sampling=sampling):
+            chunk = _chunk(piece.delta, piece.result)
+            if run_manager is not None and piece.delta:
+                run_manager.on_llm_new_token(piece.delta, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        question, documents, sampling = self._request(prompt, stop)
+        async for piece in self.ragcache.astream(question, documents=documents, sampling=sampling):
+            chunk = _chunk(piece.delta, piece.result)
+            if run_manager is not None and piece.delta:
+                await run_manager.on_llm_new_token(piece.delta, chunk=chunk)
+            yield chunk
+
+    # ------------------------------------------------------------------ translation
+
+    def _request(
+        self, prompt: object, stop: list[str] | None
+    ) -> tuple[str, tuple[Document, ...], SamplingConfig]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputError(f"the prompt must be a non-empty string, got {prompt!r}")
+        sampling = self.sampling or self.ragcache.config.sampling
+        if stop:
+            sampling = replace(sampling, stop=tuple(stop))
+        split = self.memory.split(prompt)
+        if split is None:
+            if not self._warned_uncached:
+                self._warned_uncached = True
+                logger.warning(
+                    "RAGCacheLLM found no remembered documents in the prompt: answering "
+                    "uncached (attach the retriever with llm.watch(retriever))"
+                )
+            return prompt, (), sampling
+        return split.question, split.documents, sampling
+
+
+def _info(result: QueryResult) -> dict[str, Any]:
+    return {
+        "ttft_s": result.ttft_s,
+        "queue_wait_s": result.queue_wait_s,
+        "prompt_tokens": result.prompt_tokens,
+        "token_ids": list(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "documents": [d.id for d in result.sources],
+        "cache_hits": asdict(result.hits),
+    }
+
+
+def _chunk(delta: str, result: QueryResult | None) -> GenerationChunk:
+    return GenerationChunk(text=delta, generation_info=_info(result) if result else None)

@@ -1,0 +1,274 @@
+"""`RAGCacheRunnable`: the `prompt | llm` pair of an LCEL RAG chain, answered by RAGCache.
+
+    chain = (
+        {"context": retriever, "question": RunnablePassthrough()}
+        | RAGCacheRunnable(cache=cache)          # was: prompt | llm
+        | StrOutputParser()
+    )
+
+Input `{"context": list[Document], "question": str}`, output the answer text. RAGCache renders
+the prompt itself (its `CacheConfig.prompt`): each document becomes one cached unit of KV, so
+the next request that retrieves it (after the same documents) skips its prefill.
+`RAGCacheRunnable.from_vectorstore(store, cache=cache)` also retrieves (a community `FAISS`
+store is searched in stages, letting RAGCache speculate); its input is the question alone.
+
+Callbacks: each call is one chain run (`on_chain_start`/`on_chain_end`/`on_chain_error`, via
+`Runnable._call_with_config` and friends, so tracing, `astream_events` and `batch` behave like
+any LangChain runnable). What RAGCache measured (TTFT, cache hits, sources, token ids) is sent
+as the custom event `"ragcache"` (`on_custom_event`; `astream_events` shows it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import asdict
+from typing import Any, cast
+
+from langchain_core.callbacks.manager import (
+    AsyncCallbackManagerForChainRun,
+    CallbackManagerForChainRun,
+    adispatch_custom_event,
+    dispatch_custom_event,
+)
+from langchain_core.documents import Document as LCDocument
+from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.vectorstores import VectorStore
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+
+from ragcache_core.config import SamplingConfig
+from ragcache_core.controller import QueryResult, RAGCache
+from ragcache_core.documents import Document
+from ragcache_core.errors import InputError
+from ragcache_core.retrieval.source import SearchSource
+from ragcache_integrations.langchain.adapters import search_source
+from ragcache_integrations.langchain.documents import (
+    content_digest,
+    to_langchain,
+    to_ragcache_all,
+)
+
+logger = logging.getLogger(__name__)
+
+EVENT_NAME = "ragcache"
+RunnableInput = dict[str, Any] | str
+
+
+class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
+    """Answers `{"context": documents, "question": question}` through a `RAGCache`.
+
+    `search` (set by `from_vectorstore`) lets the input be the question alone; `k` wins over
+    the cache's `CacheConfig.top_k` for that search. Holds no per-call state: share it across
+    threads and tasks freely. Raises `InputError` for a question that is not a non-empty
+    string, a context that is not LangChain documents, or a document without text.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    cache: RAGCache
+    search: Any = Field(default=None, description="a ragcache_core SearchSource, or None")
+    k: int | None = None
+    sampling: SamplingConfig | None = None
+    _warned_no_context: bool = PrivateAttr(default=False)
+
+    @field_validator("search")
+    @classmethod
+    def _check_search(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, SearchSource):
+            raise ValueError(f"search must be a SearchSource, got {type(value).__name__}")
+        return value
+
+    @classmethod
+    def from_vectorstore(
+        cls,
+        vectorstore: VectorStore,
+        *,
+        cache: RAGCache,
+        k: int | None = None,
+        sampling: SamplingConfig | None = None,
+        **search_options: Any,
+    ) -> RAGCacheRunnable:
+        """A runnable that retrieves from `vectorstore` itself (input: the question).
+        `search_options` (nprobe, plan, ef_search) go to `adapters.search_source`."""
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise InputError(f"k must be a positive int, got {k!r}")
+        return cls(
+            cache=cache, search=search_source(vectorstore, **search_options), k=k, sampling=sampling
+        )
+
+    # ------------------------------------------------------------------ Runnable interface
+
+    def invoke(
+        self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> str:
+        return self._call_with_config(self._invoke, input, config)
+
+    async def ainvoke(
+        self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> str:
+        return await self._acall_with_config(self._ainvoke, input, config)
+
+    def transform(
+        self, input: Iterator[RunnableInput], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[str]:
+        yield from self._transform_stream_with_config(input, self._transform, config)
+
+    def stream(
+        self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[str]:
+        return self.transform(iter([input]), config, **kwargs)
+
+    async def atransform(
+        self,
+        input: AsyncIterator[RunnableInput],
+        config: RunnableConfig | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[str]:
+        async for chunk in self._atransform_stream_with_config(input, self._atransform, config):
+            yield chunk
+
+    async def astream(
+        self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[str]:
+        async def one() -> AsyncIterator[RunnableInput]:
+            yield input
+
+        async for chunk in self.atransform(one(), config, **kwargs):
+            yield chunk
+
+    # ------------------------------------------------------------------ bodies
+
+    def _invoke(
+        self, input: RunnableInput, run_manager: CallbackManagerForChainRun, config: RunnableConfig
+    ) -> str:
+        question, documents = self._parse(input)
+        if documents is None:
+            result = self.cache.query(
+                question, search=self.search, top_k=self.k, sampling=self.sampling
+            )
+        else:
+            result = self.cache.generate(question, documents, sampling=self.sampling)
+        dispatch_custom_event(EVENT_NAME, self._report(result), config=config)
+        return result.answer
+
+    async def _ainvoke(
+        self,
+        input: RunnableInput,
+        run_manager: AsyncCallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> str:
+        question, documents = self._parse(input)
+        if documents is None:
+            result = await self.cache.aquery(
+                question, search=self.search, top_k=self.k, sampling=self.sampling
+            )
+        else:
+            result = await self.cache.agenerate(question, documents, sampling=self.sampling)
+        await adispatch_custom_event(EVENT_NAME, self._report(result), config=config)
+        return result.answer
+
+    def _transform(
+        self,
+        inputs: Iterator[RunnableInput],
+        run_manager: CallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> Iterator[str]:
+        question, documents = self._parse(_merge(inputs))
+        for chunk in self.cache.stream(question, **self._stream_args(documents)):
+            if chunk.delta:
+                yield chunk.delta
+            if chunk.result is not None:
+                dispatch_custom_event(EVENT_NAME, self._report(chunk.result), config=config)
+
+    async def _atransform(
+        self,
+        inputs: AsyncIterator[RunnableInput],
+        run_manager: AsyncCallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> AsyncIterator[str]:
+        question, documents = self._parse(_merge([c async for c in inputs]))
+        async for chunk in self.cache.astream(question, **self._stream_args(documents)):
+            if chunk.delta:
+                yield chunk.delta
+            if chunk.result is not None:
+                await adispatch_custom_event(EVENT_NAME, self._report(chunk.result), config=config)
+
+    def _stream_args(self, documents: tuple[Document, ...] | None) -> dict[str, Any]:
+        if documents is None:
+            return {"search": self.search, "top_k": self.k, "sampling": self.sampling}
+        return {"documents": documents, "sampling": self.sampling}
+
+    # ------------------------------------------------------------------ translation
+
+    def _parse(self, input: object) -> tuple[str, tuple[Document, ...] | None]:
+        """(question, documents); documents None means "retrieve with `search`"."""
+        context: object = None
+        if isinstance(input, str):
+            question: object = input
+        elif isinstance(input, Mapping):
+            question, context = input.get("question"), input.get("context")
+        else:
+            raise InputError(
+                'the input must be {"context": [Document, ...], "question": str} or a question '
+                f"string, got {type(input).__name__}"
+            )
+        if not isinstance(question, str) or not question.strip():
+            raise InputError(f"the question must be a non-empty string, got {question!r}")
+        if context is None:
+            if self.search is None:
+                raise InputError(
+                    'no "context" in the input and no search: pass {"context": documents, '
+                    '"question": ...} or build the runnable with from_vectorstore'
+                )
+            return question, None
+        documents = _documents(context)
+        if not documents and not self._warned_no_context:
+            self._warned_no_context = True
+            logger.warning("the retriever returned no documents: answering without context")
+        return question, documents
+
+    @staticmethod
+    def _report(result: QueryResult) -> dict[str, Any]:
+        return {
+            "ttft_s": result.ttft_s,
+            "retrieval_s": result.retrieval_s,
+            "queue_wait_s": result.queue_wait_s,
+            "speculative": result.speculative,
+            "prompt_tokens": result.prompt_tokens,
+            "token_ids": list(result.token_ids),
+            "no_context": not result.sources,
+            "sources": [to_langchain(d) for d in result.sources],
+            "cache_hits": asdict(result.hits),
+        }
+
+
+def _documents(context: object) -> tuple[Document, ...]:
+    """The context as documents: a list of LangChain documents (the retriever's output), one
+    document, or an already formatted string (one document keyed by its content)."""
+    if isinstance(context, str):
+        if not context.strip():
+            return ()
+        return (Document(id=content_digest(context), text=context),)
+    if isinstance(context, LCDocument):
+        return to_ragcache_all([context])
+    if isinstance(context, list | tuple):
+        return to_ragcache_all(context)
+    raise InputError(f"context must be a list of LangChain Documents, got {type(context).__name__}")
+
+
+def _merge(chunks: Iterator[RunnableInput] | list[RunnableInput]) -> RunnableInput:
+    """Add up streamed input chunks (a parallel step streams its keys as separate dicts)."""
+    merged: Any = None
+    chunk: Any
+    for chunk in chunks:
+        if merged is None:
+            merged = chunk
+            continue
+        try:
+            merged = merged + chunk
+        except TypeError:  # plain dicts do not add: later keys win
+            both = isinstance(merged, Mapping) and isinstance(chunk, Mapping)
+            merged = {**merged, **chunk} if both else chunk
+    if merged is None:
+        raise InputError("the runnable received no input")
+    return cast(RunnableInput, merged)

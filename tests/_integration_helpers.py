@@ -1,0 +1,66 @@
+"""Shared pieces of the LlamaIndex / LangChain integration tests: the shipped sample corpus, the
+small cache settings, and the plain-vLLM reference the drop-ins must match token for token."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.documents import Document
+from ragcache_core.retrieval.corpus import load_corpus, load_questions
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLING = SamplingConfig(max_tokens=8, ignore_eos=True)
+CONFIG = CacheConfig(gpu_pool_tokens=2048, host_pool_tokens=4096, top_k=2, sampling=SAMPLING)
+_ref_ids = itertools.count()
+
+
+def sample_file(name: str) -> Path:
+    return Path(str(resources.files("ragcache_core") / "data" / name))
+
+
+def corpus(limit: int = 120) -> tuple[Document, ...]:
+    return load_corpus([sample_file("demo_corpus.jsonl")])[:limit]
+
+
+def questions(limit: int = 6) -> list[str]:
+    return [q.text for q in load_questions(sample_file("demo_questions.jsonl"), limit=limit)]
+
+
+def reference(cache: Any, question: str, documents: tuple[Document, ...]) -> Any:
+    """Plain vLLM on the same prompt ids: the engine with no kv_transfer_params (no cache
+    involved; vLLM's own prefix caching is off in a RAGCache). Returns the last StreamEvent."""
+
+    async def run() -> Any:
+        ids = cache.prompts.build(question, documents).token_ids  # on the cache's own loop
+        last = None
+        async for event in cache.engine.stream(f"reference-{next(_ref_ids)}", ids, SAMPLING):
+            last = event
+        return last
+
+    return cache._loop.run(run())
+
+
+def import_with_version(module: str, distribution: str, version: str, tmp: Path) -> Any:
+    """Import `module` in a fresh interpreter that sees `distribution` at `version` (a real
+    dist-info folder placed first on the path, so importlib.metadata finds it first)."""
+    name = distribution.replace("-", "_")
+    info = tmp / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n", encoding="utf-8"
+    )
+    env = {"PYTHONPATH": f"{tmp}:{REPO}", "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp,
+        timeout=120,
+    )

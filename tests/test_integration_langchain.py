@@ -1,0 +1,270 @@
+"""RAGCacheRunnable / RAGCacheLLM in real LCEL chains over real langchain-community FAISS
+stores and a real vLLM engine: answers match plain vLLM on the same prompt ids, repeats hit the
+cache, sources are the store's own top-k, callbacks fire like LangChain's own, bad input fails
+clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import pytest
+from _integration_helpers import CONFIG, corpus, import_with_version, questions, reference
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document as LCDocument
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import PromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+from packaging.specifiers import SpecifierSet
+
+from ragcache_core.errors import InputError
+from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
+from ragcache_integrations.langchain import (
+    EVENT_NAME,
+    OfflineEmbeddings,
+    RAGCacheLLM,
+    RAGCacheRunnable,
+    document_id,
+    to_ragcache,
+)
+from ragcache_integrations.langchain._compat import (
+    DISTRIBUTION,
+    UnsupportedFrameworkError,
+    check_version,
+)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # "langchain-community is being sunset"
+    from langchain_community.docstore.in_memory import InMemoryDocstore
+    from langchain_community.vectorstores import FAISS
+    from langchain_community.vectorstores.utils import DistanceStrategy
+
+DOCS = corpus()
+QUESTIONS = questions()
+LC_DOCS = [LCDocument(page_content=d.text, metadata={"title": d.title}) for d in DOCS]
+IDS = [d.id for d in DOCS]
+
+
+@pytest.fixture(scope="module")
+def embeddings() -> OfflineEmbeddings:
+    return OfflineEmbeddings(TfidfSvdEmbedder.fit([d.text for d in DOCS]))
+
+
+@pytest.fixture(scope="module")
+def flat_store(embeddings: OfflineEmbeddings) -> FAISS:
+    return FAISS.from_documents(LC_DOCS, embeddings, ids=IDS)
+
+
+@pytest.fixture(scope="module")
+def ivf_store(embeddings: OfflineEmbeddings) -> FAISS:
+    vectors = np.asarray(embeddings.embed_documents([d.text for d in DOCS]), dtype=np.float32)
+    dim = vectors.shape[1]
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, 4, faiss.METRIC_INNER_PRODUCT)
+    ivf.train(vectors)
+    ivf.nprobe = 2
+    store = FAISS(
+        embeddings,
+        ivf,
+        InMemoryDocstore(),
+        {},
+        distance_strategy=DistanceStrategy.MAX_INNER_PRODUCT,
+    )
+    store.add_documents(LC_DOCS, ids=IDS)
+    return store
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_model: Path) -> Iterator[Any]:
+    from ragcache_core.controller import RAGCache
+
+    with RAGCache(tiny_model, CONFIG) as cache:
+        yield cache
+
+
+class Record(BaseCallbackHandler):
+    """Collects what LangChain reports to a callback handler."""
+
+    def __init__(self) -> None:
+        self.starts: list[str] = []
+        self.ends = 0
+        self.reports: list[dict[str, Any]] = []
+
+    def on_chain_start(self, serialized: Any, inputs: Any, **kwargs: Any) -> None:
+        self.starts.append(str(kwargs.get("name")))
+
+    def on_chain_end(self, outputs: Any, **kwargs: Any) -> None:
+        self.ends += 1
+
+    def on_custom_event(self, name: str, data: Any, **kwargs: Any) -> None:
+        if name == EVENT_NAME:
+            self.reports.append(data)
+
+
+def _chain(retriever: Any, cache: Any) -> Any:
+    return (
+        {"context": retriever, "question": RunnablePassthrough()}
+        | RAGCacheRunnable(cache=cache)
+        | StrOutputParser()
+    )
+
+
+def _expected(cache: Any, store: FAISS, question: str, k: int = 2) -> tuple[Any, list[str]]:
+    docs = store.similarity_search(question, k=k)
+    return reference(cache, question, tuple(to_ragcache(d) for d in docs)), [d.id for d in docs]
+
+
+# ---------------------------------------------------------------------- with the engine
+
+
+@pytest.mark.vllm
+def test_lcel_chain_matches_vllm_hits_cache_and_reports(cache: Any, flat_store: FAISS) -> None:
+    chain = _chain(flat_store.as_retriever(search_kwargs={"k": 2}), cache)
+    question = QUESTIONS[0]
+    expected, source_ids = _expected(cache, flat_store, question)
+    record = Record()
+    assert chain.invoke(question, config={"callbacks": [record]}) == expected.text
+    assert "RAGCacheRunnable" in record.starts and record.ends == len(record.starts)
+    (report,) = record.reports
+    assert report["token_ids"] == list(expected.token_ids)
+    assert [d.id for d in report["sources"]] == source_ids
+
+    again = Record()
+    assert chain.invoke(question, config={"callbacks": [again]}) == expected.text
+    assert again.reports[0]["cache_hits"]["gpu_docs"] == 2
+
+
+@pytest.mark.vllm
+def test_async_batch_and_streaming(cache: Any, flat_store: FAISS) -> None:
+    chain = _chain(flat_store.as_retriever(search_kwargs={"k": 2}), cache)
+    asked = QUESTIONS[1:4]
+    expected = [_expected(cache, flat_store, q)[0].text for q in asked]
+    assert chain.batch(asked) == expected
+    assert asyncio.run(chain.ainvoke(asked[0])) == expected[0]
+    assert asyncio.run(chain.abatch(asked)) == expected
+
+    record = Record()
+    pieces = list(chain.stream(asked[1], config={"callbacks": [record]}))
+    assert "".join(pieces) == expected[1]
+    assert len(record.reports) == 1  # the streamed call reports too
+
+    async def astream() -> list[str]:
+        return [piece async for piece in chain.astream(asked[2])]
+
+    assert "".join(asyncio.run(astream())) == expected[2]
+
+
+@pytest.mark.vllm
+def test_from_vectorstore_retrieves_in_stages(cache: Any, ivf_store: FAISS) -> None:
+    runnable = RAGCacheRunnable.from_vectorstore(ivf_store, cache=cache, k=3)
+    assert runnable.search.can_speculate  # the IVF index is searched in stages
+    question = QUESTIONS[4]
+    expected, source_ids = _expected(cache, ivf_store, question, k=3)
+    record = Record()
+    assert runnable.invoke(question, config={"callbacks": [record]}) == expected.text
+    assert [d.id for d in record.reports[0]["sources"]] == source_ids
+    assert record.reports[0]["token_ids"] == list(expected.token_ids)
+    assert runnable.invoke({"question": question}) == expected.text
+
+
+@pytest.mark.vllm
+def test_llm_wrapper_finds_documents_in_the_prompt(cache: Any, flat_store: FAISS) -> None:
+    llm = RAGCacheLLM(ragcache=cache)
+    retriever = flat_store.as_retriever(search_kwargs={"k": 2})
+    prompt = PromptTemplate.from_template(
+        "Answer from the context.\n\n{context}\n\nQuestion: {question}\nAnswer:"
+    )
+
+    def format_docs(docs: list[LCDocument]) -> str:
+        return "\n\n".join(d.page_content for d in docs)
+
+    context = {"context": llm.watch(retriever) | format_docs, "question": RunnablePassthrough()}
+    question = QUESTIONS[5]
+    answer = (context | prompt | llm | StrOutputParser()).invoke(question)
+
+    rendered = (context | prompt).invoke(question).to_string()
+    split = llm.memory.split(rendered)
+    assert split is not None
+    assert [d.id for d in split.documents] == [d.id for d in retriever.invoke(question)]
+    assert split.question == f"Answer from the context.\n\nQuestion: {question}\nAnswer:"
+    expected = reference(cache, split.question, split.documents)
+    assert answer == expected.text
+
+    info = llm.generate([rendered]).generations[0][0].generation_info
+    assert info is not None
+    assert info["token_ids"] == list(expected.token_ids)
+    assert info["cache_hits"]["gpu_docs"] == 2  # the chain's call cached both documents
+
+
+@pytest.mark.vllm
+def test_llm_wrapper_answers_uncached_when_it_finds_nothing(
+    cache: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    llm = RAGCacheLLM(ragcache=cache)
+    prompt = "Context: something no retriever returned.\nQuestion: why?\nAnswer:"
+    with caplog.at_level(logging.WARNING):
+        first = llm.invoke(prompt)
+        llm.invoke(prompt)
+    assert first == reference(cache, prompt, ()).text
+    assert caplog.text.count("answering uncached") == 1  # said once
+
+
+@pytest.mark.vllm
+def test_empty_retrieval_answers_without_context(
+    cache: Any, flat_store: FAISS, caplog: pytest.LogCaptureFixture
+) -> None:
+    retriever = flat_store.as_retriever(
+        search_type="similarity_score_threshold", search_kwargs={"score_threshold": 0.999}
+    )
+    question = "zzqx vvbn"
+    assert retriever.invoke(question) == []  # a real retriever with nothing to return
+    record = Record()
+    with caplog.at_level(logging.WARNING):
+        answer = _chain(retriever, cache).invoke(question, config={"callbacks": [record]})
+    assert answer == reference(cache, question, ()).text
+    assert record.reports[0]["no_context"] is True
+    assert "no documents" in caplog.text
+
+
+@pytest.mark.vllm
+def test_bad_input(cache: Any) -> None:
+    runnable = RAGCacheRunnable(cache=cache)
+    doc = LC_DOCS[0]
+    for bad in (42, None, "  "):
+        with pytest.raises(InputError, match="non-empty string"):
+            runnable.invoke({"context": [doc], "question": bad})
+    with pytest.raises(InputError, match="has no text"):
+        runnable.invoke({"context": [LCDocument(page_content=" ", id="x")], "question": "q"})
+    with pytest.raises(InputError, match="LangChain Documents"):
+        runnable.invoke({"context": [{"page_content": "x"}], "question": "q"})
+    with pytest.raises(InputError, match="no search"):
+        runnable.invoke("a question with no context")  # no store to retrieve from
+    with pytest.raises(InputError, match="input must be"):
+        runnable.invoke(42)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- framework side only
+
+
+def test_document_ids() -> None:
+    text = "some text"
+    assert document_id(LCDocument(page_content=text, id="a", metadata={"id": "b"})) == "a"
+    assert document_id(LCDocument(page_content=text, metadata={"id": 7, "source": "s"})) == "7"
+    assert document_id(LCDocument(page_content=text, metadata={"source": "f.md"})) == "f.md"
+    hashed = document_id(LCDocument(page_content=text))
+    assert hashed.startswith("sha1:") and hashed == document_id(LCDocument(page_content=text))
+    assert hashed != document_id(LCDocument(page_content="other text"))
+
+
+def test_unsupported_langchain_version_fails_at_import(tmp_path: Path) -> None:
+    done = import_with_version("ragcache_integrations.langchain", DISTRIBUTION, "0.3.9", tmp_path)
+    assert done.returncode != 0
+    assert "UnsupportedFrameworkError" in done.stderr
+    assert "0.3.9 is installed" in done.stderr
+    with pytest.raises(UnsupportedFrameworkError, match="supports"):
+        check_version(DISTRIBUTION, SpecifierSet("<1"))

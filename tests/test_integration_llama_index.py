@@ -1,0 +1,279 @@
+"""RAGCacheQueryEngine on real LlamaIndex indexes (Faiss IVF, SimpleVectorStore) and a real
+vLLM engine: answers match plain vLLM on the same prompt ids, repeats hit the cache, sources
+are the index's own top-k, instrumentation fires, bad input fails clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import pytest
+from _integration_helpers import CONFIG, corpus, import_with_version, questions, reference
+from llama_index.core import StorageContext, VectorStoreIndex
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler
+from llama_index.core.llms import MockLLM
+from llama_index.core.prompts.default_prompts import (
+    DEFAULT_TEXT_QA_PROMPT,
+    DEFAULT_TEXT_QA_PROMPT_TMPL,
+)
+from llama_index.core.schema import TextNode
+from llama_index.core.vector_stores import MetadataFilter, MetadataFilters
+from llama_index.vector_stores.faiss import FaissVectorStore
+from packaging.specifiers import SpecifierSet
+from pydantic import Field
+
+from ragcache_core.config import PromptConfig
+from ragcache_core.errors import ConfigError, InputError
+from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
+from ragcache_integrations.llama_index import (
+    OfflineEmbedding,
+    RAGCacheQueryEngine,
+    as_query_engine,
+    node_to_document,
+    prompt_config,
+)
+from ragcache_integrations.llama_index._compat import (
+    DISTRIBUTION,
+    UnsupportedFrameworkError,
+    check_version,
+)
+
+DOCS = corpus()
+QUESTIONS = questions()
+
+
+@pytest.fixture(scope="module")
+def embed_model() -> OfflineEmbedding:
+    return OfflineEmbedding(TfidfSvdEmbedder.fit([d.text for d in DOCS]))
+
+
+def _nodes() -> list[TextNode]:
+    return [TextNode(id_=d.id, text=d.text, metadata={"title": d.title}) for d in DOCS]
+
+
+@pytest.fixture(scope="module")
+def ivf_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
+    vectors = np.asarray(embed_model.get_text_embedding_batch([d.text for d in DOCS]), "float32")
+    dim = vectors.shape[1]
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, 4, faiss.METRIC_INNER_PRODUCT)
+    ivf.train(vectors)
+    ivf.nprobe = 2
+    storage = StorageContext.from_defaults(vector_store=FaissVectorStore(faiss_index=ivf))
+    return VectorStoreIndex(_nodes(), storage_context=storage, embed_model=embed_model)
+
+
+@pytest.fixture(scope="module")
+def simple_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
+    return VectorStoreIndex(_nodes(), embed_model=embed_model)
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_model: Path) -> Iterator[Any]:
+    from ragcache_core.controller import RAGCache
+
+    with RAGCache(tiny_model, CONFIG) as cache:
+        yield cache
+
+
+def _source_ids(response: Any) -> list[str]:
+    return [n.node.node_id for n in response.source_nodes]
+
+
+def _documents(response: Any) -> tuple[Any, ...]:
+    return tuple(node_to_document(n.node) for n in response.source_nodes)
+
+
+# ---------------------------------------------------------------------- with the engine
+
+
+@pytest.mark.vllm
+def test_faiss_query_matches_vllm_and_hits_cache_on_repeat(
+    cache: Any, ivf_index: VectorStoreIndex
+) -> None:
+    engine = as_query_engine(ivf_index, cache=cache)
+    assert engine.search.can_speculate  # the IVF store is searched in stages
+    question = QUESTIONS[0]
+    first = engine.query(question)
+    own = ivf_index.as_retriever(similarity_top_k=CONFIG.top_k).retrieve(question)
+    assert _source_ids(first) == [h.node.node_id for h in own]  # the index's own top-k
+    assert [n.score for n in first.source_nodes] == pytest.approx([h.score for h in own])
+    expected = reference(cache, question, _documents(first))
+    assert first.metadata["token_ids"] == list(expected.token_ids)
+    assert first.response == expected.text
+    assert first.metadata["ttft_s"] > 0
+
+    again = engine.query(question)
+    assert again.metadata["cache_hits"]["gpu_docs"] == CONFIG.top_k
+    assert again.metadata["token_ids"] == list(expected.token_ids)
+
+
+@pytest.mark.vllm
+def test_similarity_top_k_wins_over_the_cache_default(
+    cache: Any, ivf_index: VectorStoreIndex
+) -> None:
+    question = QUESTIONS[1]
+    assert len(as_query_engine(ivf_index, cache=cache).query(question).source_nodes) == 2
+    response = RAGCacheQueryEngine.from_index(ivf_index, cache=cache, similarity_top_k=3).query(
+        question
+    )
+    own = ivf_index.as_retriever(similarity_top_k=3).retrieve(question)
+    assert _source_ids(response) == [h.node.node_id for h in own]
+    expected = reference(cache, question, _documents(response))
+    assert response.metadata["token_ids"] == list(expected.token_ids)
+
+
+@pytest.mark.vllm
+def test_simple_vector_store(cache: Any, simple_index: VectorStoreIndex) -> None:
+    question = QUESTIONS[2]
+    response = as_query_engine(simple_index, cache=cache, similarity_top_k=2).query(question)
+    own = simple_index.as_retriever(similarity_top_k=2).retrieve(question)
+    assert _source_ids(response) == [h.node.node_id for h in own]
+    expected = reference(cache, question, _documents(response))
+    assert response.metadata["token_ids"] == list(expected.token_ids)
+
+
+@pytest.mark.vllm
+def test_async_and_streaming_agree_with_sync(cache: Any, ivf_index: VectorStoreIndex) -> None:
+    question = QUESTIONS[3]
+    sync = as_query_engine(ivf_index, cache=cache).query(question)
+    expected = reference(cache, question, _documents(sync))
+
+    async_response = asyncio.run(as_query_engine(ivf_index, cache=cache).aquery(question))
+    assert async_response.response == expected.text
+    assert _source_ids(async_response) == _source_ids(sync)
+
+    streaming = as_query_engine(ivf_index, cache=cache, streaming=True).query(question)
+    assert isinstance(streaming, StreamingResponse)
+    assert _source_ids(streaming) == _source_ids(sync)  # known before the text is consumed
+    assert "".join(streaming.response_gen) == expected.text
+    assert streaming.metadata is not None
+    assert streaming.metadata["token_ids"] == list(expected.token_ids)
+
+    async def consume() -> tuple[str, Any]:
+        engine = as_query_engine(ivf_index, cache=cache, streaming=True)
+        response = await engine.aquery(question)
+        assert isinstance(response, AsyncStreamingResponse)
+        text = "".join([piece async for piece in response.async_response_gen()])
+        return text, response
+
+    text, async_streaming = asyncio.run(consume())
+    assert text == expected.text
+    assert _source_ids(async_streaming) == _source_ids(sync)
+
+
+class _Events(BaseEventHandler):
+    seen: list[Any] = Field(default_factory=list)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RecordEvents"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        self.seen.append(event)
+
+
+@pytest.mark.vllm
+def test_emits_llama_index_instrumentation(cache: Any, ivf_index: VectorStoreIndex) -> None:
+    root = get_dispatcher()
+    events, spans = _Events(), SimpleSpanHandler()
+    root.add_event_handler(events)
+    root.add_span_handler(spans)
+    try:
+        as_query_engine(ivf_index, cache=cache).query(QUESTIONS[0])
+    finally:
+        root.event_handlers.remove(events)
+        root.span_handlers.remove(spans)
+    names = [e.class_name() for e in events.seen]
+    wanted = ["QueryStartEvent", "RetrievalStartEvent", "RetrievalEndEvent", "QueryEndEvent"]
+    assert [n for n in names if n in wanted] == wanted
+    query_start = next(e for e in events.seen if e.class_name() == "QueryStartEvent")
+    assert str(query_start.span_id).startswith("RAGCacheQueryEngine.query-")
+    retrieval_end = next(e for e in events.seen if e.class_name() == "RetrievalEndEvent")
+    assert len(retrieval_end.nodes) == CONFIG.top_k
+    assert any(s.id_.startswith("RAGCacheQueryEngine.query-") for s in spans.completed_spans)
+
+
+@pytest.mark.vllm
+def test_empty_retrieval_answers_without_context(
+    cache: Any, simple_index: VectorStoreIndex, caplog: pytest.LogCaptureFixture
+) -> None:
+    nothing = MetadataFilters(filters=[MetadataFilter(key="title", value="no such title")])
+    retriever = simple_index.as_retriever(filters=nothing)
+    engine = RAGCacheQueryEngine.from_retriever(retriever, cache=cache)
+    with caplog.at_level(logging.WARNING):
+        response = engine.query(QUESTIONS[4])
+    assert response.source_nodes == []
+    assert response.metadata["no_context"] is True
+    assert "no documents" in caplog.text
+    assert response.metadata["token_ids"] == list(reference(cache, QUESTIONS[4], ()).token_ids)
+
+
+@pytest.mark.vllm
+def test_bad_input(cache: Any, ivf_index: VectorStoreIndex, embed_model: OfflineEmbedding) -> None:
+    engine = as_query_engine(ivf_index, cache=cache)
+    for bad in (42, "   ", None):
+        with pytest.raises(InputError, match="non-empty string"):
+            engine.query(bad)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="similarity_top_k"):
+        as_query_engine(ivf_index, cache=cache, similarity_top_k=0)
+
+    # A node with metadata but no text: LlamaIndex indexes it (its embedding text is the
+    # metadata), RAGCache has nothing to put in the prompt.
+    nodes = [*_nodes()[:4], TextNode(id_="blank", text="", metadata={"title": "Blank"})]
+    flat = faiss.IndexFlatIP(len(embed_model.get_query_embedding("x")))
+    storage = StorageContext.from_defaults(vector_store=FaissVectorStore(faiss_index=flat))
+    index = VectorStoreIndex(nodes, storage_context=storage, embed_model=embed_model)
+    with pytest.raises(InputError, match="has no text"):
+        as_query_engine(index, cache=cache, similarity_top_k=5).query(QUESTIONS[0])
+
+
+@pytest.mark.vllm
+def test_prompt_must_match_the_cache(cache: Any, ivf_index: VectorStoreIndex) -> None:
+    as_query_engine(ivf_index, cache=cache, prompt=cache.config.prompt)  # the same: accepted
+    with pytest.raises(ConfigError, match="different prompt"):
+        as_query_engine(ivf_index, cache=cache, prompt=DEFAULT_TEXT_QA_PROMPT)
+
+
+# ---------------------------------------------------------------------- framework side only
+
+
+def test_index_as_query_engine_drops_the_cache_keyword(ivf_index: VectorStoreIndex) -> None:
+    """Why the guide says `as_query_engine(index, cache=...)`: LlamaIndex ignores `cache=`."""
+    engine = ivf_index.as_query_engine(llm=MockLLM(), cache=object())
+    assert not isinstance(engine, RAGCacheQueryEngine)
+    assert "cache" not in vars(engine)
+
+
+def test_prompt_config_from_a_llama_index_template() -> None:
+    config = prompt_config(DEFAULT_TEXT_QA_PROMPT)
+    pre, post = DEFAULT_TEXT_QA_PROMPT_TMPL.split("{context_str}")
+    assert config.system_prompt == pre
+    assert config.head == "{system}"
+    assert config.question == post.replace("{query_str}", "{question}")
+    assert prompt_config("{{a}} {context_str} Q: {query_str}").system_prompt == "{a} "
+    with pytest.raises(ConfigError, match="query_str"):
+        prompt_config("{query_str} {context_str}")
+    with pytest.raises(ConfigError, match="cannot fill"):
+        prompt_config("{context_str} {query_str} {other}")
+    assert prompt_config("{context_str}{query_str}", PromptConfig(add_bos=False)).add_bos is False
+
+
+def test_unsupported_llama_index_version_fails_at_import(tmp_path: Path) -> None:
+    done = import_with_version(
+        "ragcache_integrations.llama_index", DISTRIBUTION, "0.10.3", tmp_path
+    )
+    assert done.returncode != 0
+    assert "UnsupportedFrameworkError" in done.stderr
+    assert "0.10.3 is installed" in done.stderr
+    with pytest.raises(UnsupportedFrameworkError, match="supports"):
+        check_version(DISTRIBUTION, SpecifierSet(">=99"))
+    with pytest.raises(UnsupportedFrameworkError, match="not installed"):
+        check_version("no-such-distribution-ragcache", SpecifierSet(">=0"))
