@@ -4,12 +4,56 @@ The package tree follows the pipeline (see docs/architecture.md):
 `tree/`, `policy/`, `cost/`, `scheduler/` (control plane, pure Python), `storage/` and
 `engine/` (data plane on vLLM), `retrieval/` (staged vector search), `pipeline/` and
 `controller` (the RAG request lifecycle), `sim/` and `bench/` (measurement), `cli/`.
+
+The public API is importable from here: `RAGCache`, `CacheConfig`, `PromptConfig`,
+`SamplingConfig`, `Document`, `QueryResult` (loaded on first use, so `import ragcache_core`
+stays light).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ragcache_core.errors import ConfigError, InputError, ModelError, RAGCacheError
+
+if TYPE_CHECKING:
+    from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
+    from ragcache_core.controller import CacheHits, QueryResult, RAGCache, StreamChunk
+    from ragcache_core.documents import Document
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "InputError", "ModelError", "RAGCacheError", "__version__"]
+_LAZY = {
+    "RAGCache": "ragcache_core.controller",
+    "QueryResult": "ragcache_core.controller",
+    "CacheHits": "ragcache_core.controller",
+    "StreamChunk": "ragcache_core.controller",
+    "CacheConfig": "ragcache_core.config",
+    "PromptConfig": "ragcache_core.config",
+    "SamplingConfig": "ragcache_core.config",
+    "Document": "ragcache_core.documents",
+}
+
+__all__ = [
+    "CacheConfig",
+    "CacheHits",
+    "ConfigError",
+    "Document",
+    "InputError",
+    "ModelError",
+    "PromptConfig",
+    "QueryResult",
+    "RAGCache",
+    "RAGCacheError",
+    "SamplingConfig",
+    "StreamChunk",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ragcache_core' has no attribute {name!r}")

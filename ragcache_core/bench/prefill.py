@@ -124,7 +124,7 @@ def measure(
             "token_kv_bytes": layout.token_bytes,
             "gpu_pool_bytes": layout.pool_bytes(engine.gpu_slots),
             "host_pool_bytes": layout.pool_bytes(engine.host_slots),
-            "vllm_kv_cache_bytes": int(settings.kv_cache_space_gib * GIB),
+            "vllm_kv_cache_bytes": int((settings.kv_cache_space_gib or 0) * GIB),
         }
     finally:
         engine.close(unlink_host_pool=True)

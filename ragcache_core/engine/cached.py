@@ -229,7 +229,7 @@ class CachedEngine:
             check_fits("the host KV pool", host, available_host_bytes(), "lower host_pool_gib")
         else:
             # On CPU both pools and vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE) share the RAM.
-            vllm_kv = int(settings.kv_cache_space_gib * GIB)
+            vllm_kv = int((settings.kv_cache_space_gib or 0) * GIB)
             check_fits(
                 f"the KV pools ({wanted} bytes device pool + {host} bytes host pool + "
                 f"{vllm_kv} bytes of vLLM's own KV cache)",

@@ -2,9 +2,10 @@
 
 `EngineSettings` is the one place that turns RAGCache's view of the engine (model folder,
 dtype, KV space, block size, context length) into `vllm.LLM` / `AsyncEngineArgs` keyword
-arguments. On CPU vLLM reads its KV cache size from `VLLM_CPU_KVCACHE_SPACE` (GiB) and treats
-`gpu_memory_utilization` as the fraction of RAM it may reserve; its attention block size must
-be a multiple of 32.
+arguments. vLLM's own KV cache size goes in as `kv_cache_memory_bytes` (any size; vllm-cpu's
+`VLLM_CPU_KVCACHE_SPACE` takes whole GiB only and would override it, so it is unset). On CPU
+vLLM treats `gpu_memory_utilization` as the fraction of RAM it may reserve; its attention block
+size must be a multiple of 32.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class EngineSettings:
     dtype: str = "float32"
     max_model_len: int = 4096
     block_size: int = 32
-    kv_cache_space_gib: float = 1.0
-    """CPU only: the size of vLLM's own paged KV cache (`VLLM_CPU_KVCACHE_SPACE`)."""
+    kv_cache_space_gib: float | None = 1.0
+    """The size of vLLM's own paged KV cache (`kv_cache_memory_bytes`); None lets vLLM size it
+    from `gpu_memory_utilization` (CUDA)."""
     gpu_memory_utilization: float = 0.1
     """On CUDA the fraction of GPU memory vLLM may use; on CPU the fraction of RAM."""
     enable_prefix_caching: bool = False
@@ -52,7 +54,7 @@ class EngineSettings:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.kv_cache_space_gib <= 0:
+        if self.kv_cache_space_gib is not None and self.kv_cache_space_gib <= 0:
             raise ConfigError(f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}")
 
     def with_(self, **changes: Any) -> EngineSettings:
@@ -60,7 +62,9 @@ class EngineSettings:
 
     def apply_environment(self) -> None:
         """Set the environment variables vLLM reads at start (before the engine starts)."""
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"
+        # vllm-cpu reads whole GiB from VLLM_CPU_KVCACHE_SPACE and lets it override the engine
+        # argument; the argument (`kv_cache_memory_bytes`) takes any size, so clear the variable.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def to_engine_kwargs(self) -> dict[str, Any]:
@@ -78,6 +82,8 @@ class EngineSettings:
             "enforce_eager": self.enforce_eager,
             "disable_log_stats": False,  # per-request metrics carry vLLM's own TTFT
         }
+        if self.kv_cache_space_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_space_gib * 2**30)
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.kv_transfer_config is not None:
