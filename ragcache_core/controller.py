@@ -25,7 +25,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,8 @@ class _Run:
     documents: tuple[Document, ...]
     task: asyncio.Task[_Generation]
     started_at: float
+    chunks: asyncio.Queue[_Item]
+    """Text of the speculative generation, held back until it is adopted."""
 
 
 @dataclass
@@ -117,7 +119,6 @@ class _Generation:
     doc_hit_tokens: int
     num_docs: int
     retries: int = 0
-    deltas: list[str] = field(default_factory=list)
 
 
 class RAGCache:
@@ -376,6 +377,11 @@ class RAGCache:
         self._closed = True
 
         async def shutdown() -> None:
+            # Requests still running end with CancelledError instead of hanging their callers.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
             self.engine.close()
             await asyncio.sleep(0)  # let the engine's output task see its cancellation
 
@@ -399,7 +405,7 @@ class RAGCache:
         search: SearchSource | None,
         top_k: int | None,
         sampling: SamplingConfig | None,
-        emit: Any,
+        emit: Callable[[_Item], None] | None,
     ) -> QueryResult:
         """Algorithm 2 (dynamic speculative pipelining) around `_generate`."""
         source = search or self.search
@@ -408,6 +414,7 @@ class RAGCache:
         if not isinstance(question, str) or not question.strip():
             raise InputError(f"the question must be a non-empty string, got {question!r}")
         k = top_k or self.config.top_k
+        sampling = sampling or self.config.sampling
         started = time.perf_counter()
         counters = self.metrics.counters
         speculate = self.config.speculation and source.can_speculate
@@ -427,8 +434,8 @@ class RAGCache:
                     self.metrics.speculation.labels("aborted").inc()
                     spec = None
                 current = stage.doc_ids
-                if self.admission.try_acquire():
-                    spec = self._start_speculation(question, stage.documents, sampling)
+                spec = self._start_speculation(question, stage.documents, sampling)
+                if spec is not None:
                     counters.speculation_started += 1
                     self.metrics.speculation.labels("started").inc()
         except BaseException:
@@ -440,24 +447,24 @@ class RAGCache:
         search_done = time.perf_counter()
         retrieval_s = search_done - started
 
+        generation: _Generation | None = None
+        speculative = False
         if spec is not None and tuple(d.id for d in spec.documents) == final.doc_ids:
-            counters.speculation_used += 1
-            self.metrics.speculation.labels("used").inc()
-            generation = await spec.task
-            # A used speculation counts toward PGDSF frequency like a final request.
-            self.tree.mark_final(generation.handle)
-            counters.search_hidden_s += max(0.0, search_done - spec.started_at)
-            if emit is not None:
-                for delta in generation.deltas:
-                    emit_chunk(emit, delta)
-            speculative = True
-        else:
-            if spec is not None:
-                await self._cancel(spec)
-                counters.speculation_aborted += 1
-                self.metrics.speculation.labels("aborted").inc()
-            generation = await self._generate(question, final.documents, sampling, emit, True)
-            speculative = False
+            generation = await self._adopt(spec, emit)
+            if generation is not None:
+                speculative = True
+                counters.speculation_used += 1
+                self.metrics.speculation.labels("used").inc()
+                # A used speculation counts toward PGDSF frequency like a final request.
+                self.tree.mark_final(generation.handle)
+                counters.search_hidden_s += max(0.0, search_done - spec.started_at)
+        elif spec is not None:
+            await self._cancel(spec)
+            counters.speculation_aborted += 1
+            self.metrics.speculation.labels("aborted").inc()
+        if generation is None:
+            prompt = self._build(question, final.documents, sampling)
+            generation = await self._generate(prompt, sampling, emit, True)
         result = self._result(
             generation, final.documents, started, retrieval_s, speculative, search_done
         )
@@ -465,11 +472,42 @@ class RAGCache:
 
     def _start_speculation(
         self, question: str, documents: tuple[Document, ...], sampling: SamplingConfig | None
-    ) -> _Run:
+    ) -> _Run | None:
+        """Start a speculative generation if a prefill slot is free now (Algorithm 2: only
+        while the engine is below `max_prefill_bs`). Its text is buffered until adopted."""
+        sampling = sampling or self.config.sampling
+        try:
+            prompt = self._build(question, documents, sampling)
+        except InputError:
+            return None  # e.g. an intermediate top-k too long for the context: wait for the final
+        if not self.admission.try_acquire():
+            return None
+        chunks: asyncio.Queue[_Item] = asyncio.Queue()
         task = asyncio.ensure_future(
-            self._generate(question, documents, sampling, None, False, admitted=True)
+            self._generate(prompt, sampling, chunks.put_nowait, False, admitted=True)
         )
-        return _Run(documents, task, time.perf_counter())
+        return _Run(documents, task, time.perf_counter(), chunks)
+
+    async def _adopt(self, run: _Run, emit: Callable[[_Item], None] | None) -> _Generation | None:
+        """Use a speculative generation whose documents turned out final: stream its text live
+        from now on. None when it failed (the caller then runs the final generation)."""
+        while not run.task.done():
+            getter = asyncio.ensure_future(run.chunks.get())
+            await asyncio.wait({getter, run.task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                if emit is not None:
+                    emit(getter.result())
+            else:
+                getter.cancel()
+        while not run.chunks.empty():
+            item = run.chunks.get_nowait()
+            if emit is not None:
+                emit(item)
+        try:
+            return run.task.result()
+        except (RAGCacheError, asyncio.CancelledError):
+            logger.warning("a speculative generation failed; running the final one")
+            return None
 
     async def _cancel(self, run: _Run) -> None:
         run.task.cancel()
@@ -481,7 +519,7 @@ class RAGCache:
         question: str,
         documents: tuple[Document, ...],
         sampling: SamplingConfig | None,
-        emit: Any,
+        emit: Callable[[_Item], None] | None,
     ) -> QueryResult:
         for doc in documents:
             if not isinstance(doc, Document):
@@ -489,7 +527,9 @@ class RAGCache:
                     f"documents must be ragcache_core.Document, got {type(doc).__name__}"
                 )
         started = time.perf_counter()
-        generation = await self._generate(question, documents, sampling, emit, True)
+        sampling = sampling or self.config.sampling
+        prompt = self._build(question, documents, sampling)
+        generation = await self._generate(prompt, sampling, emit, True)
         return self._result(generation, documents, started, 0.0, False, started)
 
     def _result(
@@ -522,19 +562,11 @@ class RAGCache:
 
     # ------------------------------------------------------------------ one generation
 
-    async def _generate(
-        self,
-        question: str,
-        documents: tuple[Document, ...],
-        sampling: SamplingConfig | None,
-        emit: Any,
-        final: bool,
-        *,
-        admitted: bool = False,
-    ) -> _Generation:
-        """Run one generation with retries on timeout and engine death. `admitted`: the caller
-        already holds a prefill slot (speculation)."""
-        sampling = sampling or self.config.sampling
+    def _build(
+        self, question: str, documents: Sequence[Document], sampling: SamplingConfig
+    ) -> BuiltPrompt:
+        """The prompt's token ids; `InputError` (before anything is allocated) when it does not
+        fit the context with the answer."""
         prompt = self.prompts.build(question, documents)
         limit = self.config.max_model_len - sampling.max_tokens
         if prompt.num_tokens > limit:
@@ -542,10 +574,34 @@ class RAGCache:
                 f"the prompt has {prompt.num_tokens} tokens but at most {limit} fit "
                 f"(max_model_len {self.config.max_model_len} - max_tokens {sampling.max_tokens})"
             )
+        return prompt
+
+    async def _generate(
+        self,
+        prompt: BuiltPrompt,
+        sampling: SamplingConfig,
+        emit: Callable[[_Item], None] | None,
+        final: bool,
+        *,
+        admitted: bool = False,
+    ) -> _Generation:
+        """Run one generation with retries on timeout and engine death. `admitted`: the caller
+        already holds a prefill slot (speculation); it is released on every path. A request
+        that already streamed text is not retried (the text cannot be taken back)."""
         retries = 0
         while True:
+            engine_generation = self._engine_generation
+            emitted: list[str] = []
+
+            def tracked_emit(item: _Item, sink: Any = emit, seen: list[str] = emitted) -> None:
+                if isinstance(item, StreamChunk):
+                    seen.append(item.delta)
+                sink(item)
+
             try:
-                generation = await self._generate_once(prompt, sampling, emit, final, admitted)
+                generation = await self._generate_once(
+                    prompt, sampling, tracked_emit if emit is not None else None, final, admitted
+                )
                 generation.retries = retries
                 return generation
             except (TimeoutError, EngineDied) as exc:
@@ -553,24 +609,27 @@ class RAGCache:
                 self.metrics.counters.requests_failed += 1
                 self.metrics.failures.inc()
                 if isinstance(exc, EngineDied):
-                    await self._restart_engine()
-                if retries >= self.config.max_retries:
+                    await self._restart_engine(engine_generation)
+                what = "timed out" if isinstance(exc, TimeoutError) else "lost its engine"
+                if retries >= self.config.max_retries or emitted:
                     raise RAGCacheError(
-                        f"request failed after {retries + 1} attempt(s): "
-                        f"{exc or type(exc).__name__}"
+                        f"the request {what} after {retries + 1} attempt(s)"
+                        + (" and had streamed text already" if emitted else "")
                     ) from exc
                 retries += 1
                 self.metrics.counters.retries += 1
-                logger.warning("retrying a request after %s", type(exc).__name__)
+                logger.warning("retrying a request that %s", what)
 
     async def _generate_once(
         self,
         prompt: BuiltPrompt,
         sampling: SamplingConfig,
-        emit: Any,
+        emit: Callable[[_Item], None] | None,
         final: bool,
         admitted: bool,
     ) -> _Generation:
+        """One attempt. `request_timeout_s` bounds the wait for each event (the first token,
+        then each next one), so a long healthy answer never times out; a stuck engine does."""
         ticket = Ticket(score=lambda: self._score(prompt))
         if admitted:
             ticket.admitted_at = ticket.enqueued_at
@@ -587,22 +646,23 @@ class RAGCache:
             params = {PLAN_KEY: handle.plan.to_json()}
             text, first_at, reason, report = "", 0.0, None, None
             tokens: tuple[int, ...] = ()
-            deltas: list[str] = []
             stream = self.engine.stream(request_id, prompt.token_ids, sampling, params)
-            async with asyncio.timeout(self.config.request_timeout_s):
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(self.config.request_timeout_s) as deadline:
                 async for event in stream:
+                    deadline.reschedule(loop.time() + self.config.request_timeout_s)
                     if event.token_ids and in_prefill:
                         first_at = time.perf_counter()
                         in_prefill = False
                         self.admission.release()
                     if event.text != text:
                         delta = event.text[len(text) :]
-                        deltas.append(delta)
-                        if emit is not None:
-                            emit_chunk(emit, delta)
+                        if emit is not None and delta:
+                            emit(StreamChunk(delta))
                     text, tokens, reason = event.text, event.token_ids, event.finish_reason
                     if event.finished:
                         report = event.kv_transfer_params
+            first_at = first_at or time.perf_counter()  # no token at all: finished is the first
             hits, doc_hit_tokens = self._settle(handle, report, prompt)
             settled, handle = handle, None
             return _Generation(
@@ -617,11 +677,12 @@ class RAGCache:
                 doc_tokens=sum(s.num_tokens for s in prompt.doc_specs),
                 doc_hit_tokens=doc_hit_tokens,
                 num_docs=len(prompt.doc_specs),
-                deltas=deltas,
             )
         except BaseException:
             if generation_of_engine == self._engine_generation and not self.engine.is_dead:
-                await asyncio.shield(self.engine.abort(request_id))
+                # Never let a failing abort hide the error that brought us here.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.engine.abort(request_id))
             raise
         finally:
             if in_prefill:
@@ -681,14 +742,14 @@ class RAGCache:
     async def _start_engine(self) -> AsyncEngine:
         return AsyncEngine(self.engine_settings)
 
-    async def _restart_engine(self) -> None:
-        """Replace a dead engine (once, however many requests saw it die). GPU-pool copies are
-        gone with the worker; confirmed host-pool copies survive in the app's shared memory."""
+    async def _restart_engine(self, dead_generation: int) -> None:
+        """Replace the engine of `dead_generation` (once, however many requests saw it die).
+        GPU-pool copies are gone with the worker; confirmed host-pool copies survive in the
+        app's shared memory."""
         if self._restart_lock is None:
             self._restart_lock = asyncio.Lock()
-        seen = self._engine_generation
         async with self._restart_lock:
-            if seen != self._engine_generation:
+            if dead_generation != self._engine_generation:
                 return  # another request restarted it already
             if not self.config.restart_engine:
                 raise RAGCacheError("the vLLM engine died and restart_engine is off")
@@ -705,8 +766,3 @@ class RAGCache:
             self._host_pool.unlink()
             self._host_pool = None
             self._pool_finalizer.detach()
-
-
-def emit_chunk(emit: Any, delta: str) -> None:
-    if delta:
-        emit(StreamChunk(delta))
