@@ -7,7 +7,7 @@ Request lifecycle:
 
     handle = cache.begin_request(root_tokens, docs, question_tokens)  # match, pin, evict, plan
     ... connector executes handle.plan: swap_out, promote, load, (forward), store ...
-    cache.confirm(handle)   # first token arrived: written copies become readable; unpin
+    cache.confirm(handle)   # its stores ran: written copies become readable; unpin
     cache.abort(handle)     # or: the request died; its unconfirmed copies are dropped; unpin
 
 Placement invariants (checked by `check_integrity`):
@@ -246,7 +246,9 @@ class KnowledgeCache:
         return handle
 
     def confirm(self, handle: RequestHandle) -> None:
-        """The request's first token arrived: copies it wrote become readable; release its pins
+        """The request's copies are known to be complete (the controller confirms when the
+        request finishes and the connector reports its stores ran; after the first token would
+        also be safe): copies it wrote become readable; release its pins
         and held slots. Raises `RAGCacheError` if the handle is not open."""
         self._check_open(handle)
         for node, tier in handle._pending:
