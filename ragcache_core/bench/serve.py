@@ -164,16 +164,19 @@ def run_vllm(
     run.engine_start_s = time.perf_counter() - started
     k = config.top_k
     results: list[tuple[float, tuple[int, ...]] | None] = [None] * len(questions)
+    reuse = _PrefixReuse()
 
     async def generate(i: int, request_id: str) -> tuple[float, tuple[int, ...]]:
         t0 = time.perf_counter()
         final = await asyncio.to_thread(final_result, source, questions[i], k)
         prompt = prompts.build(questions[i], final.documents)
-        first, tokens = 0.0, cast(tuple[int, ...], ())
+        first, tokens, cached = 0.0, cast(tuple[int, ...], ()), 0
         async for event in engine.stream(request_id, prompt.token_ids, config.sampling):
             if event.token_ids and not first:
                 first = time.perf_counter()
-            tokens = event.token_ids
+            tokens, cached = event.token_ids, max(cached, event.num_cached_tokens)
+        if not request_id.endswith("warmup"):
+            reuse.add(prompt, cached)
         return first - t0, tuple(tokens)
 
     async def one(i: int, start: float) -> None:
@@ -197,7 +200,38 @@ def run_vllm(
         assert item is not None
         run.ttfts.append(item[0])
         run.answers.append(item[1])
+    run.stats = reuse.rates()
     return run
+
+
+@dataclass
+class _PrefixReuse:
+    """Document hit rates of a vLLM run, from vLLM's count of prompt tokens it found cached
+    (`RequestOutput.num_cached_tokens`, block granular): a document counts as hit when every
+    one of its tokens was cached. All of vLLM's cache is "GPU" memory."""
+
+    docs: int = 0
+    doc_hits: int = 0
+    doc_tokens: int = 0
+    doc_tokens_hit: int = 0
+
+    def add(self, prompt: Any, cached: int) -> None:
+        end = len(prompt.root_ids)
+        for ids in prompt.doc_ids:
+            start, end = end, end + len(ids)
+            self.docs += 1
+            self.doc_tokens += len(ids)
+            self.doc_tokens_hit += max(0, min(cached, end) - start)
+            self.doc_hits += int(cached >= end)
+
+    def rates(self) -> dict[str, float]:
+        hit = self.doc_hits / max(1, self.docs)
+        return {
+            "doc_hit_rate": hit,
+            "gpu_doc_hit_rate": hit,
+            "host_doc_hit_rate": 0.0,
+            "token_hit_rate": self.doc_tokens_hit / max(1, self.doc_tokens),
+        }
 
 
 def default_sampling(max_tokens: int) -> SamplingConfig:

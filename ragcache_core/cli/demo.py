@@ -147,6 +147,7 @@ def _demo(args: argparse.Namespace) -> int:
         "speculation": config.speculation,
     }
     summaries = {name: run.summary() for name, run in runs.items()}
+    settings["identical_answers"] = _agreement(runs)
     _chart(runs, args.chart)
     if args.json:
         print(json.dumps({"settings": settings, "systems": summaries}, indent=1))
@@ -177,10 +178,19 @@ def _table(settings: dict[str, Any], systems: dict[str, dict[str, Any]], chart: 
             f"{_pct(s, 'doc_hit_rate')}{_pct(s, 'gpu_doc_hit_rate')}"
             f"{_pct(s, 'host_doc_hit_rate')}{_pct(s, 'token_hit_rate', 8)}  {spec_text}"
         )
+    print(f"\nanswers identical across systems: {settings['identical_answers']} requests")
     if base and "ragcache" in systems and systems["ragcache"]["ttft_mean_s"]:
         ratio = base / systems["ragcache"]["ttft_mean_s"]
-        print(f"\nRAGCache mean TTFT is {ratio:.2f}x lower than vLLM's on this stream.")
+        print(f"vLLM mean TTFT / RAGCache mean TTFT = {ratio:.2f} (above 1: RAGCache is faster)")
     print(f"chart: {chart}")
+
+
+def _agreement(runs: dict[str, Any]) -> str:
+    """How many requests got the same answer tokens from every system (greedy, float32: all
+    of them should, since the cache must not change the output)."""
+    answers = [run.answers for run in runs.values()]
+    same = sum(1 for per_request in zip(*answers, strict=True) if len(set(per_request)) == 1)
+    return f"{same}/{len(answers[0]) if answers else 0}"
 
 
 def _pct(summary: dict[str, Any], key: str, width: int = 7) -> str:

@@ -34,6 +34,8 @@ class StreamEvent:
     finish_reason: str | None
     first_token_latency_s: float | None
     kv_transfer_params: Mapping[str, Any] | None
+    num_cached_tokens: int = 0
+    """Prompt tokens vLLM found in its own prefix cache (or loaded through a connector)."""
 
 
 class AsyncEngine:
@@ -113,6 +115,7 @@ class AsyncEngine:
                     finish_reason=completion.finish_reason,
                     first_token_latency_s=first_token_latency(output),
                     kv_transfer_params=getattr(output, "kv_transfer_params", None),
+                    num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
                 )
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine core died: {exc}") from exc
