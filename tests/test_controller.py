@@ -8,7 +8,6 @@ caching is disabled in RAGCache mode), on the same prompt token ids.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -236,23 +235,33 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
     cache.generate("warm the cache?", docs)  # confirmed on GPU
     cache.generate("and once more?", docs)  # backs the root (system prompt) up to host
     restarts = cache.stats()["engine_restarts"]
-    long = SamplingConfig(max_tokens=400, ignore_eos=True)
+    long = SamplingConfig(max_tokens=1500, ignore_eos=True)
 
-    async def stream_many() -> list[object]:
-        tasks = [
-            cache.agenerate(f"long question {i}?", [DOCS[i % 6]], sampling=long) for i in range(3)
+    async def streamed_then_killed() -> str:
+        """Streams until its first text arrives, then kills the engine core under everyone."""
+        text = ""
+        async for chunk in cache.astream("stream me?", documents=[DOCS[0]], sampling=long):
+            if not text and chunk.delta:
+                cache.engine.kill_engine_core()
+            text += chunk.delta
+        return text
+
+    async def run_all() -> list[object]:
+        others = [
+            asyncio.ensure_future(cache.agenerate(f"long {i}?", [DOCS[3 + i]], sampling=long))
+            for i in range(2)
         ]
-        return await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.5)  # the others are generating when the kill comes
+        return await asyncio.gather(streamed_then_killed(), *others, return_exceptions=True)
 
-    killer = threading.Timer(1.5, cache.engine.kill_engine_core)
-    killer.start()
-    outcomes = asyncio.run(stream_many())
-    killer.join()
-    for outcome in outcomes:  # each completed (retried on the new engine) or failed clearly
-        if isinstance(outcome, BaseException):
-            assert isinstance(outcome, RAGCacheError), outcome
-        else:
-            assert outcome.retries == 1  # type: ignore[attr-defined]
+    streamed, *outcomes = asyncio.run(run_all())
+    # The streamed request cannot take back text it sent: it fails with a clear error.
+    assert isinstance(streamed, RAGCacheError), streamed
+    assert "streamed text already" in str(streamed)
+    for outcome in outcomes:  # the others were retried on the new engine
+        assert not isinstance(outcome, BaseException), outcome
+        assert outcome.retries == 1  # type: ignore[attr-defined]
+        assert len(outcome.token_ids) == 1500  # type: ignore[attr-defined]
     assert cache.stats()["engine_restarts"] == restarts + 1  # one death, one restart
     after = cache.generate("after the restart?", docs)
     assert after.token_ids == reference(cache, "after the restart?", docs)
