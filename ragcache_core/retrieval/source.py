@@ -2,7 +2,7 @@
 
 A `SearchSource` wraps an embedder, a staged index and a document store. `search_stages(question,
 k)` is a plain iterator of `StageResult`s; each `next()` runs one stage (Faiss releases the GIL),
-so `astages()` steps it in a worker thread and the event loop keeps generating meanwhile. The last
+so `astages()` runs it in a worker thread and the event loop keeps generating meanwhile. The last
 result (`is_last=True`) is the final top-k.
 
 Sources:
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -159,15 +160,32 @@ def final_result(source: SearchSource, question: str, k: int) -> StageResult:
     raise RAGCacheError("the search source ended without a last stage")
 
 
-_DONE = object()  # private end-of-iteration marker for astages (StopIteration cannot cross threads)
-
-
 async def astages(source: SearchSource, question: str, k: int) -> AsyncIterator[StageResult]:
-    """Async view of `search_stages`: each stage runs in a worker thread (`asyncio.to_thread`)."""
-    stages = source.search_stages(question, k)
-    while True:
-        item = await asyncio.to_thread(next, stages, _DONE)
-        if item is _DONE:
-            return
-        assert isinstance(item, StageResult)
-        yield item
+    """Async view of `search_stages`: the whole search runs in one worker thread (Faiss releases
+    the GIL) and hands each stage to the event loop as soon as it is ready, so the loop keeps
+    generating meanwhile. One thread hop per search, not one per stage. Leaving the iteration
+    early stops the search after its current stage."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[StageResult | BaseException | None] = asyncio.Queue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for stage in source.search_stages(question, k):
+                loop.call_soon_threadsafe(queue.put_nowait, stage)
+                if stop.is_set():
+                    break
+        except BaseException as exc:  # handed to the consumer
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    worker = loop.run_in_executor(None, produce)
+    try:
+        while (item := await queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        await asyncio.shield(worker)
