@@ -35,7 +35,7 @@ from ragcache_core.engine.async_engine import AsyncEngine, EngineDied
 from ragcache_core.engine.config import EngineSettings, check_model_folder
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.metrics import Metrics
-from ragcache_core.pipeline.admission import Admission, Ticket
+from ragcache_core.pipeline.admission import Admission, Slot, Ticket
 from ragcache_core.pipeline.loop import LoopThread
 from ragcache_core.pipeline.prompt import BuiltPrompt, PromptBuilder
 from ragcache_core.plan import PLAN_KEY, Tier
@@ -480,12 +480,15 @@ class RAGCache:
             prompt = self._build(question, documents, sampling)
         except InputError:
             return None  # e.g. an intermediate top-k too long for the context: wait for the final
-        if not self.admission.try_acquire():
+        slot = self.admission.try_acquire()
+        if slot is None:
             return None
         chunks: asyncio.Queue[_Item] = asyncio.Queue()
         task = asyncio.ensure_future(
-            self._generate(prompt, sampling, chunks.put_nowait, False, admitted=True)
+            self._generate(prompt, sampling, chunks.put_nowait, False, slot=slot)
         )
+        # A task cancelled before its first step never runs its cleanup: free the slot here.
+        task.add_done_callback(lambda _: slot.release())
         return _Run(documents, task, time.perf_counter(), chunks)
 
     async def _adopt(self, run: _Run, emit: Callable[[_Item], None] | None) -> _Generation | None:
@@ -583,11 +586,11 @@ class RAGCache:
         emit: Callable[[_Item], None] | None,
         final: bool,
         *,
-        admitted: bool = False,
+        slot: Slot | None = None,
     ) -> _Generation:
-        """Run one generation with retries on timeout and engine death. `admitted`: the caller
-        already holds a prefill slot (speculation); it is released on every path. A request
-        that already streamed text is not retried (the text cannot be taken back)."""
+        """Run one generation with retries on timeout and engine death. `slot`: a prefill slot
+        the caller already holds (speculation); it is released on every path. A request that
+        already streamed text is not retried (the text cannot be taken back)."""
         retries = 0
         while True:
             engine_generation = self._engine_generation
@@ -600,12 +603,12 @@ class RAGCache:
 
             try:
                 generation = await self._generate_once(
-                    prompt, sampling, tracked_emit if emit is not None else None, final, admitted
+                    prompt, sampling, tracked_emit if emit is not None else None, final, slot
                 )
                 generation.retries = retries
                 return generation
             except (TimeoutError, EngineDied) as exc:
-                admitted = False
+                slot = None
                 self.metrics.counters.requests_failed += 1
                 self.metrics.failures.inc()
                 if isinstance(exc, EngineDied):
@@ -626,16 +629,15 @@ class RAGCache:
         sampling: SamplingConfig,
         emit: Callable[[_Item], None] | None,
         final: bool,
-        admitted: bool,
+        slot: Slot | None,
     ) -> _Generation:
         """One attempt. `request_timeout_s` bounds the wait for each event (the first token,
         then each next one), so a long healthy answer never times out; a stuck engine does."""
         ticket = Ticket(score=lambda: self._score(prompt))
-        if admitted:
-            ticket.admitted_at = ticket.enqueued_at
+        if slot is None:
+            slot = await self.admission.acquire(ticket)
         else:
-            await self.admission.acquire(ticket)
-        in_prefill = True
+            ticket.admitted_at = ticket.enqueued_at
         handle: RequestHandle | None = None
         request_id = f"ragcache-{next(self._ids)}"
         generation_of_engine = self._engine_generation
@@ -651,10 +653,9 @@ class RAGCache:
             async with asyncio.timeout(self.config.request_timeout_s) as deadline:
                 async for event in stream:
                     deadline.reschedule(loop.time() + self.config.request_timeout_s)
-                    if event.token_ids and in_prefill:
+                    if event.token_ids and slot.held:
                         first_at = time.perf_counter()
-                        in_prefill = False
-                        self.admission.release()
+                        slot.release()
                     if event.text != text:
                         delta = event.text[len(text) :]
                         if emit is not None and delta:
@@ -685,8 +686,7 @@ class RAGCache:
                     await asyncio.shield(self.engine.abort(request_id))
             raise
         finally:
-            if in_prefill:
-                self.admission.release()
+            slot.release()
             if handle is not None and handle.is_open:
                 self.tree.abort(handle)
 

@@ -184,6 +184,21 @@ def test_streamed_speculation_streams_the_final_answer(cache: RAGCache) -> None:
     assert result.token_ids == reference(cache, question, final)
 
 
+def test_rapid_stage_changes_leak_no_slot(cache: RAGCache) -> None:
+    """Stages arriving back to back cancel speculations before their tasks ever ran; their
+    prefill slots must still come back (the autouse check below counts them)."""
+    cache.clear()
+    flips = [[DOCS[0], DOCS[1]], [DOCS[2], DOCS[3]], [DOCS[4], DOCS[5]]] * 3
+    final = [DOCS[1], DOCS[3]]
+    for i in range(3):
+        question = f"Flip {i}?"
+        source = ScriptedSource([*flips, final], delay_s=0.0)
+        # A leaked slot would make this wait forever for admission: bound it.
+        result = asyncio.run(asyncio.wait_for(cache.aquery(question, search=source), 60))
+        assert result.token_ids == reference(cache, question, final)
+    assert cache.stats()["in_prefill"] == 0
+
+
 def test_speculation_that_cannot_fit_is_skipped(cache: RAGCache) -> None:
     """An intermediate top-k too long for the context starts no speculation and holds no slot."""
     huge = Document("huge", "word " * 6000)

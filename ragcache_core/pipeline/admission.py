@@ -32,6 +32,20 @@ class Ticket:
         return max(0.0, self.admitted_at - self.enqueued_at)
 
 
+class Slot:
+    """A held prefill slot. `release()` is idempotent, so every path that may end a request
+    (first token, failure, cancellation, even a task cancelled before it ever ran) can call it."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._admission.release()
+
+
 class Admission:
     def __init__(self, capacity: int, queue: str, window: int) -> None:
         self.capacity = capacity
@@ -47,19 +61,19 @@ class Admission:
     def has_room(self) -> bool:
         return self.in_prefill < self.capacity and not self._queue
 
-    def try_acquire(self) -> bool:
+    def try_acquire(self) -> Slot | None:
         """Take a slot only if one is free now and nobody waits (speculation uses this)."""
         if not self.has_room():
-            return False
+            return None
         self.in_prefill += 1
-        return True
+        return Slot(self)
 
-    async def acquire(self, ticket: Ticket) -> None:
+    async def acquire(self, ticket: Ticket) -> Slot:
         """Wait for a prefill slot. Cancelling the wait leaves the queue consistent."""
         if self.has_room():
             self.in_prefill += 1
             ticket.admitted_at = time.perf_counter()
-            return
+            return Slot(self)
         self._queue.push(ticket)
         try:
             await ticket.future
@@ -68,9 +82,11 @@ class Admission:
                 self.release()  # admitted just as we were cancelled: give the slot back
             ticket.future.cancel()
             raise
+        return Slot(self)
 
     def release(self) -> None:
-        """A request left prefill (first token, failure or abort): admit the best waiter."""
+        """A request left prefill (first token, failure or abort): admit the best waiter.
+        Call it through `Slot.release`, which makes it idempotent."""
         self.in_prefill -= 1
         while self.in_prefill < self.capacity and self._queue:
             ticket = self._queue.pop()
