@@ -33,7 +33,8 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from ragcache_core.retrieval.corpus import load_questions
     from ragcache_core.retrieval.index_store import LocalIndex
-    from ragcache_core.retrieval.trace import build_trace, tokenizer_counter, write_trace
+    from ragcache_core.retrieval.trace import build_trace, tokenizer_counter
+    from ragcache_core.sim.trace import write_trace
 
     index = LocalIndex.load(args.index)
     questions = load_questions(
@@ -41,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     count = tokenizer_counter(args.model)
     records = build_trace(index, questions, args.top_k, count, rate=args.rate, seed=args.seed)
-    write_trace(records, args.out)
+    write_trace(args.out, records)
     span = records[-1].arrival_s if records else 0.0
     print(f"wrote {len(records)} requests over {span:.1f} s (top-{args.top_k}) -> {args.out}")
     return 0

@@ -1,6 +1,7 @@
 """Request traces: questions retrieved against an index, with token counts and Poisson arrivals.
 
-One JSON object per line, the format the simulator reads (control plane issue):
+One JSON object per line, the format the simulator reads (`ragcache_core.sim.trace`, which
+defines `TraceRequest` and `write_trace` for both):
 `{"id": str, "arrival_s": float, "docs": [doc ids in prompt order], "doc_tokens": [int per doc],
 "question_tokens": int}`. Document tokens count the document as the prompt shows it
 (`render_document`), tokenized on its own, exactly as the controller will tokenize it.
@@ -8,11 +9,7 @@ One JSON object per line, the format the simulator reads (control plane issue):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -22,26 +19,7 @@ from ragcache_core.errors import ConfigError, InputError, ModelError
 from ragcache_core.retrieval.base import StagedSearch
 from ragcache_core.retrieval.corpus import Question
 from ragcache_core.retrieval.index_store import LocalIndex
-
-
-@dataclass(frozen=True)
-class TraceRecord:
-    """One request of a trace."""
-
-    id: str
-    arrival_s: float
-    docs: tuple[str, ...]
-    doc_tokens: tuple[int, ...]
-    question_tokens: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "arrival_s": self.arrival_s,
-            "docs": list(self.docs),
-            "doc_tokens": list(self.doc_tokens),
-            "question_tokens": self.question_tokens,
-        }
+from ragcache_core.sim.trace import TraceRequest
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> npt.NDArray[np.float64]:
@@ -78,7 +56,7 @@ def build_trace(
     staged: StagedSearch | None = None,
     template: DocumentTemplate = DEFAULT_DOC_TEMPLATE,
     batch: int = 256,
-) -> list[TraceRecord]:
+) -> list[TraceRequest]:
     """Retrieve the final top-k of every question and build the trace (pure w.r.t. the index).
 
     Raises `InputError` for no questions or k larger than the index.
@@ -90,7 +68,7 @@ def build_trace(
     search = staged or index.staged()
     arrivals = poisson_arrivals(len(questions), rate, seed)
     doc_tokens: dict[str, int] = {}
-    records: list[TraceRecord] = []
+    records: list[TraceRequest] = []
     for start in range(0, len(questions), batch):
         chunk = questions[start : start + batch]
         vectors = index.embedder.embed([q.text for q in chunk])  # [b, d]
@@ -101,7 +79,7 @@ def build_trace(
                 if doc.id not in doc_tokens:
                     doc_tokens[doc.id] = count_tokens(render_document(doc, template))
             records.append(
-                TraceRecord(
+                TraceRequest(
                     id=question.id,
                     arrival_s=float(arrivals[start + j]),
                     docs=tuple(d.id for d in docs),
@@ -110,12 +88,3 @@ def build_trace(
                 )
             )
     return records
-
-
-def write_trace(records: Sequence[TraceRecord], path: Path | str) -> None:
-    """Write one JSON object per line (parent folders are created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
-        for record in records:
-            out.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,10 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
     return requests
 
 
-def write_trace(path: str | Path, requests: list[TraceRequest]) -> None:
-    with Path(path).open("w", encoding="utf-8") as out:
+def write_trace(path: str | Path, requests: Sequence[TraceRequest]) -> None:
+    """Write one JSON object per line (parent folders are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
         for request in requests:
             out.write(json.dumps(request.to_json(), separators=(",", ":")) + "\n")

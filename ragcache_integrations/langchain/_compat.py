@@ -1,44 +1,19 @@
-"""The LangChain versions this integration supports, checked before anything imports it.
-
-An unsupported `langchain-core` tends to fail deep inside an import with a message about some
-renamed class; checking the installed distribution first turns that into one clear line.
-"""
+"""The LangChain versions this integration supports (checked before anything imports it)."""
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
 
-from ragcache_core.errors import ConfigError
+from ragcache_integrations._versions import UnsupportedFrameworkError
+from ragcache_integrations._versions import check_version as _check_version
 
 DISTRIBUTION = "langchain-core"
 SUPPORTED = SpecifierSet(">=1.0,<2")
 
-
-class UnsupportedFrameworkError(ConfigError, ImportError):
-    """The installed framework is missing or outside the supported range (raised at import)."""
+__all__ = ["DISTRIBUTION", "SUPPORTED", "UnsupportedFrameworkError", "check_version"]
 
 
 def check_version(distribution: str = DISTRIBUTION, supported: SpecifierSet = SUPPORTED) -> str:
-    """Return the installed version of `distribution`; raise `UnsupportedFrameworkError` when it
-    is not installed or not in `supported`. Reads the installed metadata only (no import)."""
-    hint = f'pip install "{distribution}{supported}"'
-    try:
-        installed = metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        raise UnsupportedFrameworkError(
-            f"ragcache_integrations.langchain needs {distribution}{supported}, which is not "
-            f"installed: {hint}"
-        ) from None
-    try:
-        ok = Version(installed) in supported
-    except InvalidVersion:
-        ok = False
-    if not ok:
-        raise UnsupportedFrameworkError(
-            f"ragcache_integrations.langchain supports {distribution}{supported}, but "
-            f"{installed} is installed: {hint}"
-        )
-    return installed
+    """The installed version of `distribution`; `UnsupportedFrameworkError` when it is missing
+    or outside `supported`."""
+    return _check_version(distribution, supported, "ragcache_integrations.langchain")
