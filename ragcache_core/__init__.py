@@ -18,16 +18,17 @@ from ragcache_core.errors import ConfigError, InputError, ModelError, RAGCacheEr
 
 if TYPE_CHECKING:
     from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
-    from ragcache_core.controller import CacheHits, QueryResult, RAGCache, StreamChunk
+    from ragcache_core.controller import RAGCache
     from ragcache_core.documents import Document
+    from ragcache_core.results import CacheHits, QueryResult, StreamChunk
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "RAGCache": "ragcache_core.controller",
-    "QueryResult": "ragcache_core.controller",
-    "CacheHits": "ragcache_core.controller",
-    "StreamChunk": "ragcache_core.controller",
+    "QueryResult": "ragcache_core.results",
+    "CacheHits": "ragcache_core.results",
+    "StreamChunk": "ragcache_core.results",
     "CacheConfig": "ragcache_core.config",
     "PromptConfig": "ragcache_core.config",
     "SamplingConfig": "ragcache_core.config",

@@ -1,0 +1,52 @@
+"""What a `RAGCache` request returns: typed, frozen, safe to keep and share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ragcache_core.documents import Document
+
+
+@dataclass(frozen=True)
+class CacheHits:
+    """What one request read from the cache."""
+
+    gpu_docs: int = 0
+    host_docs: int = 0
+    computed_docs: int = 0
+    root_cached: bool = False
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+
+    @property
+    def hit_docs(self) -> int:
+        return self.gpu_docs + self.host_docs
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """The answer to one question, with where it came from and how fast."""
+
+    answer: str
+    token_ids: tuple[int, ...]
+    sources: tuple[Document, ...]
+    ttft_s: float
+    """From the call to the first token that could be shown (search included)."""
+    retrieval_s: float
+    queue_wait_s: float
+    hits: CacheHits
+    prompt_tokens: int
+    finish_reason: str | None = None
+    speculative: bool = False
+    """True when the answer came from a speculative generation started before the search ended."""
+    retries: int = 0
+    scores: tuple[float, ...] = ()
+    """The search scores of `sources` (empty when the caller gave the documents)."""
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """A piece of a streamed answer; the last one carries the full `result`."""
+
+    delta: str
+    result: QueryResult | None = None
