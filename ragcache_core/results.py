@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from ragcache_core.documents import Document
 
@@ -42,6 +43,20 @@ class QueryResult:
     retries: int = 0
     scores: tuple[float, ...] = ()
     """The search scores of `sources` (empty when the caller gave the documents)."""
+
+    def report(self) -> dict[str, Any]:
+        """The measurements as plain values (what the framework integrations attach as
+        metadata)."""
+        return {
+            "ttft_s": self.ttft_s,
+            "retrieval_s": self.retrieval_s,
+            "queue_wait_s": self.queue_wait_s,
+            "speculative": self.speculative,
+            "prompt_tokens": self.prompt_tokens,
+            "token_ids": list(self.token_ids),
+            "no_context": not self.sources,
+            "cache_hits": asdict(self.hits),
+        }
 
 
 @dataclass(frozen=True)

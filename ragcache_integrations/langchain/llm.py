@@ -23,7 +23,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 from uuid import UUID
 
@@ -250,13 +250,9 @@ class RAGCacheLLM(LLM):
 
 def _info(result: QueryResult) -> dict[str, Any]:
     return {
-        "ttft_s": result.ttft_s,
-        "queue_wait_s": result.queue_wait_s,
-        "prompt_tokens": result.prompt_tokens,
-        "token_ids": list(result.token_ids),
+        **result.report(),
         "finish_reason": result.finish_reason,
         "documents": [d.id for d in result.sources],
-        "cache_hits": asdict(result.hits),
     }
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import asdict
 from typing import Any, cast
 
 from langchain_core.callbacks.manager import (
@@ -229,17 +228,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
 
     @staticmethod
     def _report(result: QueryResult) -> dict[str, Any]:
-        return {
-            "ttft_s": result.ttft_s,
-            "retrieval_s": result.retrieval_s,
-            "queue_wait_s": result.queue_wait_s,
-            "speculative": result.speculative,
-            "prompt_tokens": result.prompt_tokens,
-            "token_ids": list(result.token_ids),
-            "no_context": not result.sources,
-            "sources": [to_langchain(d) for d in result.sources],
-            "cache_hits": asdict(result.hits),
-        }
+        return {**result.report(), "sources": [to_langchain(d) for d in result.sources]}
 
 
 def _documents(context: object) -> tuple[Document, ...]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
-from dataclasses import asdict
 from typing import Any
 
 import llama_index.core.instrumentation as instrument
@@ -256,17 +255,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
 
     @staticmethod
     def _metadata(result: QueryResult) -> dict[str, Any]:
-        return {
-            "ttft_s": result.ttft_s,
-            "retrieval_s": result.retrieval_s,
-            "queue_wait_s": result.queue_wait_s,
-            "speculative": result.speculative,
-            "prompt_tokens": result.prompt_tokens,
-            "token_ids": list(result.token_ids),
-            "no_context": not result.sources,
-            "cache_hits": asdict(result.hits),
-            "ragcache_result": result,
-        }
+        return {**result.report(), "ragcache_result": result}
 
 
 def _check_query(query: object) -> None:
