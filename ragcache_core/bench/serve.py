@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -76,6 +76,38 @@ async def _at(offset: float, start: float) -> None:
         await asyncio.sleep(delay)
 
 
+Answer = tuple[float, tuple[int, ...]]
+"""(TTFT from arrival, answer token ids) of one request."""
+
+
+async def _replay(
+    name: str,
+    arrivals: Sequence[float],
+    request: Callable[[int], Awaitable[Answer]],
+    progress: Progress | None,
+) -> tuple[float, list[Answer]]:
+    """Send request i at `arrivals[i]` (seconds from now), all concurrently; return the wall
+    time of the whole stream and the answers in request order."""
+    answers: list[Answer | None] = [None] * len(arrivals)
+
+    async def one(i: int, start: float) -> None:
+        await _at(arrivals[i], start)
+        answers[i] = await request(i)
+        if progress:
+            progress(name, sum(a is not None for a in answers))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i, start) for i in range(len(arrivals))))
+    wall = time.perf_counter() - start
+    return wall, [a for a in answers if a is not None]
+
+
+def _record(run: SystemRun, wall: float, answers: list[Answer]) -> None:
+    run.wall_s = wall
+    run.ttfts = [ttft for ttft, _ in answers]
+    run.answers = [tokens for _, tokens in answers]
+
+
 def run_ragcache(
     model: str | Path,
     config: CacheConfig,
@@ -90,28 +122,18 @@ def run_ragcache(
     started = time.perf_counter()
     with RAGCache(model, config, search=source) as cache:
         run.engine_start_s = time.perf_counter() - started
-        results: list[Any] = [None] * len(questions)
 
-        async def one(i: int, start: float) -> None:
-            await _at(arrivals[i], start)
-            t0 = time.perf_counter()
+        async def request(i: int) -> Answer:
+            # The call is made at the arrival, so the result's TTFT is from the arrival.
             result = await cache.aquery(questions[i])
-            # TTFT from arrival: the result's own TTFT starts at the call, which is the arrival.
-            results[i] = (result, time.perf_counter() - t0)
-            if progress:
-                progress(run.name, sum(r is not None for r in results))
+            return result.ttft_s, result.token_ids
 
-        async def main() -> float:
+        async def main() -> tuple[float, list[Answer]]:
             await cache.aquery(questions[0])  # warm-up (not counted): first-call costs
             cache.clear()
-            start = time.perf_counter()
-            await asyncio.gather(*(one(i, start) for i in range(len(questions))))
-            return time.perf_counter() - start
+            return await _replay(run.name, arrivals, request, progress)
 
-        run.wall_s = asyncio.run(main())
-        for result, _ in results:
-            run.ttfts.append(result.ttft_s)
-            run.answers.append(result.token_ids)
+        _record(run, *asyncio.run(main()))
         run.stats = cache.stats()
     return run
 
@@ -163,10 +185,9 @@ def run_vllm(
     engine = AsyncEngine(settings)
     run.engine_start_s = time.perf_counter() - started
     k = config.top_k
-    results: list[tuple[float, tuple[int, ...]] | None] = [None] * len(questions)
     reuse = _PrefixReuse()
 
-    async def generate(i: int, request_id: str) -> tuple[float, tuple[int, ...]]:
+    async def generate(i: int, request_id: str) -> Answer:
         t0 = time.perf_counter()
         final = await asyncio.to_thread(final_result, source, questions[i], k)
         prompt = prompts.build(questions[i], final.documents)
@@ -179,27 +200,15 @@ def run_vllm(
             reuse.add(prompt, cached)
         return first - t0, tuple(tokens)
 
-    async def one(i: int, start: float) -> None:
-        await _at(arrivals[i], start)
-        results[i] = await generate(i, f"{name}-{i}")
-        if progress:
-            progress(run.name, sum(r is not None for r in results))
+    async def main() -> tuple[float, list[Answer]]:
+        try:
+            await generate(0, f"{name}-warmup")
+            await engine.reset_prefix_cache()  # the warm-up must not seed vLLM's prefix cache
+            return await _replay(run.name, arrivals, lambda i: generate(i, f"{name}-{i}"), progress)
+        finally:
+            engine.close()  # on the loop that used it
 
-    async def main() -> float:
-        await generate(0, f"{name}-warmup")
-        await engine.reset_prefix_cache()  # the warm-up must not seed vLLM's prefix cache
-        start = time.perf_counter()
-        await asyncio.gather(*(one(i, start) for i in range(len(questions))))
-        return time.perf_counter() - start
-
-    try:
-        run.wall_s = asyncio.run(main())
-    finally:
-        engine.close()
-    for item in results:
-        assert item is not None
-        run.ttfts.append(item[0])
-        run.answers.append(item[1])
+    _record(run, *asyncio.run(main()))
     run.stats = reuse.rates()
     return run
 
