@@ -85,9 +85,10 @@ class CacheConfig:
     reorder: bool = True
     reorder_window: int = 8
     """A waiting request is overtaken at most this many times (starvation bound)."""
-    max_prefill_bs: int = 4
-    """Requests in prefill at once; more wait in the reordering queue. Speculation starts only
-    while fewer than this are in prefill."""
+    max_prefill_bs: int = 16
+    """Requests in prefill at once at most. Admission also keeps the tokens to compute of the
+    requests in prefill within `max_num_batched_tokens` (vLLM's per-step budget); the rest
+    wait in the reordering queue. Speculation starts only while both have room."""
     speculation: bool = True
     top_k: int = 2
 
@@ -95,13 +96,23 @@ class CacheConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
-    # Engine.
-    dtype: str = "float32"
+    # Engine (None: the device's default, see ragcache_core/engine/settings.py).
+    dtype: str | None = None
+    """KV and model dtype: None is float32 on CPU, bfloat16 on CUDA."""
     max_model_len: int = 4096
-    block_size: int = 32
-    vllm_kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.1
+    block_size: int | None = None
+    """vLLM's block size: None is 32 on CPU (a multiple of 32 is required there), 16 on CUDA."""
+    vllm_kv_cache_gib: float | None = None
+    """vLLM's own paged KV cache: None is 1 GiB on CPU; on CUDA vLLM sizes it from
+    `gpu_memory_utilization`, which leaves room for the GPU pool."""
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None
+    """vLLM's per-step token budget and admission's prefill budget (None: 4,096 on CPU,
+    8,192 on CUDA)."""
     engine_extra: dict[str, Any] = field(default_factory=dict)
+    """Further vLLM engine arguments; keys that contradict the connector are refused
+    (`engine.settings.RESERVED_EXTRA`)."""
 
     # Fault tolerance.
     request_timeout_s: float = 120.0

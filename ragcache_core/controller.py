@@ -32,7 +32,7 @@ from typing import Any
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import AsyncEngine, EngineDied
-from ragcache_core.engine.config import EngineSettings, check_model_folder
+from ragcache_core.engine.config import check_model_folder
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.metrics import Metrics
 from ragcache_core.pipeline.admission import Admission, Slot, Ticket
@@ -41,7 +41,7 @@ from ragcache_core.pipeline.prompt import BuiltPrompt, PromptBuilder
 from ragcache_core.plan import PLAN_KEY, Tier
 from ragcache_core.results import CacheHits, QueryResult, StreamChunk
 from ragcache_core.retrieval.source import SearchSource, StageResult, astages
-from ragcache_core.tree.request import RequestHandle
+from ragcache_core.tree.request import RequestHandle, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class _Generation:
     doc_hit_tokens: int
     num_docs: int
     retries: int = 0
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class RAGCache:
@@ -98,11 +99,19 @@ class RAGCache:
 
         from ragcache_core.cost import CostProfile, InterpolatedCostModel, default_cost_model
         from ragcache_core.engine.connector import ConnectorConfig
+        from ragcache_core.engine.settings import (
+            build_settings,
+            cache_engine_spec,
+            detect_device,
+            resolve_device_defaults,
+        )
         from ragcache_core.storage.host_pool import HostPool, remove_pool
         from ragcache_core.storage.layout import layout_for_model
         from ragcache_core.tree.cache import KnowledgeCache
 
-        self.config = config = config or CacheConfig()
+        self.device = detect_device()
+        self.config = config = resolve_device_defaults(config or CacheConfig(), self.device)
+        assert config.dtype is not None and config.max_num_batched_tokens is not None
         self.model = str(model)
         if Path(self.model).expanduser().exists() or os.sep in self.model[:2]:
             check_model_folder(self.model)
@@ -148,18 +157,16 @@ class RAGCache:
             config.max_prefill_bs,
             "cache_aware" if config.reorder else "fcfs",
             config.reorder_window,
+            token_budget=config.max_num_batched_tokens,
         )
-        self.engine_settings = EngineSettings(
-            model=self.model,
-            dtype=config.dtype,
-            max_model_len=config.max_model_len,
-            block_size=config.block_size,
-            kv_cache_space_gib=config.vllm_kv_cache_gib,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            enable_prefix_caching=False,  # the pools are the cache
-            max_num_seqs=max(16, 2 * config.max_prefill_bs),
-            kv_transfer_config=self.connector.kv_transfer_config(),
-            extra=dict(config.engine_extra),
+        self.engine_settings = build_settings(
+            cache_engine_spec(
+                self.model,
+                config,
+                connector=self.connector.kv_transfer_config(),
+                gpu_pool_bytes=layout.pool_bytes(gpu_slots),
+            ),
+            self.device,
         )
         self._engine_generation = 0
         self._restart_lock: asyncio.Lock | None = None
@@ -431,14 +438,15 @@ class RAGCache:
     def _start_speculation(
         self, question: str, documents: tuple[Document, ...], sampling: SamplingConfig | None
     ) -> _Run | None:
-        """Start a speculative generation if a prefill slot is free now (Algorithm 2: only
-        while the engine is below `max_prefill_bs`). Its text is buffered until adopted."""
+        """Start a speculative generation only if prefill has room for it now and nobody waits
+        (Algorithm 2: wrong guesses use only idle capacity). Its text is buffered until
+        adopted."""
         sampling = sampling or self.config.sampling
         try:
             prompt = self._build(question, documents, sampling)
         except InputError:
             return None  # e.g. an intermediate top-k too long for the context: wait for the final
-        slot = self.admission.try_acquire()
+        slot = self.admission.try_acquire(self._score(prompt)[1])
         if slot is None:
             return None
         chunks: asyncio.Queue[_Item] = asyncio.Queue()
@@ -519,6 +527,7 @@ class RAGCache:
             finish_reason=generation.finish_reason,
             speculative=speculative,
             retries=generation.retries,
+            timings=generation.timings,
         )
 
     # ------------------------------------------------------------------ one generation
@@ -590,7 +599,12 @@ class RAGCache:
         slot: Slot | None,
     ) -> _Generation:
         """One attempt. `request_timeout_s` bounds the wait for each event (the first token,
-        then each next one), so a long healthy answer never times out; a stuck engine does."""
+        then each next one), so a long healthy answer never times out; a stuck engine does.
+
+        The request's copies are confirmed at its first token: the connector stores
+        synchronously in the step that completes the prompt (before that step's token is
+        sampled) and the plan was checked here before it was sent, so the first token proves
+        the stores ran. Pins are released then, not at the end of the answer."""
         ticket = Ticket(score=lambda: self._score(prompt))
         if slot is None:
             slot = await self.admission.acquire(ticket)
@@ -599,11 +613,15 @@ class RAGCache:
         handle: RequestHandle | None = None
         request_id = f"ragcache-{next(self._ids)}"
         generation_of_engine = self._engine_generation
+        timings: dict[str, float] = {}
         try:
+            started = time.perf_counter()
             handle = self.tree.begin_request(
                 len(prompt.root_ids), prompt.doc_specs, len(prompt.question_ids), final=final
             )
-            params = {PLAN_KEY: handle.plan.to_json()}
+            params = self._plan_params(handle, prompt)
+            submitted = time.perf_counter()
+            timings["plan"] = submitted - started
             text, first_at, reason, report = "", 0.0, None, None
             tokens: tuple[int, ...] = ()
             stream = self.engine.stream(request_id, prompt.token_ids, sampling, params)
@@ -611,9 +629,12 @@ class RAGCache:
             async with asyncio.timeout(self.config.request_timeout_s) as deadline:
                 async for event in stream:
                     deadline.reschedule(loop.time() + self.config.request_timeout_s)
-                    if event.token_ids and slot.held:
+                    if event.token_ids and not first_at:
                         first_at = time.perf_counter()
+                        timings["engine_first_token"] = first_at - submitted
                         slot.release()
+                        if handle.is_open:  # (aborted when its plan was refused)
+                            self.tree.confirm(handle)
                     if event.text != text:
                         delta = event.text[len(text) :]
                         if emit is not None and delta:
@@ -622,7 +643,9 @@ class RAGCache:
                     if event.finished:
                         report = event.kv_transfer_params
             first_at = first_at or time.perf_counter()  # no token at all: finished is the first
-            hits, doc_hit_tokens = self._settle(handle, report, prompt)
+            settle_started = time.perf_counter()
+            hits, doc_hit_tokens = self._settle(handle, report, prompt, timings)
+            timings["settle"] = time.perf_counter() - settle_started
             settled, handle = handle, None
             return _Generation(
                 token_ids=tokens,
@@ -636,6 +659,7 @@ class RAGCache:
                 doc_tokens=sum(s.num_tokens for s in prompt.doc_specs),
                 doc_hit_tokens=doc_hit_tokens,
                 num_docs=len(prompt.doc_specs),
+                timings=timings,
             )
         except BaseException:
             if generation_of_engine == self._engine_generation and not self.engine.is_dead:
@@ -648,21 +672,48 @@ class RAGCache:
             if handle is not None and handle.is_open:
                 self.tree.abort(handle)
 
+    def _plan_params(self, handle: RequestHandle, prompt: BuiltPrompt) -> dict[str, Any] | None:
+        """The request's `kv_transfer_params`, after checking its plan exactly as the
+        connector will (`plan_problems`): a plan the connector would ignore is never sent, so
+        the first token can confirm it. An invalid plan is a bug: logged, and the request runs
+        uncached (its handle aborted)."""
+        from ragcache_core.engine.connector.spans import plan_problems
+
+        if handle.plan.is_empty:
+            return None
+        problems = plan_problems(
+            handle.plan,
+            prompt_len=prompt.num_tokens,
+            page_size=self.connector.page_size,
+            gpu_slots=self.connector.gpu_slots,
+            host_slots=self.connector.host_slots,
+        )
+        if problems:
+            logger.error("RAGCache built an invalid plan (%s); running uncached", problems)
+            self.tree.abort(handle)
+            return None
+        return {PLAN_KEY: handle.plan.to_json()}
+
     def _score(self, prompt: BuiltPrompt) -> tuple[int, int]:
         cached = self.tree.match(prompt.doc_specs).cached_tokens
         return cached, prompt.num_tokens - cached
 
     def _settle(
-        self, handle: RequestHandle, report: Any, prompt: BuiltPrompt
+        self, handle: RequestHandle, report: Any, prompt: BuiltPrompt, timings: dict[str, float]
     ) -> tuple[CacheHits, int]:
-        """Confirm or discard the request's stores from the connector's report (see
-        `engine.single.settle`); return what it read (hits, document tokens hit)."""
+        """Apply the connector's final report (see `engine.single.settle`: a failed load
+        removes the node it read); return what the request read (hits, document tokens hit)."""
         from ragcache_core.engine.connector import ConnectorResult
         from ragcache_core.engine.single import settle
 
         result = ConnectorResult.from_transfer_params(dict(report) if report else None)
-        if result.rejected:
-            logger.warning("the connector ignored a plan: %s", "; ".join(result.rejected))
+        timings["load_copy"] = result.load_copy_s
+        timings["store_copy"] = result.store_copy_s
+        if handle.state is RequestState.ABORTED:
+            computed = CacheHits(
+                computed_docs=len(prompt.doc_specs), computed_tokens=prompt.num_tokens
+            )
+            return computed, 0
         settle(self.tree, handle, result)
         served = not result.rejected and not result.load_failed
         doc_hits = handle.hits.doc_hits if served else ()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ragcache_core.documents import Document
@@ -42,6 +42,11 @@ class QueryResult:
     """True when the answer came from a speculative generation started before the search ended."""
     retries: int = 0
     scores: tuple[float, ...] = ()
+    timings: dict[str, float] = field(default_factory=dict)
+    """Where the request's time went, in seconds: `plan` (tree walk, eviction, plan check and
+    serialization), `engine_first_token` (submit to first token: scheduling, copies, prefill),
+    `load_copy` / `store_copy` (the worker's copies in this request's steps, shared with the
+    other requests of those steps), `settle` (the final report applied)."""
     """The search scores of `sources` (empty when the caller gave the documents)."""
 
     def report(self) -> dict[str, Any]:

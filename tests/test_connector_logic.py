@@ -108,9 +108,32 @@ def test_scheduler_side_sends_copies_once_and_store_when_prompt_completes() -> N
     (ops,) = side.build_step(_output([], {"a": 6}, cached)).requests
     assert ops.swap_out == () and ops.load == () and ops.store == PLAN.store
     assert ops.block_ids == (0, 1, 2, 3)
+    # Scheduled is not ran: `stored` waits for the worker's word.
+    assert not side._tracked["a"].store_ran
+    side.on_worker_report(WorkerReport(stored={"a"}, copy_s={"a": (0.0, 0.002)}))
     params = side.finished("a")
     result = ConnectorResult.from_transfer_params(params)
-    assert (result.gpu_tokens, result.host_tokens, result.stored) == (6, 10, True)
+    assert (result.gpu_tokens, result.host_tokens) == (6, 10)
+    assert result.store_scheduled and result.stored and result.store_copy_s == 0.002
+
+
+def test_a_scheduled_store_the_worker_never_reported_is_not_stored() -> None:
+    side = SchedulerSide(CONFIG, BLOCK)
+    side.num_new_matched_tokens("s", {PLAN_KEY: PLAN.to_json()}, 30, 0)
+    side.after_alloc("s", 16)
+    (ops,) = side.build_step(_output([("s", [0, 1, 2, 3], 16)], {"s": 14})).requests
+    assert ops.store == PLAN.store
+    result = ConnectorResult.from_transfer_params(side.finished("s"))
+    assert result.store_scheduled and not result.stored
+
+
+def test_worker_reports_merge_across_workers() -> None:
+    one = WorkerReport({"a": 2}, {"a", "b"}, {"a": (0.1, 0.0), "b": (0.0, 0.3)})
+    two = WorkerReport({"a": 1}, {"b"}, {"b": (0.0, 0.5)})
+    merged = one.aggregate(two)
+    assert isinstance(merged, WorkerReport)
+    assert merged.load_failures == {"a": 1} and merged.stored == {"b"}
+    assert merged.copy_s == {"a": (0.1, 0.0), "b": (0.0, 0.5)}
 
 
 def test_scheduler_side_never_loads_all_prompt_tokens() -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from ragcache_core.engine.cached import CachedEngine, PoolSettings
-from ragcache_core.engine.config import EngineSettings
 from ragcache_core.engine.connector import FAULT_KEY
 from ragcache_core.engine.llm import GreedySampling
+from ragcache_core.engine.settings import EngineSpec
 from ragcache_core.engine.single import Document, run_request
 from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
@@ -88,7 +88,7 @@ def rig(request: pytest.FixtureRequest, engine_pool) -> Iterator[Rig]:
 
     engine_pool.close()  # one engine alive at a time on this machine
     model = build_tiny_model(size="tiny", attention=request.param)
-    settings = EngineSettings(model=str(model), enable_prefix_caching=True, max_model_len=1024)
+    settings = EngineSpec(model=str(model), prefix_caching=True, max_model_len=1024)
     pools = PoolSettings(
         gpu_pool_gib=0.004,
         host_pool_gib=0.004,
@@ -358,7 +358,7 @@ def test_injected_load_failure_recomputes_exactly(rig: Rig) -> None:
 
 
 def test_oversized_pools_are_refused_with_numbers(tiny_model: Path) -> None:
-    settings = EngineSettings(model=str(tiny_model))
+    settings = EngineSpec(model=str(tiny_model))
     with pytest.raises(ConfigError, match=r"needs \d+\.\d+ GiB .* only \d+\.\d+ GiB"):
         CachedEngine(settings, PoolSettings(gpu_pool_gib=4096.0, host_pool_gib=0.0))
     with pytest.raises(ConfigError, match=r"GiB"):

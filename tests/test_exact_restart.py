@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ragcache_core.engine.cached import CachedEngine, PoolSettings
-from ragcache_core.engine.config import EngineSettings
 from ragcache_core.engine.llm import GreedySampling
+from ragcache_core.engine.settings import EngineSpec
 from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
 
 pytestmark = pytest.mark.vllm
@@ -28,7 +28,7 @@ def test_host_pool_survives_engine_restart(engine_pool, tiny_model: Path) -> Non
     )
     question = [rng.randrange(3, 1000) for _ in range(9)]
     # RAGCache mode: vLLM's own prefix caching off.
-    settings = EngineSettings(model=str(tiny_model), max_model_len=1024)
+    settings = EngineSpec(model=str(tiny_model), max_model_len=1024)
     pools = PoolSettings(
         gpu_pool_gib=0.002, host_pool_gib=0.002, page_size=PAGE, host_pool_name="test-restart"
     )

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragcache_core.engine.paged_kv import cpu_paged_kv, strided_paged_kv
+from ragcache_core.engine.paged_kv import cpu_paged_kv
 from ragcache_core.errors import ConfigError
 from ragcache_core.storage.copy_ops import TokenIndex, TorchCopyOps, contiguous_runs
 from ragcache_core.storage.host_pool import HostPool
+from ragcache_core.storage.kv_layout import strided_paged_kv
 from ragcache_core.storage.layout import PoolLayout, layout_for_model
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_size=32, dtype="float32", page_size=4)
@@ -94,7 +95,7 @@ def test_load_then_store_round_trips_through_a_strided_cache() -> None:
     ops = TorchCopyOps(torch.device("cpu"))
     pool = torch.randn(LAYOUT.pool_shape(4))
     caches = _strided_cache(num_blocks=3, block_size=8, heads=2, head_size=32)
-    paged = strided_paged_kv(caches, block_size=8)
+    paged = strided_paged_kv(caches, block_size=8, num_kv_heads=2, head_size=32)
     # 6 tokens: pool slot 1 rows 1..3 and slot 2 rows 0..2 -> paged positions crossing a block.
     index = _index([1, 1, 1, 2, 2, 2], [1, 2, 3, 0, 1, 2], [13, 14, 15, 16, 17, 18])
     ops.load(pool, index, paged)

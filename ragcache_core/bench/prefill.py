@@ -51,8 +51,8 @@ def measure(
 ) -> dict[str, Any]:
     """Run the benchmark in one engine; returns the `--json` document."""
     from ragcache_core.engine.cached import CachedEngine, PoolSettings
-    from ragcache_core.engine.config import EngineSettings
     from ragcache_core.engine.llm import GreedySampling
+    from ragcache_core.engine.settings import EngineSpec
     from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
     from ragcache_core.storage.layout import layout_for_model
     from ragcache_core.storage.memory import GIB
@@ -60,12 +60,13 @@ def measure(
     longest = max(doc_tokens)
     layout = layout_for_model(model, dtype="float32", page_size=PAGE)
     pool_gib = (-(-longest // PAGE) + 1) * layout.slot_bytes / GIB
-    settings = EngineSettings(
+    spec = EngineSpec(
         model=model,
-        enable_prefix_caching=True,
+        dtype="float32",
+        prefix_caching=True,  # only to measure the floor; emptied before every RAGCache run
         max_model_len=longest + QUESTION_TOKENS + 64,
         max_num_batched_tokens=longest + QUESTION_TOKENS + 64,
-        kv_cache_space_gib=max(1.0, 4 * (longest + 128) * layout.token_bytes / GIB),
+        kv_cache_bytes=int(max(1.0, 4 * (longest + 128) * layout.token_bytes / GIB) * GIB),
     )
     pools = PoolSettings(
         gpu_pool_gib=pool_gib,
@@ -76,7 +77,7 @@ def measure(
     rng = random.Random(seed)
     sampling = GreedySampling(max_tokens=1)
     results: list[PrefillResult] = []
-    engine = CachedEngine(settings, pools)
+    engine = CachedEngine(spec, pools)
     try:
         vocab = _vocab_size(model)
 
@@ -124,7 +125,7 @@ def measure(
             "token_kv_bytes": layout.token_bytes,
             "gpu_pool_bytes": layout.pool_bytes(engine.gpu_slots),
             "host_pool_bytes": layout.pool_bytes(engine.host_slots),
-            "vllm_kv_cache_bytes": int((settings.kv_cache_space_gib or 0) * GIB),
+            "vllm_kv_cache_bytes": spec.kv_cache_bytes,
         }
     finally:
         engine.close(unlink_host_pool=True)

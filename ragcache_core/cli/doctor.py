@@ -28,7 +28,7 @@ def _step(name: str, value: str) -> None:
 
 def _doctor(args: argparse.Namespace) -> int:
     from ragcache_core.cli import CliError
-    from ragcache_core.engine.config import EngineSettings, check_model_folder
+    from ragcache_core.engine.config import check_model_folder
 
     # Validate input before any slow import or engine start.
     model = check_model_folder(args.model) if args.model is not None else None
@@ -56,8 +56,11 @@ def _doctor(args: argparse.Namespace) -> int:
         _step("model", str(model))
 
     from ragcache_core.engine.llm import Engine, GreedySampling
+    from ragcache_core.engine.settings import EngineSpec, build_settings, detect_device
 
-    settings = EngineSettings(model=str(model))
+    device = detect_device()
+    settings = build_settings(EngineSpec(model=str(model)), device)
+    _step("device", f"{device.kind} {device.name} ({settings.dtype})")
     with Engine(settings) as engine:
         _step("engine start", f"{engine.start_s:.1f} s")
         vocab = len(engine.tokenizer())

@@ -8,16 +8,22 @@ and runs requests with a given `Plan`, returning the connector's report. It deci
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ragcache_core.engine.config import EngineSettings
 from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.llm import Engine, GreedySampling
+from ragcache_core.engine.settings import (
+    DeviceInfo,
+    EngineSpec,
+    build_settings,
+    default_dtype,
+    detect_device,
+)
 from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.plan import PLAN_KEY, Plan
 from ragcache_core.storage.host_pool import HostPool
@@ -73,11 +79,17 @@ class CachedEngine:
     numbers). The host pool file is kept on `close()` unless `unlink_host_pool=True`.
     """
 
-    def __init__(self, settings: EngineSettings, pools: PoolSettings | None = None) -> None:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        pools: PoolSettings | None = None,
+        device: DeviceInfo | None = None,
+    ) -> None:
         pools = pools or PoolSettings()
+        device = device or detect_device()
         self.pools = pools
         self.layout = layout_for_model(
-            settings.model, dtype=settings.dtype, page_size=pools.page_size
+            spec.model, dtype=spec.dtype or default_dtype(device), page_size=pools.page_size
         )
         gpu_slots, host_slots = pools.slots(self.layout)
         self.config = ConnectorConfig(
@@ -86,16 +98,18 @@ class CachedEngine:
             host_slots=host_slots,
             host_pool_name=pools.host_pool_name if host_slots else "",
         )
-        self._check_device_pool(settings)
+        self.settings = build_settings(
+            replace(
+                spec,
+                connector=self.config.kv_transfer_config(),
+                gpu_pool_bytes=self.layout.pool_bytes(gpu_slots),
+            ),
+            device,
+        )
+        self._check_device_pool(self.settings)
         self.host_pool: HostPool | None = None
         if host_slots:
             self.host_pool = HostPool.create(pools.host_pool_name, self.layout, host_slots)
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        extra = dict(settings.extra)
-        extra.setdefault("async_scheduling", False)  # see docs/data-plane.md, "Limits"
-        self.settings = settings.with_(
-            kv_transfer_config=self.config.kv_transfer_config(), extra=extra
-        )
         try:
             self.engine = Engine(self.settings)
         except BaseException:
@@ -228,7 +242,7 @@ class CachedEngine:
             )
             check_fits("the host KV pool", host, available_host_bytes(), "lower host_pool_gib")
         else:
-            # On CPU both pools and vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE) share the RAM.
+            # On CPU both pools and vLLM's own KV cache share the RAM.
             vllm_kv = int((settings.kv_cache_space_gib or 0) * GIB)
             check_fits(
                 f"the KV pools ({wanted} bytes device pool + {host} bytes host pool + "

@@ -99,3 +99,17 @@ def cpu_write_kv(
         v_scale=1.0,
         kv_cache_dtype="auto",
     )
+
+
+def attention_backend_name(vllm_config: Any) -> str:
+    """The attention backend of the first attention layer (for error messages), or
+    "unknown". Reads the forward context, which is populated once the model is loaded."""
+    try:
+        layers = vllm_config.compilation_config.static_forward_context
+        for layer in layers.values():
+            backend = getattr(layer, "attn_backend", None)
+            if backend is not None:
+                return str(backend.get_name())
+    except Exception:  # only for messages: never fail because of it
+        pass
+    return "unknown"

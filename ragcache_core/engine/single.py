@@ -7,9 +7,10 @@
         ▼
     CachedEngine.run(prompt, plan) ──► tokens, TTFT, ConnectorResult
         ▼
-    confirm(handle)   stores ran and the first token arrived: new nodes become readable
+    confirm(handle)   every copy ran (the report says so): new nodes become readable
     abort(handle)     the plan was rejected, a load failed, or the engine raised: the
                       request's copies are dropped; a node whose load failed is invalidated
+                      (at this prefix only)
 
 The prompt is exactly `system + doc_1 + ... + doc_n + question`: the same token ids go to vLLM
 with or without the cache (DESIGN.md 3.3).
@@ -17,6 +18,7 @@ with or without the cache (DESIGN.md 3.3).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,8 @@ from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.llm import GreedySampling
 from ragcache_core.plan import Tier
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RequestHandle
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,26 +120,33 @@ def run_request(
 
 
 def settle(cache: KnowledgeCache, handle: RequestHandle, result: ConnectorResult) -> bool:
-    """Confirm the request's copies, or drop them when the connector's report says they are
-    not all trustworthy (plan rejected, a load failed, the store did not run); a node whose
-    load failed is invalidated. Returns whether it confirmed."""
+    """Apply the connector's final report on a request; returns whether its copies stand.
+
+    An open handle (the sync path: nothing was confirmed yet) is confirmed when every copy ran
+    (plan not rejected, no load failed, stores reported run), else aborted. A handle the
+    controller confirmed at its first token (which proves the stores ran: they run
+    synchronously in the step that completes the prompt, and the app checked the plan before
+    sending it) is only re-checked: a report contradicting that is a bug, logged, and the
+    request's written copies leave the tree. Either way a failed load removes the node it read,
+    at this prefix only (`KnowledgeCache.invalidate_loads`)."""
     plan = handle.plan
-    stores_ok = result.stored or not plan.store
-    if not result.rejected and not result.load_failed and stores_ok:
-        cache.confirm(handle)
-        return True
-    failed_keys = _failed_nodes(handle, result)
-    cache.abort(handle)
-    for key in failed_keys:
-        # A node whose copy failed may hold bad bytes: no later request may read it.
-        if isinstance(key, DocKey):
-            cache.invalidate(key.doc_id)
+    every_copy_ran = not result.rejected and (result.stored or not plan.store)
+    if handle.is_open:
+        confirmed = every_copy_ran and not result.load_failed
+        if confirmed:
+            cache.confirm(handle)
         else:
-            cache.clear()
-    return False
-
-
-def _failed_nodes(handle: RequestHandle, result: ConnectorResult) -> list[object]:
-    """Keys of the hit nodes whose load span failed (load spans follow the non-empty hits)."""
-    loaded_hits = [hit for hit in handle.hits.hits if hit.num_tokens]
-    return [loaded_hits[i].key for i in result.failed_load_spans if i < len(loaded_hits)]
+            cache.abort(handle)
+    else:
+        confirmed = every_copy_ran
+        if not confirmed:
+            logger.error(
+                "the connector did not run a confirmed plan (rejected: %s; stores ran: %s): "
+                "dropping the request's copies",
+                "; ".join(result.rejected) or "no",
+                result.stored,
+            )
+            cache.invalidate_written(handle)
+    if result.load_failed:
+        cache.invalidate_loads(handle, result.failed_load_spans)
+    return confirmed

@@ -1,6 +1,8 @@
-"""Admission: at most `capacity` requests in prefill at once; the rest wait in a reordering
-queue (DESIGN.md 2.4) whose priorities are computed when a slot frees, against the tree as it is
-then. A request leaves prefill when its first token arrives.
+"""Admission: requests enter prefill while a budget of tokens to compute has room (vLLM's
+per-step token budget by default, so what is admitted fits the engine's next steps), and at
+most `capacity` at once; the rest wait in a reordering queue (DESIGN.md 2.4) whose priorities
+are computed when room frees, against the tree as it is then. A request leaves prefill when its
+first token arrives. A request larger than the whole budget is admitted alone.
 
 Runs on the controller's loop only (not thread-safe).
 """
@@ -21,6 +23,8 @@ class Ticket:
 
     score: Callable[[], tuple[int, int]]
     """(cached tokens, tokens to compute) as of now."""
+    tokens: int = 0
+    """Tokens to compute, as of admission (what the request takes from the budget)."""
     future: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -33,23 +37,32 @@ class Ticket:
 
 
 class Slot:
-    """A held prefill slot. `release()` is idempotent, so every path that may end a request
-    (first token, failure, cancellation, even a task cancelled before it ever ran) can call it."""
+    """A held place in prefill (`tokens` of the budget). `release()` is idempotent, so every
+    path that may end a request (first token, failure, cancellation, even a task cancelled
+    before it ever ran) can call it."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, tokens: int = 0) -> None:
         self._admission = admission
+        self.tokens = tokens
         self.held = True
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self._admission.release()
+            self._admission.release(self.tokens)
 
 
 class Admission:
-    def __init__(self, capacity: int, queue: str, window: int) -> None:
+    """`capacity`: requests in prefill at most; `token_budget`: tokens to compute in prefill
+    at most (None: no token limit)."""
+
+    def __init__(
+        self, capacity: int, queue: str, window: int, token_budget: int | None = None
+    ) -> None:
         self.capacity = capacity
+        self.token_budget = token_budget
         self.in_prefill = 0
+        self.prefill_tokens = 0
         self._queue: RequestQueue[Ticket] = make_queue(
             queue, score=lambda t: t.score(), window=window
         )
@@ -58,40 +71,60 @@ class Admission:
     def waiting(self) -> int:
         return len(self._queue)
 
-    def has_room(self) -> bool:
-        return self.in_prefill < self.capacity and not self._queue
+    def fits(self, tokens: int) -> bool:
+        """Whether a request computing `tokens` may enter prefill now (ignoring the queue)."""
+        if self.in_prefill == 0:
+            return True  # even a request larger than the budget runs, alone
+        if self.in_prefill >= self.capacity:
+            return False
+        return self.token_budget is None or self.prefill_tokens + tokens <= self.token_budget
 
-    def try_acquire(self) -> Slot | None:
-        """Take a slot only if one is free now and nobody waits (speculation uses this)."""
-        if not self.has_room():
+    def has_room(self, tokens: int = 0) -> bool:
+        return not self._queue and self.fits(tokens)
+
+    def try_acquire(self, tokens: int = 0) -> Slot | None:
+        """Take room for `tokens` only if it is free now and nobody waits (speculation: it
+        only uses capacity the final requests leave idle)."""
+        if not self.has_room(tokens):
             return None
-        self.in_prefill += 1
-        return Slot(self)
+        return self._admit(tokens)
 
     async def acquire(self, ticket: Ticket) -> Slot:
-        """Wait for a prefill slot. Cancelling the wait leaves the queue consistent."""
-        if self.has_room():
-            self.in_prefill += 1
+        """Wait for room in prefill. Cancelling the wait leaves the queue consistent."""
+        ticket.tokens = ticket.score()[1]
+        if self.has_room(ticket.tokens):
             ticket.admitted_at = time.perf_counter()
-            return Slot(self)
+            return self._admit(ticket.tokens)
         self._queue.push(ticket)
         try:
             await ticket.future
         except asyncio.CancelledError:
             if ticket.future.done() and not ticket.future.cancelled():
-                self.release()  # admitted just as we were cancelled: give the slot back
+                self.release(ticket.tokens)  # admitted just as we were cancelled: give it back
             ticket.future.cancel()
             raise
-        return Slot(self)
+        return Slot(self, ticket.tokens)
 
-    def release(self) -> None:
-        """A request left prefill (first token, failure or abort): admit the best waiter.
-        Call it through `Slot.release`, which makes it idempotent."""
+    def release(self, tokens: int = 0) -> None:
+        """A request left prefill (first token, failure or abort): admit the best waiters
+        while they fit. Call it through `Slot.release`, which makes it idempotent."""
         self.in_prefill -= 1
-        while self.in_prefill < self.capacity and self._queue:
-            ticket = self._queue.pop()
+        self.prefill_tokens -= tokens
+        while self._queue:
+            ticket = self._queue.peek()
             if ticket.future.done():  # cancelled while waiting
+                self._queue.pop()
                 continue
+            ticket.tokens = ticket.score()[1]  # the tree may have cached more since it queued
+            if not self.fits(ticket.tokens):
+                break
+            self._queue.pop()
             self.in_prefill += 1
+            self.prefill_tokens += ticket.tokens
             ticket.admitted_at = time.perf_counter()
             ticket.future.set_result(None)
+
+    def _admit(self, tokens: int) -> Slot:
+        self.in_prefill += 1
+        self.prefill_tokens += tokens
+        return Slot(self, tokens)

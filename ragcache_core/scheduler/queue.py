@@ -41,6 +41,10 @@ class RequestQueue(ABC, Generic[T]):
     def pop(self) -> T: ...
 
     @abstractmethod
+    def peek(self) -> T:
+        """The item `pop` would return now, without removing it or counting overtakes."""
+
+    @abstractmethod
     def __len__(self) -> int: ...
 
 
@@ -59,6 +63,11 @@ class FCFSQueue(RequestQueue[T]):
         if not self._items:
             raise RAGCacheError("pop from an empty request queue")
         return self._items.popleft()
+
+    def peek(self) -> T:
+        if not self._items:
+            raise RAGCacheError("peek into an empty request queue")
+        return self._items[0]
 
     def __len__(self) -> int:
         return len(self._items)
@@ -90,21 +99,28 @@ class CacheAwareQueue(RequestQueue[T]):
         self._seq += 1
 
     def pop(self) -> T:
-        if not self._items:
-            raise RAGCacheError("pop from an empty request queue")
-        oldest = next(iter(self._items))
-        if self._overtaken[oldest] >= self.window:
-            return self._take(oldest)
-        best, best_priority = oldest, -1.0
-        for seq, item in self._items.items():
-            priority = order_priority(*self._score(item))
-            if priority > best_priority:
-                best, best_priority = seq, priority
+        best = self._choose("pop from")
         for seq in self._items:
             if seq >= best:
                 break
             self._overtaken[seq] += 1
         return self._take(best)
+
+    def peek(self) -> T:
+        return self._items[self._choose("peek into")]
+
+    def _choose(self, what: str) -> int:
+        if not self._items:
+            raise RAGCacheError(f"{what} an empty request queue")
+        oldest = next(iter(self._items))
+        if self._overtaken[oldest] >= self.window:
+            return oldest
+        best, best_priority = oldest, -1.0
+        for seq, item in self._items.items():
+            priority = order_priority(*self._score(item))
+            if priority > best_priority:
+                best, best_priority = seq, priority
+        return best
 
     def _take(self, seq: int) -> T:
         del self._overtaken[seq]

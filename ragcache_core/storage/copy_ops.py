@@ -30,7 +30,7 @@ class Located(Protocol):
 
 class PagedKV(Protocol):
     """Token-level access to every attention layer of vLLM's paged cache (see
-    `ragcache_core.engine.paged_kv`, which implements it per attention backend)."""
+    `ragcache_core.storage.kv_layout.LinearPagedKV`, built per attention backend)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -78,6 +78,10 @@ class CopyOps(Protocol):
 
     def register_host(self, tensor: torch.Tensor) -> None:
         """Make a host tensor fast to copy from/to the device (pin it). No-op on CPU."""
+        ...
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        """Undo `register_host` (before the host tensor is unmapped). No-op on CPU."""
         ...
 
     def allocate_pool(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -129,15 +133,26 @@ class TorchCopyOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
+        self._registered: set[int] = set()
 
     def register_host(self, tensor: torch.Tensor) -> None:
         if self._cuda and tensor.numel():
             import torch
 
             nbytes = tensor.numel() * tensor.element_size()
-            err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            # Flag 2 (cudaHostRegisterMapped): also map it into the device's address space,
+            # so device kernels may read it directly (UVA).
+            err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 2)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the host KV pool failed ({err})")
+            self._registered.add(tensor.data_ptr())
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() and tensor.data_ptr() in self._registered:
+            import torch
+
+            self._registered.discard(tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
     def allocate_pool(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         import torch
@@ -191,6 +206,21 @@ class TorchCopyOps:
         )
         self.copy_pages(host, unique.tolist(), staged, list(range(int(unique.shape[0]))))
         return staged, remapped
+
+
+def copy_ops_for(device: torch.device) -> CopyOps:
+    """The copy implementation for `device`: Triton kernels on CUDA (one launch per step and
+    layer group), torch indexing elsewhere (Triton has no CPU backend)."""
+    if device.type == "cuda":
+        try:
+            from ragcache_core.storage.triton_copy import TritonCopyOps
+        except ImportError as exc:  # Triton missing: the torch path is correct, only slower
+            import logging
+
+            logging.getLogger(__name__).warning("Triton unavailable (%s): torch copies", exc)
+        else:
+            return TritonCopyOps(device)
+    return TorchCopyOps(device)
 
 
 def _check_slots(what: str, slots: Sequence[int], capacity: int) -> None:

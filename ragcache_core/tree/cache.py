@@ -307,9 +307,41 @@ class KnowledgeCache:
                 self._remove(node)
         return before - self._num_doc_nodes
 
+    def invalidate_loads(self, handle: RequestHandle, failed_spans: Sequence[int]) -> int:
+        """The load spans `failed_spans` of `handle`'s plan failed: the nodes they read (at
+        this request's prefix only) may hold bad bytes. Each leaves the tree with its subtree
+        (a copy needs its parent's); a failed root empties the tree but keeps the policy's
+        clocks and frequencies. For open and finished handles alike; in-flight readers keep
+        their pins. Returns the number of nodes removed."""
+        hit_nodes = handle._path[: len(handle.hits.hits)]
+        loaded = [node for node in hit_nodes if node.num_tokens]
+        return self._invalidate([loaded[i] for i in failed_spans if i < len(loaded)])
+
+    def invalidate_written(self, handle: RequestHandle) -> int:
+        """Every copy `handle` wrote (stores, swap-outs, promotions) may not have run: the
+        nodes holding them leave the tree as in `invalidate_loads`. Returns the number of
+        nodes removed."""
+        return self._invalidate(list(dict.fromkeys(node for node, _ in handle._pending)))
+
+    def _invalidate(self, nodes: list[Node]) -> int:
+        before = self._num_doc_nodes
+        for node in nodes:
+            if node is self._root:
+                self._replace_root()
+            elif node.attached:
+                self._remove(node)
+        return before - self._num_doc_nodes
+
     def clear(self) -> None:
         """Drop every node, reset the policy (clocks) and the frequency window. In-flight
         requests stay valid: their pinned nodes are detached and freed when they finish."""
+        self._replace_root()
+        self.policy.reset()
+        self._final_requests = 0
+
+    def _replace_root(self) -> None:
+        """Detach the root and everything below it (pinned nodes are freed when unpinned) and
+        start an empty tree; the policy's state is kept."""
         old = self._root
         for child in list(old.children.values()):
             self._remove(child)
@@ -320,8 +352,6 @@ class KnowledgeCache:
             for tier in list(old.slots):
                 self._release_copy(old, tier)
         self._root = self._new_root()
-        self.policy.reset()
-        self._final_requests = 0
         for pool in self._pools.values():
             pool.clear_heap()
 

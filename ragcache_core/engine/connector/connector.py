@@ -46,11 +46,16 @@ class RAGCacheConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(config, block_size)
         else:
             self._worker = WorkerSide(config, block_size)
+        self._vllm_config = vllm_config
 
     # ---- worker side -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_side().register(kv_caches)
+        from ragcache_core.engine.compat import attention_backend_name
+
+        worker = self._worker_side()
+        worker.backend = attention_backend_name(self._vllm_config)
+        worker.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

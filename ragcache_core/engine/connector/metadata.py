@@ -42,13 +42,23 @@ class StepOps(KVConnectorMetadata):
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    """Load failures of one step: request id -> index of the first load span that failed."""
+    """What one step's copies did, per request id: the first load span that failed, whether
+    the request's stores ran (`stored`), and the seconds the step spent copying before and
+    after the forward pass (`copy_s`: (load side, store side), shared by the step's requests)."""
 
     load_failures: dict[str, int] = field(default_factory=dict)
+    stored: set[str] = field(default_factory=set)
+    copy_s: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Merge the reports of several workers (tensor parallel): a failure anywhere counts,
+        a store counts only where every worker ran it, copy time is the slowest worker's."""
         assert isinstance(other, WorkerReport)
-        merged = dict(self.load_failures)
+        failures = dict(self.load_failures)
         for req_id, span in other.load_failures.items():
-            merged[req_id] = min(span, merged.get(req_id, span))
-        return WorkerReport(merged)
+            failures[req_id] = min(span, failures.get(req_id, span))
+        copy_s = dict(self.copy_s)
+        for req_id, (load, store) in other.copy_s.items():
+            mine = copy_s.get(req_id, (0.0, 0.0))
+            copy_s[req_id] = (max(load, mine[0]), max(store, mine[1]))
+        return WorkerReport(failures, self.stored & other.stored, copy_s)

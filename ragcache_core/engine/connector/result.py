@@ -18,19 +18,25 @@ class ConnectorResult:
     """Outcome of one request's plan.
 
     `loaded_tokens` prompt tokens were served from the pools (`gpu_tokens` + `host_tokens`);
-    the rest were computed. `stored` says the store ran in the step that completed the prompt
-    (so, once the request has produced a token, its stores hold the prompt's KV).
+    the rest were computed. `store_scheduled`: the scheduler put the plan's stores into the
+    step that completed the prompt. `stored`: the worker reported that those stores ran
+    (what a confirmation needs; a store that raises fails the step instead).
     `failed_load_spans` lists load spans whose copy failed (vLLM recomputed from the block
     holding the failed span's first token). `rejected` lists why a plan was ignored (then
-    nothing was copied at all).
+    nothing was copied at all). `load_copy_s` / `store_copy_s`: seconds the worker spent
+    copying in the steps that ran this request's copies (shared with the other requests of
+    those steps).
     """
 
     loaded_tokens: int = 0
     gpu_tokens: int = 0
     host_tokens: int = 0
+    store_scheduled: bool = False
     stored: bool = False
     failed_load_spans: tuple[int, ...] = ()
     rejected: tuple[str, ...] = ()
+    load_copy_s: float = 0.0
+    store_copy_s: float = 0.0
 
     @property
     def load_failed(self) -> bool:
@@ -41,9 +47,12 @@ class ConnectorResult:
             "loaded_tokens": self.loaded_tokens,
             "gpu_tokens": self.gpu_tokens,
             "host_tokens": self.host_tokens,
+            "store_scheduled": self.store_scheduled,
             "stored": self.stored,
             "failed_load_spans": list(self.failed_load_spans),
             "rejected": list(self.rejected),
+            "load_copy_s": self.load_copy_s,
+            "store_copy_s": self.store_copy_s,
         }
 
     @classmethod
@@ -52,9 +61,12 @@ class ConnectorResult:
             loaded_tokens=int(data["loaded_tokens"]),
             gpu_tokens=int(data["gpu_tokens"]),
             host_tokens=int(data["host_tokens"]),
+            store_scheduled=bool(data["store_scheduled"]),
             stored=bool(data["stored"]),
             failed_load_spans=tuple(int(i) for i in data["failed_load_spans"]),
             rejected=tuple(str(p) for p in data["rejected"]),
+            load_copy_s=float(data["load_copy_s"]),
+            store_copy_s=float(data["store_copy_s"]),
         )
 
     @classmethod

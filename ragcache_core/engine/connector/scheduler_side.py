@@ -41,6 +41,10 @@ class _Tracked:
     copies_sent: bool = False
     store_sent: bool = False
     failed_spans: list[int] = field(default_factory=list)
+    store_ran: bool = False
+    """The worker reported that the store ran (set from its `WorkerReport`)."""
+    load_copy_s: float = 0.0
+    store_copy_s: float = 0.0
 
     @property
     def num_loadable(self) -> int:
@@ -107,16 +111,27 @@ class SchedulerSide:
         return step
 
     def on_worker_report(self, report: object) -> None:
-        """A step's load failures: vLLM recomputes from the failed span's block, so the
-        prompt will be completed again and the store must be sent again then."""
+        """A step's outcome. Load failures: vLLM recomputes from the failed span's block, so
+        the prompt will be completed again and the store must be sent again then. Stores that
+        ran and copy times are recorded for the request's final report."""
         if not isinstance(report, WorkerReport):
             return
+        for req_id, (load_s, store_s) in report.copy_s.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.load_copy_s += load_s
+                tracked.store_copy_s += store_s
+        for req_id in report.stored:
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.store_ran = True
         for req_id, span in report.load_failures.items():
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
             tracked.failed_spans.append(span)
             tracked.store_sent = False
+            tracked.store_ran = False
             first = max(tracked.plan.load[span].token_start, tracked.load_lo)
             tracked.loaded_end = min(tracked.loaded_end, first - first % self.block_size)
 
@@ -211,7 +226,10 @@ def _result(tracked: _Tracked) -> ConnectorResult:
         loaded_tokens=tokens[Tier.GPU] + tokens[Tier.HOST],
         gpu_tokens=tokens[Tier.GPU],
         host_tokens=tokens[Tier.HOST],
-        stored=tracked.store_sent and bool(tracked.plan.store),
+        store_scheduled=tracked.store_sent and bool(tracked.plan.store),
+        stored=tracked.store_ran,
         failed_load_spans=tuple(tracked.failed_spans),
         rejected=tracked.problems,
+        load_copy_s=tracked.load_copy_s,
+        store_copy_s=tracked.store_copy_s,
     )

@@ -13,6 +13,7 @@ turns each span into a `TokenIndex` with `span_index`:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ragcache_core.plan import Plan, Tier
@@ -83,6 +84,83 @@ def plan_problems(
     return problems
 
 
+@dataclass(frozen=True, slots=True)
+class SpanRef:
+    """The part [lo, hi) of one plan span to copy, with the request's vLLM block ids."""
+
+    slots: Sequence[int]
+    token_start: int
+    num_tokens: int
+    lo: int
+    hi: int
+    block_ids: Sequence[int]
+
+    @property
+    def first(self) -> int:
+        return max(self.token_start, self.lo)
+
+    @property
+    def last(self) -> int:
+        return min(self.token_start + self.num_tokens, self.hi)
+
+
+def step_index(
+    spans: Sequence[SpanRef], *, block_size: int, page_size: int, device: torch.device
+) -> TokenIndex:
+    """One `TokenIndex` for every span of a step (all requests), built with a fixed number of
+    tensor operations whatever the number of spans, so that each copy then runs once per
+    layer for the whole step (not once per span and layer).
+
+    Raises `IndexError` if a position has no block in its request's `block_ids`.
+    """
+    import torch
+
+    from ragcache_core.storage.copy_ops import TokenIndex
+
+    live = [s for s in spans if s.last > s.first]
+    if not live:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return TokenIndex(empty, empty, empty)
+    slot_table: list[int] = []
+    block_table: list[int] = []
+    slot_base, block_base, lengths, firsts, starts = [], [], [], [], []
+    tables: dict[int, int] = {}  # id(block_ids) -> offset: requests share one block list
+    for span in live:
+        if (span.last - 1) // block_size >= len(span.block_ids):
+            raise IndexError(
+                f"position {span.last - 1} has no block "
+                f"(request holds {len(span.block_ids)} blocks)"
+            )
+        slot_base.append(len(slot_table))
+        slot_table.extend(span.slots)
+        key = id(span.block_ids)
+        if key not in tables:
+            tables[key] = len(block_table)
+            block_table.extend(span.block_ids)
+        block_base.append(tables[key])
+        lengths.append(span.last - span.first)
+        firsts.append(span.first)
+        starts.append(span.token_start)
+    counts = torch.tensor(lengths, dtype=torch.long)  # [S]
+    span_of = torch.repeat_interleave(torch.arange(len(live)), counts)  # [T]
+    begin = torch.cumsum(counts, 0) - counts  # [S]: first row of each span
+    positions = (  # [T]: prompt positions
+        torch.arange(int(counts.sum())) - begin[span_of] + torch.tensor(firsts)[span_of]
+    )
+    relative = positions - torch.tensor(starts)[span_of]  # [T]: position inside the span
+    pages = torch.tensor(slot_table, dtype=torch.long)[
+        torch.tensor(slot_base)[span_of] + relative // page_size
+    ]  # [T]
+    blocks = torch.tensor(block_table, dtype=torch.long)[
+        torch.tensor(block_base)[span_of] + positions // block_size
+    ]  # [T]
+    return TokenIndex(
+        pool_slots=pages.to(device),
+        pool_rows=(relative % page_size).to(device),
+        slot_mapping=(blocks * block_size + positions % block_size).to(device),
+    )
+
+
 def span_index(
     *,
     slots: Sequence[int],
@@ -99,26 +177,5 @@ def span_index(
 
     Raises `IndexError` if a position has no block in `block_ids`.
     """
-    import torch
-
-    from ragcache_core.storage.copy_ops import TokenIndex
-
-    first = max(token_start, lo)
-    last = min(token_start + num_tokens, hi)
-    if last <= first:
-        empty = torch.empty(0, dtype=torch.long, device=device)
-        return TokenIndex(empty, empty, empty)
-    if (last - 1) // block_size >= len(block_ids):
-        raise IndexError(
-            f"position {last - 1} has no block (request holds {len(block_ids)} blocks)"
-        )
-    positions = torch.arange(first, last, dtype=torch.long)  # [T]
-    relative = positions - token_start  # [T]
-    slot_table = torch.tensor(list(slots), dtype=torch.long)  # [pages]
-    block_table = torch.tensor(list(block_ids), dtype=torch.long)  # [blocks]
-    slot_mapping = block_table[positions // block_size] * block_size + positions % block_size
-    return TokenIndex(
-        pool_slots=slot_table[relative // page_size].to(device),
-        pool_rows=(relative % page_size).to(device),
-        slot_mapping=slot_mapping.to(device),
-    )
+    span = SpanRef(slots, token_start, num_tokens, lo, hi, block_ids)
+    return step_index([span], block_size=block_size, page_size=page_size, device=device)

