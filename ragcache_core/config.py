@@ -76,6 +76,10 @@ class CacheConfig:
     page_size: int = 16
     """Tokens per pool slot (see docs/benchmarks.md, "Page size")."""
     policy: str = "pgdsf"
+    store_policy: str = "always"
+    """Which computed documents are stored: "always" (the paper), "second" (only a document
+    met before at the same prefix) or "no_evict" (only into free room). See
+    docs/control-plane.md for the measurement."""
     max_cached_depth: int | None = None
     """Cache only the first j documents of a sequence (paper 2.7); None caches all."""
     cost_profile: str | None = None

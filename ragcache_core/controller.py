@@ -152,6 +152,7 @@ class RAGCache:
             cost_model=cost_model,
             max_depth=config.max_cached_depth,
             backup_root=True,  # the system prompt survives a worker failure (paper 2.6)
+            store_policy=config.store_policy,
         )
         self.admission = Admission(
             config.max_prefill_bs,

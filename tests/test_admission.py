@@ -96,3 +96,31 @@ def test_cancelled_waiter_gives_its_place_back() -> None:
         return admission.in_prefill
 
     assert asyncio.run(main()) == 0
+
+
+def test_token_budget_admits_what_fits_and_a_large_request_alone() -> None:
+    async def main() -> list[tuple[str, int, int]]:
+        admission = Admission(capacity=8, queue="fcfs", window=0, token_budget=1000)
+        seen: list[tuple[str, int, int]] = []
+        big = await admission.acquire(Ticket(score=lambda: (0, 5000)))  # alone: admitted
+        seen.append(("big", admission.in_prefill, admission.prefill_tokens))
+        assert admission.try_acquire(10) is None  # nothing else fits beside it
+        waiters = [
+            asyncio.ensure_future(admission.acquire(Ticket(score=lambda: (0, 400))))
+            for _ in range(3)
+        ]
+        await asyncio.sleep(0)
+        assert admission.waiting == 3
+        big.release()  # two of the three 400-token requests fit in 1,000
+        await asyncio.sleep(0)
+        seen.append(("after", admission.in_prefill, admission.prefill_tokens))
+        slots = [w.result() for w in waiters if w.done()]
+        for slot in slots:
+            slot.release()
+        await asyncio.gather(*waiters)
+        for w in waiters:
+            w.result().release()
+        seen.append(("end", admission.in_prefill, admission.prefill_tokens))
+        return seen
+
+    assert asyncio.run(main()) == [("big", 1, 5000), ("after", 2, 800), ("end", 0, 0)]

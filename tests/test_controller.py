@@ -282,3 +282,29 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
     assert after.token_ids == reference(cache, "after the restart?", docs)
     # The GPU pool died with the worker; the root's host copy survived in shared memory.
     assert after.hits.root_cached and after.hits.gpu_docs == 0
+
+
+def test_stores_are_readable_from_the_first_token(cache: RAGCache) -> None:
+    """The first token proves the stores ran (they run in the step that completes the
+    prompt), so pins go and a concurrent request reads the new documents while the first
+    answer is still streaming."""
+    cache.clear()
+    docs = [DOCS[2], DOCS[5]]
+    long_answer = SamplingConfig(max_tokens=64, ignore_eos=True)
+
+    async def main() -> tuple[int, int, object, list]:
+        stream = cache.astream("Tell me about Rome.", documents=docs, sampling=long_answer)
+        await stream.__anext__()  # the first token's text
+        stats = cache.stats()
+        second = await cache.agenerate("Where is Rome?", docs)
+        rest = [chunk async for chunk in stream]
+        return stats["tree"]["pinned_nodes"], stats["in_prefill"], second, rest
+
+    pinned, in_prefill, second, rest = asyncio.run(main())
+    assert pinned == 0 and in_prefill == 0
+    assert second.hits.gpu_docs == 2  # type: ignore[attr-defined]
+    assert second.token_ids == reference(cache, "Where is Rome?", docs)  # type: ignore[attr-defined]
+    first = rest[-1].result
+    assert first is not None and first.hits.hit_docs == 0 and len(first.token_ids) == 64
+    assert set(first.timings) >= {"plan", "engine_first_token", "load_copy", "store_copy"}
+    assert first.timings["store_copy"] > 0  # the worker reported the store it ran

@@ -334,3 +334,58 @@ def test_root_backup_keeps_a_host_copy_of_the_system_prompt() -> None:
     after = cache.match([doc("a", 4)])
     assert after.root_cached and after.hits[0].tier is Tier.HOST
     assert not after.doc_hits  # the document had no host copy: gone with the GPU
+
+
+def test_a_failed_load_removes_only_the_node_it_read() -> None:
+    cache = make()
+    run(cache, doc("a"), doc("x"), doc("b"), root=4)
+    run(cache, doc("x"), doc("c"), root=4)
+    reader = cache.begin_request(4, [doc("a"), doc("x"), doc("b")], 2)
+    cache.confirm(reader)  # confirmed at its first token; the final report comes later
+    # Load spans: 0 = root, 1 = a, 2 = a/x, 3 = a/x/b. Span 2 failed.
+    assert cache.invalidate_loads(reader, [2]) == 2  # a/x and its subtree a/x/b
+    assert set(cached_paths(cache)) == {(), ("a",), ("x",), ("x", "c")}
+    cache.check_integrity()
+
+
+def test_a_failed_root_load_empties_the_tree_but_keeps_the_policys_clocks() -> None:
+    cache = make(gpu=6, host=0)
+    for name in "abcdef":  # evictions move the GPU clock
+        run(cache, doc(name, 8), root=4)
+    clock = cache.policy.clocks[Tier.GPU]  # type: ignore[attr-defined]
+    assert clock > 0
+    reader = cache.begin_request(4, [doc("f", 8)], 2)
+    cache.invalidate_loads(reader, [0])
+    assert cache.num_nodes == 0 and cache.policy.clocks[Tier.GPU] == clock  # type: ignore[attr-defined]
+    cache.confirm(reader)  # its pinned nodes are freed now
+    assert cache.stats().gpu_used_slots == 0
+    cache.check_integrity()
+
+
+def test_copies_of_a_plan_that_did_not_run_are_dropped() -> None:
+    cache = make()
+    run(cache, doc("a"), root=4)
+    writer = cache.begin_request(4, [doc("a"), doc("b"), doc("c")], 2)
+    cache.confirm(writer)
+    assert cache.invalidate_written(writer) == 2  # a/b and a/b/c
+    assert set(cached_paths(cache)) == {(), ("a",)}
+    cache.check_integrity()
+
+
+def test_store_policy_second_stores_a_document_on_its_second_retrieval() -> None:
+    cache = make(store_policy="second")
+    run(cache, doc("a"), root=4)
+    assert set(cached_paths(cache)) == {()}  # the root is always stored; "a" seen once
+    run(cache, doc("a"), root=4)
+    assert set(cached_paths(cache)) == {(), ("a",)}
+    run(cache, doc("b"), doc("a"), root=4)  # another prefix: seen once again
+    assert set(cached_paths(cache)) == {(), ("a",)}
+
+
+def test_store_policy_no_evict_never_evicts_to_store() -> None:
+    cache = make(gpu=4, store_policy="no_evict")  # root 1 slot + a 3 slots
+    run(cache, doc("a", 12), root=4)
+    run(cache, doc("b", 12), root=4)
+    assert set(cached_paths(cache)) == {(), ("a",)}
+    with pytest.raises(ConfigError, match="store_policy"):
+        make(store_policy="sometimes")

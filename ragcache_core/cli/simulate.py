@@ -41,6 +41,12 @@ def register(subparsers: Any) -> None:
         metavar="W",
         help="reordering: max times a request may be overtaken (%(default)s)",
     )
+    parser.add_argument(
+        "--store-policy",
+        choices=("always", "second", "no_evict"),
+        default="always",
+        help="which computed documents are stored (%(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=_run)
 
@@ -59,6 +65,7 @@ def _run(args: argparse.Namespace) -> int:
         reorder=args.reorder,
         max_prefill_bs=args.max_prefill_bs,
         window=args.window,
+        store_policy=args.store_policy,
     )
     cost = (
         InterpolatedCostModel(CostProfile.load(args.profile))
@@ -77,6 +84,7 @@ def _run(args: argparse.Namespace) -> int:
         "reorder": args.reorder,
         "max_prefill_bs": args.max_prefill_bs,
         "window": args.window,
+        "store_policy": args.store_policy,
         "profile": str(args.profile) if args.profile else "analytic",
     }
     if args.json:

@@ -35,6 +35,7 @@ class SimConfig:
     max_prefill_bs: int = 1
     window: int = 16
     page_size: int = 1
+    store_policy: str = "always"
 
     def __post_init__(self) -> None:
         if self.max_prefill_bs < 1:
@@ -90,6 +91,7 @@ class Simulator:
             policy=config.policy,
             cost_model=self.cost_model,
             max_depth=config.max_depth,
+            store_policy=config.store_policy,
         )
 
     @staticmethod

@@ -20,6 +20,7 @@ Placement invariants (checked by `check_integrity`):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from ragcache_core.cost import CostModel, default_cost_model
@@ -33,6 +34,10 @@ from ragcache_core.tree.pool import TierPool
 from ragcache_core.tree.request import RequestHandle, RequestState
 from ragcache_core.tree.results import CacheStats, MatchResult, TierHit
 
+STORE_POLICIES = ("always", "second", "no_evict")
+SEEN_LIMIT = 1 << 16
+"""Prefixes the "second" store policy remembers (a few MB at most)."""
+
 
 class KnowledgeCache:
     """Knowledge tree + GPU/host slot pools + replacement policy, for one root key.
@@ -42,6 +47,9 @@ class KnowledgeCache:
     `frequency_window` restarts PGDSF/GDSF/LFU frequencies every that many final requests
     (None: frequencies last until `clear()`).
     `backup_root` keeps a host copy of the root beside its GPU copy (paper 2.6).
+    `store_policy` decides which computed documents are stored: "always" (the paper), "second"
+    (only a document met before at the same prefix: one-off documents never cost a store or
+    an eviction) or "no_evict" (only while free room is left: stores never evict).
     """
 
     def __init__(
@@ -56,11 +64,20 @@ class KnowledgeCache:
         max_depth: int | None = None,
         frequency_window: int | None = None,
         backup_root: bool = False,
+        store_policy: str = "always",
     ) -> None:
         if max_depth is not None and max_depth < 0:
             raise ConfigError(f"max_depth cannot be negative, got {max_depth}")
         if frequency_window is not None and frequency_window <= 0:
             raise ConfigError(f"frequency_window must be positive, got {frequency_window}")
+        if store_policy not in STORE_POLICIES:
+            raise ConfigError(
+                f"unknown store_policy {store_policy!r}; choose one of {', '.join(STORE_POLICIES)}"
+            )
+        self.store_policy = store_policy
+        self._seen: OrderedDict[tuple[DocKey, ...], None] = OrderedDict()
+        """Prefixes (document keys from the root) met but not stored ("second" policy),
+        bounded by `SEEN_LIMIT` (the oldest are forgotten)."""
         self.root_key = root_key
         self.page_size = page_size
         self.max_depth = max_depth
@@ -338,6 +355,7 @@ class KnowledgeCache:
         self._replace_root()
         self.policy.reset()
         self._final_requests = 0
+        self._seen.clear()
 
     def _replace_root(self) -> None:
         """Detach the root and everything below it (pinned nodes are freed when unpinned) and
@@ -424,11 +442,16 @@ class KnowledgeCache:
         for i in range(first, len(cached_docs)):
             wanted.append((cached_docs[i].key, cached_docs[i].num_tokens, starts[i + 1]))
         parent = path[-1] if path else None
+        prefix = tuple(spec.key for spec in cached_docs[:first])
         store: list[StoreSpan] = []
         for key, num_tokens, start in wanted:
             if parent is not None and not self._gpu_usable(parent, handle):
                 break  # a GPU copy needs its parent on GPU, for sure (see _gpu_usable)
             count = slots_for_tokens(num_tokens, self.page_size)
+            if isinstance(key, DocKey):
+                prefix = (*prefix, key)
+                if not self._admit_store(prefix, count, handle):
+                    break
             if not self._make_room(Tier.GPU, count, handle):
                 break
             node = self._attach(key, parent, num_tokens)
@@ -447,6 +470,21 @@ class KnowledgeCache:
                 store.append(StoreSpan(slots, start, num_tokens))
             parent = node
         return store
+
+    def _admit_store(self, prefix: tuple[DocKey, ...], count: int, handle: RequestHandle) -> bool:
+        """Whether the store policy lets the document ending `prefix` be stored now."""
+        if self.store_policy == "no_evict":
+            held = len(handle._reusable_gpu)
+            return self._pools[Tier.GPU].allocator.num_free + held >= count
+        if self.store_policy == "second":
+            if prefix in self._seen:
+                del self._seen[prefix]
+                return True
+            self._seen[prefix] = None
+            if len(self._seen) > SEEN_LIMIT:
+                self._seen.popitem(last=False)
+            return False
+        return True
 
     # ------------------------------------------------------------------ eviction
 
