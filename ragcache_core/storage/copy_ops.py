@@ -213,7 +213,7 @@ def copy_ops_for(device: torch.device) -> CopyOps:
     layer group), torch indexing elsewhere (Triton has no CPU backend)."""
     if device.type == "cuda":
         try:
-            from ragcache_core.storage.triton_copy import TritonCopyOps
+            from ragcache_core.storage.triton_ops import TritonCopyOps
         except ImportError as exc:  # Triton missing: the torch path is correct, only slower
             import logging
 

@@ -1,0 +1,650 @@
+"""One step of the GPU check (run by `scripts/gpu_check.sh`, one process per step).
+
+    python scripts/gpu_check.py STEP --out DIR      STEP: device | layout | kernels | pinned
+    python scripts/gpu_check.py summary --out DIR   merge DIR/*.json, print, exit 0/1/2
+
+Runs where vLLM cannot be installed (the H200 machine: torch + CUDA, Triton, no vLLM): it
+imports only `ragcache_core.storage.*` and `ragcache_core.errors`, and builds the caches the
+way vLLM lays them out (`kv_layout.vllm_style_views`). Each step writes DIR/STEP.json:
+
+    {"step", "ok", "skipped" (a reason, or null), "checks": [{"name", "ok", "detail"}],
+     "figures": {name: number}, "errors": [traceback text]}
+
+A check or figure that raises is recorded and the step goes on. Bandwidths are bytes copied
+per second (each byte is read once and written once); "traffic" figures count both, which is
+what the HBM figure measures. Times are CUDA-event medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STEPS = ("device", "layout", "kernels", "pinned")
+HBM_GBPS = 4800.0  # H200 HBM3e, read + write traffic
+PCIE_GBPS = 64.0  # PCIe Gen5 x16, per direction, theoretical
+LBNHC, LBHNC, BLNHC = (0, 1, 3, 2, 4), (0, 1, 2, 3, 4), (1, 0, 3, 2, 4)
+ORDERS = {"LBNHC": LBNHC, "LBHNC": LBHNC, "BLNHC": BLNHC}
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where and how big: the real run (CUDA, Llama-3-8B's KV: 32 layers, 8 KV heads of 128,
+    bf16, blocks of 16; a step of 4,096 tokens in spans of 512) or `--dry-run` (CPU under
+    `TRITON_INTERPRET=1`, tiny shapes: checks this script, measures nothing meaningful)."""
+
+    device: Any
+    dry: bool
+    model: dict[str, int]  # layers, heads, head_size, block_size
+    tokens: int  # one step
+    span: int
+    blocks: int  # cache blocks per layer
+
+    @classmethod
+    def make(cls, dry: bool) -> Run:
+        import torch
+
+        if dry:
+            model = {"layers": 2, "heads": 2, "head_size": 16, "block_size": 16}
+            return cls(torch.device("cpu"), True, model, tokens=64, span=32, blocks=16)
+        model = {"layers": 32, "heads": 8, "head_size": 128, "block_size": 16}
+        return cls(torch.device("cuda"), False, model, tokens=4096, span=512, blocks=2048)
+
+    def small(self) -> dict[str, int]:
+        """The layout step's model: few layers, real heads (fewer when dry)."""
+        return {**self.model, "layers": 2 if self.dry else 4}
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def seconds(self, fn: Callable[[], None], iters: int = 10, warmup: int = 2) -> float:
+        """Median time of `fn`: CUDA events around each call (wall clock when dry)."""
+        import torch
+
+        if self.dry:
+            iters, warmup = 1, 0
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(iters):
+            if self.dry:
+                start_s = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start_s)
+                continue
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def index(self, *, tokens: int, span: int, blocks: int, seed: int) -> Any:
+        """`spans_index` on this run's device (pool pages of 16 tokens)."""
+        from ragcache_core.storage.copy_ops import TokenIndex
+
+        cpu = spans_index(
+            tokens=tokens,
+            span=span,
+            page=16,
+            num_blocks=blocks,
+            block_size=self.model["block_size"],
+            seed=seed,
+        )
+        return TokenIndex(
+            cpu.pool_slots.to(self.device),
+            cpu.pool_rows.to(self.device),
+            cpu.slot_mapping.to(self.device),
+        )
+
+
+class Step:
+    """The record of one step: checks, figures and errors, written as JSON."""
+
+    def __init__(self, name: str) -> None:
+        self.record: dict[str, Any] = {
+            "step": name,
+            "ok": True,
+            "skipped": None,
+            "checks": [],
+            "figures": {},
+            "errors": [],
+        }
+
+    def check(self, name: str, ok: bool, detail: str = "") -> None:
+        self.record["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
+        self.record["ok"] &= bool(ok)
+        print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
+
+    def figure(self, name: str, value: float) -> None:
+        self.record["figures"][name] = round(float(value), 3)
+        print(f"  {name} = {value:.3f}", flush=True)
+
+    def guard(self, what: str, fn: Callable[[], None]) -> None:
+        """Run `fn`; an exception becomes a failed check (with its traceback), not an exit."""
+        try:
+            fn()
+        except Exception as exc:
+            self.record["errors"].append(f"{what}: {traceback.format_exc()}")
+            self.check(what, False, f"raised {type(exc).__name__}: {exc}")
+
+    def write(self, out: Path) -> None:
+        (out / f"{self.record['step']}.json").write_text(json.dumps(self.record, indent=1))
+
+
+def cuda_or_none() -> str | None:
+    """None when a CUDA device is usable, else why not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+    return None
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    import torch
+
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.shape == b.shape and bool(
+        torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    )
+
+
+def random_bits(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+    """Random contents of `dtype` made of random bits (every pattern, NaNs included: the
+    copies must move bits, not values)."""
+    import torch
+
+    width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    bits = width[torch.empty(0, dtype=dtype).element_size()]
+    info = torch.iinfo(bits)
+    raw = torch.randint(info.min, info.max, shape, dtype=bits, device=device)
+    return raw.view(dtype)
+
+
+def spans_index(
+    *, tokens: int, span: int, page: int, num_blocks: int, block_size: int, seed: int
+) -> Any:
+    """A TokenIndex of `tokens` tokens in spans of `span`: span j reads pool slots
+    [j * span / page, ...) in order and lands at a random block with a random offset inside
+    it (spans cross blocks), spans in disjoint cache regions."""
+    import torch
+
+    from ragcache_core.storage.copy_ops import TokenIndex
+
+    gen = torch.Generator().manual_seed(seed)
+    count = tokens // span
+    region = num_blocks * block_size // count  # each span's share of the cache
+    if region < span + block_size:
+        raise ValueError("cache too small for the spans")
+    slots, rows, mapping = [], [], []
+    for j in range(count):
+        start = j * region + int(torch.randint(0, region - span, (1,), generator=gen))
+        t = torch.arange(span)
+        slots.append(j * (span // page) + t // page)
+        rows.append(t % page)
+        mapping.append(start + t)
+    return TokenIndex(torch.cat(slots), torch.cat(rows), torch.cat(mapping))
+
+
+def build_cache(
+    order: str, ratio: int, dtype: Any, num_blocks: int, shape: dict[str, int], device: Any
+) -> Any:
+    """vLLM-style per-layer views over one random CUDA buffer, as a `LinearPagedKV`."""
+    from ragcache_core.storage.kv_layout import strided_paged_kv, vllm_style_views
+
+    numel = shape["layers"] * num_blocks * shape["block_size"] * shape["heads"] * 2
+    numel *= shape["head_size"]
+    views = vllm_style_views(
+        random_bits((numel,), dtype, device),
+        order=ORDERS[order],
+        num_layers=shape["layers"],
+        num_blocks=num_blocks,
+        num_heads=shape["heads"],
+        block_size=shape["block_size"],
+        head_size=shape["head_size"],
+        ratio=ratio,
+    )
+    return strided_paged_kv(
+        views,
+        block_size=shape["block_size"],
+        num_kv_heads=shape["heads"],
+        head_size=shape["head_size"],
+        backend=f"gpu-check {order}",
+    )
+
+
+def cache_bits(paged: Any) -> Any:
+    """Every element from layer 0's first to the last layer's last: the whole buffer the views
+    share (one allocation, layers in order), so a stray write anywhere shows. Not a cat of the
+    layer windows: with layers interleaved (BLNHC) each window spans nearly the whole buffer."""
+    import torch
+
+    first, last = paged.flats[0], paged.flats[-1]
+    size = (last.data_ptr() - first.data_ptr()) // first.element_size() + last.numel()
+    return torch.as_strided(first, (size,), (1,))
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def step_device(step: Step, run: Run) -> None:
+    import torch
+    import triton
+
+    step.record["versions"] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+    }
+    if run.dry:
+        step.record["dry_run"] = True
+        step.check("dry run on CPU (Triton interpreter)", True, "figures are meaningless")
+        return
+    why = cuda_or_none()
+    if why:
+        step.record["skipped"] = why
+        step.check("CUDA device", False, why)
+        return
+    props = torch.cuda.get_device_properties(0)
+    step.record["device"] = {
+        "name": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "capability": f"{props.major}.{props.minor}",
+        "count": torch.cuda.device_count(),
+    }
+    step.check("CUDA device", True, props.name)
+    x = torch.arange(1 << 20, device="cuda")
+    step.check("a CUDA kernel runs", int(x.sum()) == (1 << 20) * ((1 << 20) - 1) // 2)
+
+
+def step_layout(step: Step, run: Run) -> None:
+    """Torch and Triton load/store round trips on vLLM-style CUDA views, bit-exact: every
+    layout vLLM registers (LBNHC default, LBHNC, BLNHC), kernel blocks, bf16 and fp32."""
+    import torch
+
+    from ragcache_core.storage.copy_ops import TorchCopyOps
+    from ragcache_core.storage.copy_reference import (
+        reference_gather_tokens,
+        reference_scatter_tokens,
+    )
+    from ragcache_core.storage.triton_ops import TritonCopyOps
+
+    device, model = run.device, run.small()
+    tokens, blocks = (64, 16) if run.dry else (256, 64)
+    index = run.index(tokens=tokens, span=tokens // 4, blocks=blocks, seed=1)
+    pool_shape = (tokens // 16, model["layers"], 2, 16, model["heads"], model["head_size"])
+    cases = [
+        (order, ratio, dtype)
+        for order in ORDERS
+        for ratio in (1, 2)
+        for dtype in (torch.bfloat16, torch.float32)
+        if not (ratio == 2 and ORDERS[order][0] != 0)  # kernel blocks: layer-outermost only
+    ]
+    for order, ratio, dtype in cases:
+        name = f"{order} ratio {ratio} {str(dtype).split('.')[-1]}"
+
+        def case(
+            order: str = order, ratio: int = ratio, dtype: Any = dtype, name: str = name
+        ) -> None:
+            pool = random_bits(pool_shape, dtype, device)  # [S, L, 2, 16, H, D]
+            base = build_cache(order, ratio, dtype, blocks, model, device)
+            results = {}
+            for label, ops in (("torch", TorchCopyOps(device)), ("triton", TritonCopyOps(device))):
+                paged = clone_cache(base, order, ratio, dtype, blocks, model, device)
+                ops.load(pool, index, paged)
+                back = torch.zeros_like(pool)
+                ops.store(paged, index, back)
+                ops.synchronize()
+                results[label] = (cache_bits(paged), back)
+            ref = clone_cache(base, order, ratio, dtype, blocks, model, device)
+            reference_scatter_tokens(pool, ref.flats, ref.strided, index)
+            ref_back = torch.zeros_like(pool)
+            reference_gather_tokens(ref.flats, ref.strided, index, ref_back)
+            (triton_cache, triton_back), (torch_cache, torch_back) = (
+                results["triton"],
+                results["torch"],
+            )
+            layout = base.strided
+            step.check(
+                f"{name}: Triton load == torch load (whole cache)",
+                same_bits(triton_cache, torch_cache),
+                f"block {layout.block_size}, strides block {layout.block_stride} head "
+                f"{layout.head_stride} token {layout.token_stride} layer {layout.layer_stride}",
+            )
+            step.check(f"{name}: torch load == reference", same_bits(torch_cache, cache_bits(ref)))
+            step.check(
+                f"{name}: Triton store == torch store == reference",
+                same_bits(triton_back, torch_back) and same_bits(torch_back, ref_back),
+            )
+            step.check(f"{name}: store(load(pool)) == pool", same_bits(triton_back, pool))
+
+        step.guard(name, case)
+
+
+def clone_cache(
+    base: Any, order: str, ratio: int, dtype: Any, blocks: int, model: dict[str, int], device: Any
+) -> Any:
+    """A fresh cache of the same layout with `base`'s contents."""
+    paged = build_cache(order, ratio, dtype, blocks, model, device)
+    for f, g in zip(paged.flats, base.flats, strict=True):
+        f.copy_(g)
+    return paged
+
+
+def copy_ceiling(run: Run, nbytes: int) -> float:
+    """GB/s of torch `copy_` between two contiguous device tensors of `nbytes`."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=run.device)
+    dst = torch.empty_like(src)
+    return nbytes / run.seconds(lambda: dst.copy_(src)) / 1e9
+
+
+def step_kernels(step: Step, run: Run) -> None:
+    """Triton kernels on a Llama-3-8B-sized step: bit-exact, and GB/s against torch copy_."""
+    import torch
+
+    from ragcache_core.storage.copy_ops import TorchCopyOps
+    from ragcache_core.storage.copy_reference import (
+        reference_gather_tokens,
+        reference_scatter_tokens,
+    )
+    from ragcache_core.storage.triton_copy import (
+        copy_slots,
+        copy_slots_torch,
+        gather_tokens,
+        scatter_tokens,
+    )
+
+    device, model, dtype = run.device, run.model, torch.bfloat16
+    index = run.index(tokens=run.tokens, span=run.span, blocks=run.blocks, seed=2)
+    slots = run.tokens // 16
+    pool_shape = (slots, model["layers"], 2, 16, model["heads"], model["head_size"])
+    pool = random_bits(pool_shape, dtype, device)  # [256, 32, 2, 16, 8, 128]
+    nbytes = pool.numel() * pool.element_size()  # one step's K and V, every layer
+    step.figure(f"step MiB ({run.tokens} tokens x {model['layers']} layers)", nbytes / 2**20)
+    ceiling = copy_ceiling(run, nbytes)
+    step.figure("torch copy_ ceiling GB/s (copied)", ceiling)
+    step.figure(f"torch copy_ ceiling traffic GB/s (HBM: {HBM_GBPS:.0f})", 2 * ceiling)
+    step.record["hardware"] = {"hbm_gbps": HBM_GBPS}
+    step.figure("H200 HBM3e GB/s (read + write traffic, spec)", HBM_GBPS)
+
+    for order in ("LBNHC", "BLNHC"):
+
+        def tokens(order: str = order) -> None:
+            paged = build_cache(order, 1, dtype, run.blocks, model, device)
+            layout = paged.strided
+            ref = clone_cache(paged, order, 1, dtype, run.blocks, model, device)
+            scatter_tokens(pool, paged.flats, layout, index)
+            reference_scatter_tokens(pool, ref.flats, layout, index)
+            same = same_bits(cache_bits(paged), cache_bits(ref))
+            step.check(f"{order}: scatter_tokens == reference", same)
+            back, ref_back = torch.zeros_like(pool), torch.zeros_like(pool)
+            gather_tokens(paged.flats, layout, index, back)
+            reference_gather_tokens(paged.flats, layout, index, ref_back)
+            step.check(f"{order}: gather_tokens == reference", same_bits(back, ref_back))
+            step.check(f"{order}: gather(scatter(pool)) == pool", same_bits(back, pool))
+            load = nbytes / run.seconds(lambda: scatter_tokens(pool, paged.flats, layout, index))
+            store = nbytes / run.seconds(lambda: gather_tokens(paged.flats, layout, index, back))
+            step.figure(f"{order} scatter_tokens (load) GB/s", load / 1e9)
+            step.figure(f"{order} gather_tokens (store) GB/s", store / 1e9)
+            step.figure(f"{order} load % of copy_ ceiling", 100 * load / 1e9 / ceiling)
+            step.figure(f"{order} store % of copy_ ceiling", 100 * store / 1e9 / ceiling)
+            ops = TorchCopyOps(device)
+            t_load = run.seconds(lambda: ops.load(pool, index, paged), iters=5)
+            t_store = run.seconds(lambda: ops.store(paged, index, back), iters=5)
+            step.figure(f"{order} TorchCopyOps.load GB/s", nbytes / t_load / 1e9)
+            step.figure(f"{order} TorchCopyOps.store GB/s", nbytes / t_store / 1e9)
+
+        step.guard(f"{order} token kernels", tokens)
+
+    def pool_to_pool() -> None:
+        perm = torch.randperm(slots, generator=torch.Generator().manual_seed(3))
+        src_slots, dst_slots = perm.to(device), torch.arange(slots, device=device)
+        dst = torch.zeros_like(pool)
+        copy_slots(pool, src_slots, dst, dst_slots)
+        step.check("copy_slots (permuted) == pool[perm]", same_bits(dst, pool[src_slots]))
+        t = run.seconds(lambda: copy_slots(pool, src_slots, dst, dst_slots))
+        step.figure(
+            f"copy_slots GPU->GPU GB/s ({slots} permuted slots, 1 launch)", nbytes / t / 1e9
+        )
+        perm_list, dst_list = perm.tolist(), list(range(slots))
+        t = run.seconds(lambda: copy_slots_torch(pool, perm_list, dst, dst_list), iters=5)
+        step.figure(f"torch copy_ GPU->GPU GB/s ({slots} runs)", nbytes / t / 1e9)
+
+    step.guard("copy_slots GPU->GPU", pool_to_pool)
+
+
+def step_pinned(step: Step, run: Run) -> None:
+    """A HostPool in /dev/shm, registered; host<->GPU copy_slots over UVA and the torch
+    fallback, bit-exact, GB/s against torch's pinned copy_; host-pool loads; unregister."""
+    import torch
+
+    from ragcache_core.storage.host_pool import HostPool, shm_folder
+    from ragcache_core.storage.layout import PoolLayout
+    from ragcache_core.storage.memory import free_bytes_at
+    from ragcache_core.storage.triton_copy import copy_slots, copy_slots_torch
+    from ragcache_core.storage.triton_ops import TritonCopyOps
+
+    device, model, cuda = run.device, run.model, run.device.type == "cuda"
+    layout = PoolLayout(
+        num_layers=model["layers"],
+        num_kv_heads=model["heads"],
+        head_size=model["head_size"],
+        dtype="bfloat16",
+        page_size=16,
+    )
+    # A step's slots (256: 512 MiB) unless the tmpfs is smaller (a container's /dev/shm may
+    # be 64 MiB): then fewer, and the figures say how many.
+    room = int(0.8 * free_bytes_at(shm_folder()))
+    slots = max(2, min(run.tokens // 16, room // layout.slot_bytes))
+    nbytes = slots * layout.slot_bytes
+    tokens = slots * layout.page_size
+    step.figure("host pool MiB", nbytes / 2**20)
+    step.record["hardware"] = {"pcie_gbps_per_direction": PCIE_GBPS}
+    step.figure("PCIe Gen5 x16 GB/s per direction (theoretical, H200 SXM)", PCIE_GBPS)
+    host = HostPool.create(f"gpu-check-{uuid.uuid4().hex[:8]}", layout, slots)
+    ops = TritonCopyOps(device)
+    try:
+        host.tensor.copy_(random_bits(tuple(host.tensor.shape), torch.bfloat16, device).cpu())
+        ops.register_host(host.tensor)
+        if cuda:  # whether torch sees it as pinned (its copy_ is then a direct DMA)
+            step.figure("torch is_pinned() after register (1 = yes)", host.tensor.is_pinned())
+        dev = torch.zeros(tuple(host.tensor.shape), dtype=torch.bfloat16, device=device)
+        perm = torch.randperm(slots, generator=torch.Generator().manual_seed(4))
+        ident = torch.arange(slots)
+
+        def ceilings() -> None:
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            on_gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            t = run.seconds(lambda: on_gpu.copy_(pinned, non_blocking=True), iters=5)
+            step.figure("torch pinned copy_ H2D GB/s (ceiling)", nbytes / t / 1e9)
+            t = run.seconds(lambda: pinned.copy_(on_gpu, non_blocking=True), iters=5)
+            step.figure("torch pinned copy_ D2H GB/s (ceiling)", nbytes / t / 1e9)
+
+        step.guard("pinned copy_ ceilings", ceilings)
+
+        def fallback() -> None:
+            perm_list, ident_list = perm.tolist(), ident.tolist()
+            copy_slots_torch(host.tensor, perm_list, dev, ident_list)
+            run.sync()
+            same = same_bits(dev.cpu(), host.tensor[perm])
+            step.check("torch fallback H2D (permuted) bit-exact", same)
+            for label, order in (("1 run", ident_list), (f"{slots} runs", perm_list)):
+                t = run.seconds(
+                    lambda o=order: copy_slots_torch(host.tensor, o, dev, ident_list), iters=5
+                )
+                step.figure(f"torch fallback H2D GB/s ({label})", nbytes / t / 1e9)
+                t = run.seconds(
+                    lambda o=order: copy_slots_torch(dev, ident_list, host.tensor, o), iters=5
+                )
+                step.figure(f"torch fallback D2H GB/s ({label})", nbytes / t / 1e9)
+
+        step.guard("torch fallback copies", fallback)
+
+        # The UVA kernels last: a fault there is sticky and would void what follows.
+        def uva() -> None:
+            src, dst = perm.to(device), ident.to(device)
+            copy_slots(host.tensor, src, dev, dst)
+            run.sync()
+            same = same_bits(dev.cpu(), host.tensor[perm])
+            step.check("UVA copy_slots H2D (permuted) bit-exact", same)
+            t = run.seconds(lambda: copy_slots(host.tensor, src, dev, dst), iters=5)
+            step.figure("UVA copy_slots H2D GB/s", nbytes / t / 1e9)
+            fresh = random_bits(tuple(dev.shape), torch.bfloat16, device)
+            copy_slots(fresh, dst, host.tensor, src)
+            run.sync()
+            same = same_bits(host.tensor[perm], fresh.cpu())
+            step.check("UVA copy_slots D2H (permuted) bit-exact", same)
+            t = run.seconds(lambda: copy_slots(fresh, dst, host.tensor, src), iters=5)
+            step.figure("UVA copy_slots D2H GB/s", nbytes / t / 1e9)
+
+        step.guard("UVA copy_slots (Triton on registered host memory)", uva)
+
+        def copy_pages_paths() -> None:
+            """TritonCopyOps picks UVA for registered memory; uva=False falls back to torch."""
+            a, b = torch.zeros_like(dev), torch.zeros_like(dev)
+            ops.copy_pages(host.tensor, perm.tolist(), a, ident.tolist())
+            no_uva = TritonCopyOps(device, uva=False)
+            no_uva.copy_pages(host.tensor, perm.tolist(), b, ident.tolist())
+            run.sync()
+            step.check("copy_pages: UVA path == torch path", same_bits(a, b))
+            if cuda:
+                step.check(
+                    "TritonCopyOps.addressable(registered pool)", ops.addressable(host.tensor)
+                )
+
+        step.guard("copy_pages paths", copy_pages_paths)
+
+        def host_loads() -> None:
+            """A step's load straight from the host pool: UVA rows vs staged slots."""
+            index = run.index(tokens=tokens, span=min(run.span, tokens), blocks=run.blocks, seed=5)
+            direct = build_cache("LBNHC", 1, torch.bfloat16, run.blocks, model, device)
+            staged = clone_cache(direct, "LBNHC", 1, torch.bfloat16, run.blocks, model, device)
+            no_uva = TritonCopyOps(device, uva=False)
+            ops.load(host.tensor, index, direct)
+            no_uva.load(host.tensor, index, staged)
+            run.sync()
+            same = same_bits(cache_bits(direct), cache_bits(staged))
+            step.check("host-pool load: UVA rows == staged slots", same)
+            t = run.seconds(lambda: ops.load(host.tensor, index, direct), iters=5)
+            step.figure("host-pool load via UVA GB/s", nbytes / t / 1e9)
+            t = run.seconds(lambda: no_uva.load(host.tensor, index, staged), iters=5)
+            step.figure("host-pool load staged (torch H2D + kernel) GB/s", nbytes / t / 1e9)
+
+        step.guard("host-pool loads", host_loads)
+    finally:
+
+        def unregister() -> None:
+            ops.unregister_host(host.tensor)
+            if cuda:
+                pinned = host.tensor.is_pinned()
+                step.figure("torch is_pinned() after unregister (0 = no)", pinned)
+
+        step.guard("cudaHostUnregister", unregister)
+        host.unlink()  # also after a CUDA error: the file must not outlive the check
+        step.check("pool file removed", not host.path.exists(), str(host.path))
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def summary(out: Path) -> int:
+    """Merge the steps' JSON (and the shell's exit codes) into gpu_check.json; print it.
+    Returns 0 when every check passed, 2 when there is no CUDA device, 1 otherwise."""
+    merged: dict[str, Any] = {"steps": {}, "ok": True}
+    for name in STEPS:
+        path, rc_path = out / f"{name}.json", out / f"{name}.rc"
+        rc = int(rc_path.read_text().strip()) if rc_path.exists() else None
+        if path.exists():
+            record = json.loads(path.read_text())
+        else:
+            why = "timed out" if rc in (124, 137) else f"exited {rc} without a result"
+            record = {"step": name, "ok": False, "skipped": None, "checks": [], "figures": {}}
+            record["errors"] = [why if rc is not None else "did not run"]
+        record["rc"] = rc
+        merged["steps"][name] = record
+    device = merged["steps"]["device"]
+    no_cuda = device.get("skipped") if device.get("rc") is not None else None
+    merged["no_cuda"] = no_cuda
+    merged["ok"] = all(r["ok"] for r in merged["steps"].values()) and not no_cuda
+    (out / "gpu_check.json").write_text(json.dumps(merged, indent=1))
+    print("== GPU check summary")
+    if no_cuda:
+        print(f"  NO CUDA DEVICE: {no_cuda}; nothing was checked")
+        return 2
+    if device.get("dry_run"):
+        print("  DRY RUN on CPU (Triton interpreter, tiny shapes): the figures mean nothing")
+    for name, record in merged["steps"].items():
+        failed = [c["name"] for c in record["checks"] if not c["ok"]]
+        status = "ok" if record["ok"] else "FAIL"
+        print(f"  {name:8s} {status}  {len(record['checks'])} checks, {len(failed)} failed")
+        for f in failed:
+            print(f"      failed: {f}")
+        for e in record.get("errors", []):
+            print(f"      error: {e.strip().splitlines()[-1] if e.strip() else e}")
+        for key, value in record["figures"].items():
+            print(f"      {key}: {value}")
+    print(f"  results: {out / 'gpu_check.json'}")
+    return 0 if merged["ok"] else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=(*STEPS, "summary"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, Triton interpreter, tiny shapes: checks this script, not the GPU",
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.step == "summary":
+        return summary(args.out)
+    if args.dry_run:  # read when the kernels are decorated: before triton_copy is imported
+        os.environ["TRITON_INTERPRET"] = "1"
+    step = Step(args.step)
+    started = time.monotonic()
+    print(f"== {args.step}{' (dry run)' if args.dry_run else ''}", flush=True)
+    try:
+        why = None if args.step == "device" or args.dry_run else cuda_or_none()
+        if why:
+            step.record["skipped"] = why
+            step.check("CUDA device", False, why)
+        else:
+            steps = {
+                "device": step_device,
+                "layout": step_layout,
+                "kernels": step_kernels,
+                "pinned": step_pinned,
+            }
+            steps[args.step](step, Run.make(args.dry_run))
+    except Exception as exc:
+        step.record["errors"].append(traceback.format_exc())
+        step.check(f"{args.step} step", False, f"raised {type(exc).__name__}: {exc}")
+    step.record["seconds"] = round(time.monotonic() - started, 1)
+    step.write(args.out)
+    return 0 if step.record["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
