@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from _tree_helpers import ROOT, cached_paths, doc, run
 
@@ -14,6 +16,7 @@ from ragcache_core.tree import (
     KnowledgeCache,
     RootKey,
     SlotAllocator,
+    TreeCounters,
     bytes_for_tokens,
     kv_bytes_per_token,
     slots_for_tokens,
@@ -253,11 +256,22 @@ def test_root_size_mismatch_and_negative_sizes_are_input_errors() -> None:
         cache.begin_request(4, [], -1)
 
 
+def test_a_rejected_request_changes_nothing() -> None:
+    cache = make()
+    run(cache, doc("a", 10), root=4)
+    before = (cache.stats(), cached_paths(cache), cache.match([doc("a", 10)]))
+    with pytest.raises(InputError, match="same content hash"):
+        cache.begin_request(4, [doc("a", 11)], 0)  # same key, another size
+    assert (cache.stats(), cached_paths(cache), cache.match([doc("a", 10)])) == before
+    assert cache.stats().open_requests == 0
+    cache.check_integrity()
+
+
 def test_check_integrity_detects_corruption() -> None:
     cache = make()
     run(cache, doc("a"), root=4)
     node = next(n for n in cache.iter_nodes() if n.parent is not None)
-    cache._pools[Tier.GPU].allocator.free(node.slots[Tier.GPU][:1])
+    cache._placement.tiers[Tier.GPU].allocator.free(node.slots[Tier.GPU][:1])
     with pytest.raises(IntegrityError, match="also free"):
         cache.check_integrity()
 
@@ -270,6 +284,94 @@ def test_check_integrity_detects_hierarchy_violation() -> None:
     parent.ready = {Tier.HOST}
     with pytest.raises(IntegrityError):
         cache.check_integrity()
+
+
+def _drop_from_index(cache: KnowledgeCache) -> None:
+    cache._tree._doc_index.clear()  # the nodes stay in the tree, unlisted
+
+
+def _break_parent_link(cache: KnowledgeCache) -> None:
+    child = next(n for n in cache.iter_nodes() if n.depth == 2)
+    child.parent = cache._tree.root
+
+
+def _add_stray_pin(cache: KnowledgeCache) -> None:
+    next(n for n in cache.iter_nodes() if n.parent is not None).pins += 1
+
+
+def _miscount_pinned_slots(cache: KnowledgeCache) -> None:
+    cache._placement.tiers[Tier.GPU].pinned_slots += 1
+
+
+def _miscount_tier_children(cache: KnowledgeCache) -> None:
+    cache._tree.root.tier_children[Tier.GPU] += 1
+
+
+def _unconfirm_a_copy(cache: KnowledgeCache) -> None:
+    next(n for n in cache.iter_nodes() if n.parent is not None).ready.clear()
+
+
+def _lower_max_depth(cache: KnowledgeCache) -> None:
+    cache._planner.max_depth = 1
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (_drop_from_index, "missing from the document index"),
+        (_break_parent_link, "inconsistent link"),
+        (_add_stray_pin, "open requests hold"),
+        (_miscount_pinned_slots, "pinned_slots="),
+        (_miscount_tier_children, "tier_children"),
+        (_unconfirm_a_copy, "unconfirmed"),
+        (_lower_max_depth, "deeper than max_depth"),
+    ],
+)
+def test_check_integrity_detects_each_parts_corruption(
+    corrupt: Callable[[KnowledgeCache], None], message: str
+) -> None:
+    """Each part checks its own invariants: the structure (index, links), the placement
+    (pins, counters, readiness) and the planner (max_depth)."""
+    cache = make(gpu=10, host=10)
+    run(cache, doc("a"), doc("b"), root=4)
+    corrupt(cache)
+    with pytest.raises(IntegrityError, match=message):
+        cache.check_integrity()
+
+
+def test_counters_count_victims_and_swap_outs_until_clear() -> None:
+    cache = KnowledgeCache(ROOT, gpu_slots=10, host_slots=10, page_size=1, policy="lru")
+    assert cache.counters == TreeCounters()
+    seen = []
+    for name in "abacd":
+        run(cache, doc(name, 10))
+        c = cache.counters
+        seen.append((c.evictions_gpu, c.evictions_host, c.swap_outs))
+    assert seen == [
+        (0, 0, 0),
+        (1, 0, 1),  # a leaves the GPU: first eviction, copied to host
+        (2, 0, 1),  # promoting a evicts b, with no host room (a is pinned there): freed
+        (3, 0, 1),  # a is on host already: a zero-copy GPU eviction, not a swap-out
+        (4, 1, 2),  # c is swapped out, which first evicts a from host
+    ]
+    cache.clear()
+    assert cache.counters == TreeCounters()
+
+
+def test_counters_never_decrease_between_clears() -> None:
+    cache = KnowledgeCache(ROOT, gpu_slots=12, host_slots=20, page_size=2, policy="pgdsf")
+    previous = cache.counters
+    for i in range(200):
+        names = [f"d{(i * 7 + j * 3) % 11}" for j in range(1 + i % 3)]
+        handle = cache.begin_request(3, [doc(n, 3 + len(n)) for n in names], 1)
+        (cache.confirm if i % 5 else cache.abort)(handle)
+        now = cache.counters
+        assert now.evictions_gpu >= previous.evictions_gpu
+        assert now.evictions_host >= previous.evictions_host
+        assert previous.swap_outs <= now.swap_outs <= now.evictions_gpu
+        previous = now
+    assert previous.evictions_gpu > 0 and previous.swap_outs > 0 and previous.evictions_host > 0
+    cache.check_integrity()
 
 
 def test_capacity_helpers() -> None:

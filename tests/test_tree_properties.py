@@ -31,7 +31,7 @@ operation = st.one_of(begin, begin, finish, finish, maintenance)
 
 
 def _held(handle: RequestHandle) -> list[tuple[Node, dict[Tier, tuple[int, ...]]]]:
-    return [(node, dict(node.slots)) for node in handle._pins]
+    return [(node, dict(node.slots)) for node in handle.ledger.pins]
 
 
 def _check_pins(open_handles: list[tuple[RequestHandle, Any]]) -> None:

@@ -11,7 +11,7 @@ modelled. Without reordering the queue is FCFS, so the same run gives the baseli
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ragcache_core.cost import CostModel, default_cost_model
@@ -19,7 +19,7 @@ from ragcache_core.errors import ConfigError
 from ragcache_core.plan import Tier
 from ragcache_core.scheduler import make_queue
 from ragcache_core.sim.trace import TraceRequest
-from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RootKey
+from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RequestHandle, RootKey
 
 SIM_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
 
@@ -118,12 +118,8 @@ class Simulator:
         queue = make_queue(
             "cache_aware" if cfg.reorder else "fcfs", score=self.score, window=cfg.window
         )
+        tally = _Tally()
         now, next_index = 0.0, 0
-        waits: list[float] = []
-        ttfts: list[float] = []
-        requested = cached = gpu_docs = host_docs = 0
-        requested_tokens = cached_doc_tokens = recomputed = 0
-        prefill_s = 0.0
         while next_index < len(pending) or len(queue):
             if not len(queue):
                 now = max(now, pending[next_index].arrival_s)
@@ -131,43 +127,70 @@ class Simulator:
                 queue.push(pending[next_index])
                 next_index += 1
             batch = [queue.pop() for _ in range(min(cfg.max_prefill_bs, len(queue)))]
-            handles = [
-                self.cache.begin_request(cfg.system_tokens, self.specs(r), r.question_tokens)
-                for r in batch
-            ]
-            batch_s = 0.0
-            for request, handle in zip(batch, handles, strict=True):
-                batch_s += self.cost_model.prefill_time(
-                    handle.cached_tokens, handle.computed_tokens
-                )
-                hits = handle.hits
-                requested += len(request.docs)
-                requested_tokens += sum(request.doc_tokens)
-                cached += len(hits.doc_hits)
-                gpu_docs += hits.docs_on(Tier.GPU)
-                host_docs += hits.docs_on(Tier.HOST)
-                cached_doc_tokens += sum(h.num_tokens for h in hits.doc_hits)
-                recomputed += handle.computed_tokens
-            for handle in handles:
-                self.cache.confirm(handle)
+            batch_s = self._prefill(batch, tally)
             for request in batch:
-                waits.append(now - request.arrival_s)
-                ttfts.append(now - request.arrival_s + batch_s)
-            prefill_s += batch_s
+                tally.waits.append(now - request.arrival_s)
+                tally.ttfts.append(now - request.arrival_s + batch_s)
             now += batch_s
+        return tally.result(len(pending))
+
+    def _prefill(self, batch: list[TraceRequest], tally: _Tally) -> float:
+        """One prefill batch: every request begins before any confirms (a request cannot hit
+        a batch-mate's stores). Returns the batch time."""
+        cfg = self.config
+        handles = [
+            self.cache.begin_request(cfg.system_tokens, self.specs(r), r.question_tokens)
+            for r in batch
+        ]
+        batch_s = 0.0
+        for request, handle in zip(batch, handles, strict=True):
+            batch_s += self.cost_model.prefill_time(handle.cached_tokens, handle.computed_tokens)
+            tally.add(request, handle)
+        for handle in handles:
+            self.cache.confirm(handle)
+        tally.prefill_s += batch_s
+        return batch_s
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Running totals of one `Simulator.run`."""
+
+    requested: int = 0
+    cached: int = 0
+    gpu_docs: int = 0
+    host_docs: int = 0
+    requested_tokens: int = 0
+    cached_doc_tokens: int = 0
+    recomputed: int = 0
+    prefill_s: float = 0.0
+    waits: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+
+    def add(self, request: TraceRequest, handle: RequestHandle) -> None:
+        hits = handle.hits
+        self.requested += len(request.docs)
+        self.requested_tokens += sum(request.doc_tokens)
+        self.cached += len(hits.doc_hits)
+        self.gpu_docs += hits.docs_on(Tier.GPU)
+        self.host_docs += hits.docs_on(Tier.HOST)
+        self.cached_doc_tokens += sum(h.num_tokens for h in hits.doc_hits)
+        self.recomputed += handle.computed_tokens
+
+    def result(self, requests: int) -> SimResult:
         return SimResult(
-            requests=len(pending),
-            requested_docs=requested,
-            cached_docs=cached,
-            doc_hit_rate=_ratio(cached, requested),
-            token_hit_rate=_ratio(cached_doc_tokens, requested_tokens),
-            gpu_doc_hit_rate=_ratio(gpu_docs, requested),
-            host_doc_hit_rate=_ratio(host_docs, requested),
-            recomputed_tokens=recomputed,
-            estimated_prefill_s=prefill_s,
-            wait_mean_s=_ratio(sum(waits), len(waits)),
-            wait_p95_s=_p95(waits),
-            ttft_mean_s=_ratio(sum(ttfts), len(ttfts)),
+            requests=requests,
+            requested_docs=self.requested,
+            cached_docs=self.cached,
+            doc_hit_rate=_ratio(self.cached, self.requested),
+            token_hit_rate=_ratio(self.cached_doc_tokens, self.requested_tokens),
+            gpu_doc_hit_rate=_ratio(self.gpu_docs, self.requested),
+            host_doc_hit_rate=_ratio(self.host_docs, self.requested),
+            recomputed_tokens=self.recomputed,
+            estimated_prefill_s=self.prefill_s,
+            wait_mean_s=_ratio(sum(self.waits), len(self.waits)),
+            wait_p95_s=_p95(self.waits),
+            ttft_mean_s=_ratio(sum(self.ttfts), len(self.ttfts)),
         )
 
 

@@ -1,7 +1,9 @@
-"""Knowledge tree: prefix tree over document ids, placed over GPU and host slot pools.
+"""Knowledge tree: prefix tree over document ids, placed over GPU and host slot tiers.
 
-`KnowledgeCache` is the entry point (match, begin_request -> Plan, confirm/abort, invalidate,
-clear, drop_tier, check_integrity). Pure Python: it never touches tensors.
+`KnowledgeCache` (cache.py) is the entry point (match, begin_request -> Plan, confirm/abort,
+invalidate, clear, drop_tier, counters, check_integrity), a manager over three parts: the
+prefix structure (prefix.py), the placement over tiers (placement.py, over tier_slots.py and
+allocator.py) and the planner (planner.py). Pure Python: it never touches tensors.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ragcache_core.tree.capacity import (
 from ragcache_core.tree.integrity import IntegrityError
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.request import RequestHandle, RequestState
-from ragcache_core.tree.results import CacheStats, MatchResult, TierHit
+from ragcache_core.tree.results import CacheStats, MatchResult, TierHit, TreeCounters
 
 __all__ = [
     "CacheStats",
@@ -32,6 +34,7 @@ __all__ = [
     "RootKey",
     "SlotAllocator",
     "TierHit",
+    "TreeCounters",
     "bytes_for_tokens",
     "kv_bytes_per_token",
     "slots_for_tokens",

@@ -1,7 +1,7 @@
-"""Slot allocator of one pool tier: which page indices are free.
+"""Slot allocator of one tier: which page indices are free.
 
 Pure bookkeeping; the tensors live in the data plane. Slots are reused LIFO, which keeps the
-working set of a mostly-idle pool small.
+working set of a mostly-idle tier small.
 """
 
 from __future__ import annotations

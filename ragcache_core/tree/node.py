@@ -10,8 +10,9 @@ from ragcache_core.tree.keys import DocKey, RootKey
 class Node:
     """Mutable tree node, internal to `ragcache_core.tree` (never crosses the API boundary).
 
-    - `slots[tier]`: the pool slots of the node's copy in that tier. A copy exists from
-      allocation on; it is *readable* only once in `ready` (its writer's request confirmed).
+    - `slots[tier]`: the slots of the node's copy in that tier (pages of that tier's storage
+      pool). A copy exists from allocation on; it is *readable* only once in `ready` (its
+      writer's request confirmed).
     - `tier_children[tier]`: how many children have a copy in that tier (O(1) leaf test).
     - `pins`: in-flight requests that read or write this node; a pinned node is never evicted.
     - `attached`: False once removed from the tree (invalidated, cleared, freed); a detached

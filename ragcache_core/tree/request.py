@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ragcache_core.plan import Plan, SlotCopy, Tier
@@ -15,14 +16,33 @@ class RequestState(StrEnum):
     ABORTED = "aborted"
 
 
+@dataclass(slots=True)
+class RequestLedger:
+    """What one request holds in the tree: bookkeeping of `ragcache_core.tree` only (the
+    planner and the placement append to it; `KnowledgeCache` releases it at confirm/abort).
+
+    - `path`: the nodes it reached (hits, in-flight nodes, nodes it stores), root first;
+    - `pins`: one entry per pin it holds (a node may appear twice: read and swapped out);
+    - `pending`: the copies it writes, readable only once it confirms;
+    - `held_gpu_slots`: GPU slots freed by its swap-outs, which only this request may reuse
+      until it completes (its own plan reads them before it writes them; anyone else might
+      write them first);
+    - `swap_out`: the swap-out copies of its plan, in eviction order.
+    """
+
+    path: list[Node] = field(default_factory=list)
+    pins: list[Node] = field(default_factory=list)
+    pending: list[tuple[Node, Tier]] = field(default_factory=list)
+    held_gpu_slots: list[int] = field(default_factory=list)
+    swap_out: list[SlotCopy] = field(default_factory=list)
+
+
 class RequestHandle:
     """What `KnowledgeCache.begin_request` decided for one request.
 
     Read `plan` (for the connector), `hits`, `cached_tokens`, `computed_tokens`,
-    `stored_docs`. The rest is the cache's private bookkeeping: the pins this request holds,
-    the copies it writes (readable only after `confirm`) and the GPU slots freed by its
-    swap-outs, which only this request may reuse until it completes (its own plan reads them
-    before it writes them; anyone else might write them first).
+    `stored_docs`, `stored_root`. `ledger` is the tree's private bookkeeping (see
+    `RequestLedger`): never read or changed outside `ragcache_core.tree`.
     """
 
     def __init__(self, request_id: int, *, final: bool, page_size: int) -> None:
@@ -35,12 +55,7 @@ class RequestHandle:
         self.computed_tokens = 0
         self.stored_docs = 0
         self.stored_root = False
-        # Private bookkeeping (KnowledgeCache only).
-        self._path: list[Node] = []
-        self._pins: list[Node] = []
-        self._pending: list[tuple[Node, Tier]] = []
-        self._reusable_gpu: list[int] = []
-        self._swap_out: list[SlotCopy] = []
+        self.ledger = RequestLedger()
 
     @property
     def is_open(self) -> bool:

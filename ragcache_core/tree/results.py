@@ -61,3 +61,20 @@ class CacheStats:
     pinned_nodes: int
     open_requests: int
     page_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TreeCounters:
+    """Evictions since the cache was created or last cleared (a snapshot; every field only
+    grows until `clear()` resets them all to 0, which a reader of deltas sees as a drop).
+
+    - `evictions_gpu`: nodes chosen as GPU victims (with or without a swap-out);
+    - `evictions_host`: nodes chosen as host victims;
+    - `swap_outs`: GPU victims copied to host (their first GPU eviction with host room). A
+      GPU victim already on host is freed without a copy: an eviction, not a swap-out.
+    Nodes removed with a victim's subtree, by invalidation or by `drop_tier` are not victims.
+    """
+
+    evictions_gpu: int = 0
+    evictions_host: int = 0
+    swap_outs: int = 0

@@ -1,4 +1,8 @@
-"""One tier's bookkeeping: its slot allocator and a lazy min-heap of eviction candidates."""
+"""One tier's slot bookkeeping: which slots are free, and which nodes to evict first.
+
+Not to be confused with the *pools* of `ragcache_core.storage`, the tensors those slots index:
+this is pure bookkeeping in the application process.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +14,17 @@ from ragcache_core.tree.allocator import SlotAllocator
 from ragcache_core.tree.node import Node
 
 
-class TierPool:
-    """Allocator + candidate heap of one tier. Mutated only by `KnowledgeCache`.
+class TierSlots:
+    """Allocator + eviction-candidate heap of one tier. Mutated only by `Placement`.
 
     Heap entries are (priority, seq, node); an entry is live only while `node.heap_seq[tier]`
     still equals its seq and the node is still a candidate, so refreshing a priority is one
     push and stale entries are skipped on pop (lazy deletion, rebuilt when mostly stale).
-    `pinned_slots` counts slots of this tier owned by pinned nodes; `quarantined` counts slots
-    held back until the request whose plan still reads them completes.
+    `pinned_slots` counts slots of this tier owned by pinned nodes; `held_slots` counts slots
+    freed by a swap-out but held back until the request whose plan still reads them completes.
     """
 
-    __slots__ = ("_heap", "_seq", "allocator", "pinned_slots", "quarantined", "tier")
+    __slots__ = ("_heap", "_seq", "allocator", "held_slots", "pinned_slots", "tier")
 
     def __init__(self, tier: Tier, num_slots: int, page_size: int) -> None:
         self.tier = tier
@@ -28,7 +32,7 @@ class TierPool:
         self._heap: list[tuple[Priority, int, Node]] = []
         self._seq = 0
         self.pinned_slots = 0
-        self.quarantined = 0
+        self.held_slots = 0
 
     def push(self, node: Node) -> None:
         """(Re)offer `node` as a candidate with its current `priority[tier]`."""
@@ -49,8 +53,8 @@ class TierPool:
         return None
 
     def evictable_bound(self) -> int:
-        """Upper bound on slots that evictions could free (used minus pinned and quarantined)."""
-        return self.allocator.num_used - self.pinned_slots - self.quarantined
+        """Upper bound on slots that evictions could free (used minus pinned and held)."""
+        return self.allocator.num_used - self.pinned_slots - self.held_slots
 
     def maybe_compact(self, live_nodes: int) -> None:
         """Drop stale heap entries when they dominate (keeps memory O(nodes))."""

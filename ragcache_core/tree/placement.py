@@ -1,0 +1,394 @@
+"""Placement over the two tiers: which slots hold each node's copies, pins, eviction.
+
+Rules it keeps (checked by `check`):
+  * a node with a GPU copy has its parent on GPU; any node with a copy has a parent with a
+    copy (never host-only below a freed parent);
+  * eviction candidates of a tier are its unpinned leaves (no child with a copy in the tier);
+  * swap out only once: the first GPU eviction of a node copies it to host, later ones just
+    free the GPU copy; host eviction of a host-only node frees it;
+  * the GPU slots a swap-out frees are held for the request whose plan copies them out (only
+    it may reuse them) until that request completes.
+"""
+
+from __future__ import annotations
+
+from ragcache_core.plan import SlotCopy, Tier
+from ragcache_core.policy import EvictionPolicy
+from ragcache_core.tree.capacity import slots_for_tokens
+from ragcache_core.tree.integrity import OpenHoldings, fail
+from ragcache_core.tree.node import Node
+from ragcache_core.tree.prefix import PrefixTree
+from ragcache_core.tree.request import RequestHandle
+from ragcache_core.tree.results import TreeCounters
+from ragcache_core.tree.tier_slots import TierSlots
+
+
+class Placement:
+    """The copies of the nodes of `tree` over the GPU and host tiers, and their eviction.
+
+    Mutates the tiers' slots, nodes' `slots`/`ready`/`pins`/`priority`/`tier_children`, the
+    policy's state (on evictions) and, when a node is left without a copy, the tree (the node
+    leaves it with its subtree). A `handle` argument is the request on whose behalf slots are
+    taken: evictions it causes are swapped out within its plan, and it may reuse the GPU slots
+    they free. Raises nothing but `RAGCacheError` from the allocator on a bookkeeping bug.
+
+    What the caller must hold: `make_room` evicts any unpinned leaf, so a planner pins every
+    node its plan reads or writes (`pin`) before it makes room for the next copy; a pin lasts
+    until `release(handle)`.
+    """
+
+    __slots__ = (
+        "_evictions",
+        "_swap_outs",
+        "_tree",
+        "detached_pinned",
+        "page_size",
+        "policy",
+        "tiers",
+    )
+
+    def __init__(
+        self,
+        tree: PrefixTree,
+        policy: EvictionPolicy,
+        *,
+        gpu_slots: int,
+        host_slots: int,
+        page_size: int,
+    ) -> None:
+        self._tree = tree
+        self.policy = policy
+        self.page_size = page_size
+        self.tiers = {
+            Tier.GPU: TierSlots(Tier.GPU, gpu_slots, page_size),
+            Tier.HOST: TierSlots(Tier.HOST, host_slots, page_size),
+        }
+        self.detached_pinned: set[Node] = set()
+        """Removed nodes still pinned by a request: they keep their slots until unpinned."""
+        self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
+        self._swap_outs = 0
+
+    # ------------------------------------------------------------------ queries (no mutation)
+
+    @staticmethod
+    def gpu_usable(node: Node, handle: RequestHandle) -> bool:
+        """May `handle` put a GPU copy below `node`? Only if node's GPU copy is confirmed or
+        written by `handle` itself: another request's unconfirmed copy may still be aborted,
+        which would leave the new copy on GPU below a parent that is not."""
+        return Tier.GPU in node.ready or (node, Tier.GPU) in handle.ledger.pending
+
+    def available(self, tier: Tier, handle: RequestHandle) -> int:
+        """Slots of `tier` that `handle` can take without evicting."""
+        held = len(handle.ledger.held_gpu_slots) if tier is Tier.GPU else 0
+        return self.tiers[tier].allocator.num_free + held
+
+    def pinned_nodes(self) -> int:
+        return sum(1 for n in self._tree.iter_nodes() if n.pins) + len(self.detached_pinned)
+
+    @property
+    def counters(self) -> TreeCounters:
+        return TreeCounters(
+            evictions_gpu=self._evictions[Tier.GPU],
+            evictions_host=self._evictions[Tier.HOST],
+            swap_outs=self._swap_outs,
+        )
+
+    # ------------------------------------------------------------------ copies and pins
+
+    def write_copy(
+        self, node: Node, tier: Tier, count: int, handle: RequestHandle
+    ) -> tuple[int, ...]:
+        """Give `node` a new copy of `count` slots in `tier`, written by `handle` (readable
+        once it confirms). The caller has made room (`make_room`). Returns the slots."""
+        slots = self._allocate(tier, count, handle)
+        self._add_copy(node, tier, slots)
+        handle.ledger.pending.append((node, tier))
+        return slots
+
+    def drop_copy(self, node: Node, tier: Tier, hold_for: RequestHandle | None = None) -> None:
+        """Remove `node`'s copy in `tier`; its slots go back to the allocator, or to
+        `hold_for`'s held slots when its pending plan still reads them. The caller removes
+        the node if it is left without a copy."""
+        tier_slots = self.tiers[tier]
+        slots = node.slots.pop(tier)
+        node.ready.discard(tier)
+        if node.pins:
+            tier_slots.pinned_slots -= len(slots)
+        if hold_for is not None:
+            hold_for.ledger.held_gpu_slots.extend(slots)
+            tier_slots.held_slots += len(slots)
+        else:
+            tier_slots.allocator.free(slots)
+        if node.parent is not None and node.attached:
+            self._child_left_tier(node.parent, tier)
+
+    def pin(self, node: Node, handle: RequestHandle) -> None:
+        """`handle` reads or writes `node`: it is no eviction candidate until unpinned."""
+        if node.pins == 0:
+            for tier, slots in node.slots.items():
+                self.tiers[tier].pinned_slots += len(slots)
+        node.pins += 1
+        handle.ledger.pins.append(node)
+
+    def publish(self, handle: RequestHandle) -> None:
+        """`handle`'s copies are complete: those still in place become readable."""
+        for node, tier in handle.ledger.pending:
+            if node.attached and tier in node.slots:
+                node.ready.add(tier)
+
+    def discard_written(self, handle: RequestHandle) -> None:
+        """`handle`'s copies will never be complete: drop them (nodes left without a copy
+        leave the tree with their subtrees)."""
+        for node, tier in reversed(handle.ledger.pending):
+            if tier not in node.slots:
+                continue
+            self.drop_copy(node, tier)
+            if node.attached and not node.slots:
+                self.remove(node)
+
+    def release(self, handle: RequestHandle) -> None:
+        """`handle` completed: free the GPU slots held for it and release its pins (unpinned
+        detached nodes free their slots now)."""
+        ledger = handle.ledger
+        gpu = self.tiers[Tier.GPU]
+        gpu.allocator.free(ledger.held_gpu_slots)
+        gpu.held_slots -= len(ledger.held_gpu_slots)
+        ledger.held_gpu_slots = []
+        for node in ledger.pins:
+            self._unpin(node)
+        ledger.pins = []
+
+    def set_priority(self, node: Node, tier: Tier) -> None:
+        """Snapshot `node`'s priority in `tier` from the policy (as it enters the tier)."""
+        node.priority[tier] = self.policy.priority(node.stats, tier)
+
+    def refresh(self, node: Node) -> None:
+        """Recompute `node`'s priorities (its statistics changed) and re-offer it."""
+        for tier in node.slots:
+            self.set_priority(node, tier)
+            self.tiers[tier].push(node)
+
+    # ------------------------------------------------------------------ eviction
+
+    def make_room(self, tier: Tier, count: int, handle: RequestHandle) -> bool:
+        """Evict from `tier` until `count` slots are available to `handle`. Returns False
+        (having evicted what it could) if pinned nodes leave too little room; evicts nothing
+        when even every unpinned slot could not suffice."""
+        tier_slots = self.tiers[tier]
+        if self.available(tier, handle) >= count:
+            return True
+        if self.available(tier, handle) + tier_slots.evictable_bound() < count:
+            return False
+        while self.available(tier, handle) < count:
+            victim = tier_slots.pop_victim()
+            if victim is None:
+                return False
+            self._evict(victim, tier, handle)
+        return True
+
+    def _evict(self, node: Node, tier: Tier, handle: RequestHandle) -> None:
+        """Evict candidate `node` (its lowest-priority unpinned leaf) from `tier`."""
+        self.policy.on_evict(tier, node.priority[tier])
+        self._evictions[tier] += 1
+        if tier is Tier.HOST or Tier.HOST in node.slots:
+            # Host eviction, or a GPU eviction of a node already on host (zero copy).
+            self.drop_copy(node, tier)
+            if not node.slots:
+                self.remove(node)
+            return
+        gpu_slots = node.slots[Tier.GPU]
+        if self.make_room(Tier.HOST, len(gpu_slots), handle):
+            # First GPU eviction: swap out once. The GPU slots stay held for this request
+            # (its plan copies them out before anything overwrites them).
+            host_slots = self.write_copy(node, Tier.HOST, len(gpu_slots), handle)
+            self.drop_copy(node, Tier.GPU, hold_for=handle)
+            self.pin(node, handle)
+            handle.ledger.swap_out.append(SlotCopy(gpu_slots, host_slots))
+            self.set_priority(node, Tier.HOST)
+            self._swap_outs += 1
+        else:
+            self.drop_copy(node, Tier.GPU)
+            self.remove(node)
+
+    # ------------------------------------------------------------------ removal
+
+    def remove(self, top: Node) -> None:
+        """Remove `top` and its subtree from the tree (a node without a copy cannot stay, nor
+        can anything below it). Unpinned copies are freed now; a pinned node keeps its slots,
+        detached and unmatchable, until its last pin is released. The root object stays in
+        place, emptied."""
+        if top is self._tree.root:
+            for child in list(top.children.values()):
+                self.remove(child)
+            for tier in list(top.slots):
+                self.drop_copy(top, tier)
+            return
+        parent = top.parent
+        assert parent is not None
+        for tier in top.slots:
+            self._child_left_tier(parent, tier)
+        for node in self._tree.detach(top):
+            self._keep_or_free(node)
+
+    def replace_root(self, now: int) -> None:
+        """Detach the root and everything below it (pinned nodes are freed when unpinned) and
+        start an empty tree; the policy's state is kept."""
+        for child in list(self._tree.root.children.values()):
+            self.remove(child)
+        self._keep_or_free(self._tree.replace_root(now))
+        for tier_slots in self.tiers.values():
+            tier_slots.clear_heap()
+
+    def drop_tier(self, tier: Tier) -> None:
+        """Every copy in `tier` is gone: drop them; nodes left without a copy leave the tree
+        with their subtrees. The caller aborts the requests that wrote or read them first."""
+        stack = [self._tree.root]
+        while stack:
+            node = stack.pop()
+            if tier in node.slots:
+                self.drop_copy(node, tier)
+            if node.slots:
+                stack.extend(node.children.values())
+            else:
+                self.remove(node)
+
+    def reset_counters(self) -> None:
+        self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
+        self._swap_outs = 0
+
+    def compact(self) -> None:
+        """Bound the candidate heaps' stale entries (call once per request)."""
+        for tier_slots in self.tiers.values():
+            tier_slots.maybe_compact(self._tree.num_nodes)
+
+    # ------------------------------------------------------------------ internals
+
+    def _allocate(self, tier: Tier, count: int, handle: RequestHandle) -> tuple[int, ...]:
+        """Take `count` slots of `tier`, `handle`'s held GPU slots first."""
+        held = handle.ledger.held_gpu_slots
+        tier_slots = self.tiers[tier]
+        if tier is Tier.GPU and held:
+            take = min(count, len(held))
+            reused = held[len(held) - take :]
+            del held[len(held) - take :]
+            tier_slots.held_slots -= take
+            return tuple(reused) + tier_slots.allocator.allocate(count - take)
+        return tier_slots.allocator.allocate(count)
+
+    def _add_copy(self, node: Node, tier: Tier, slots: tuple[int, ...]) -> None:
+        node.slots[tier] = slots
+        if node.parent is not None:
+            node.parent.tier_children[tier] += 1
+        if node.pins:
+            self.tiers[tier].pinned_slots += len(slots)
+
+    def _release_copy(self, node: Node, tier: Tier) -> None:
+        """Free a removed node's copy now if unpinned; a pinned node keeps it until unpinned."""
+        if node.pins:
+            return
+        self.tiers[tier].allocator.free(node.slots.pop(tier))
+        node.ready.discard(tier)
+
+    def _keep_or_free(self, node: Node) -> None:
+        """A node just detached: a pinned one waits for its last pin, the rest is freed."""
+        if node.pins:
+            self.detached_pinned.add(node)
+        else:
+            for tier in list(node.slots):
+                self._release_copy(node, tier)
+
+    def _unpin(self, node: Node) -> None:
+        node.pins -= 1
+        if node.pins:
+            return
+        for tier, slots in node.slots.items():
+            self.tiers[tier].pinned_slots -= len(slots)
+        if not node.attached:
+            self.detached_pinned.discard(node)
+            for tier in list(node.slots):
+                self._release_copy(node, tier)
+            return
+        for tier in node.slots:
+            self.tiers[tier].push(node)
+
+    def _child_left_tier(self, parent: Node, tier: Tier) -> None:
+        parent.tier_children[tier] -= 1
+        if parent.tier_children[tier] == 0 and tier in parent.slots:
+            self.tiers[tier].push(parent)
+
+    # ------------------------------------------------------------------ invariants
+
+    def check(self, holdings: OpenHoldings) -> None:
+        """Every node's copies, pins and the slot accounting of each tier against what the
+        open requests hold. Raises `IntegrityError` naming the first violation."""
+        nodes = self._tree.all_nodes()
+        for node in nodes:
+            self._check_node(node, holdings)
+        for node in self.detached_pinned:
+            if node.attached or node.pins <= 0:
+                fail(f"{node!r} is listed as detached and pinned but is not")
+            if node.pins != holdings.pins[id(node)]:
+                fail(f"{node!r}: pins={node.pins}, open requests hold {holdings.pins[id(node)]}")
+        for tier in Tier:
+            self._check_tier(tier, [*nodes, *self.detached_pinned], holdings)
+
+    def _check_node(self, node: Node, holdings: OpenHoldings) -> None:
+        """The copy rules of one attached node (GPU parent rule, readiness, pins)."""
+        parent = node.parent
+        if parent is None:
+            if not node.slots and node.children:
+                fail("the root holds no copy but has children")
+        elif not node.slots:
+            fail(f"{node!r} is in the tree without any copy")
+        elif not parent.slots:
+            fail(f"{node!r} holds a copy below a freed parent")
+        elif Tier.GPU in node.slots and Tier.GPU not in parent.slots:
+            fail(f"{node!r} is on GPU but its parent {parent!r} is not")
+        for tier in Tier:
+            actual = sum(1 for c in node.children.values() if tier in c.slots)
+            if node.tier_children[tier] != actual:
+                fail(f"{node!r}: tier_children[{tier}]={node.tier_children[tier]}, actual {actual}")
+        if not node.ready <= set(node.slots):
+            fail(f"{node!r}: a ready tier without slots")
+        for tier in node.slots:
+            if tier not in node.ready and (id(node), tier) not in holdings.pending:
+                fail(f"{node!r}: unconfirmed {tier} copy not written by any open request")
+        if node.pins != holdings.pins[id(node)]:
+            fail(f"{node!r}: pins={node.pins}, open requests hold {holdings.pins[id(node)]}")
+
+    def _check_tier(self, tier: Tier, nodes: list[Node], holdings: OpenHoldings) -> None:
+        """owned + held + free == capacity; no slot owned twice or also free; a copy of n
+        tokens owns ceil(n / page_size) slots; the pinned and held counters match."""
+        allocator = self.tiers[tier].allocator
+        owners: dict[int, Node] = {}
+        pinned = 0
+        for node in nodes:
+            slots = node.slots.get(tier)
+            if slots is None:
+                continue
+            if len(slots) != slots_for_tokens(node.num_tokens, self.page_size):
+                fail(f"{node!r}: {len(slots)} {tier} slots for {node.num_tokens} tokens")
+            if node.pins:
+                pinned += len(slots)
+            for slot in slots:
+                if slot in owners:
+                    fail(f"{tier} slot {slot} owned by {owners[slot]!r} and {node!r}")
+                if allocator.is_free(slot):
+                    fail(f"{tier} slot {slot} owned by {node!r} but also free")
+                owners[slot] = node
+        held = holdings.held_gpu_slots if tier is Tier.GPU else ()
+        for slot in held:
+            if slot in owners or allocator.is_free(slot):
+                fail(f"{tier} slot {slot} held for reuse but also owned or free")
+        if len(set(held)) != len(held):
+            fail(f"{tier}: a slot is held for reuse twice")
+        tier_slots = self.tiers[tier]
+        if tier_slots.held_slots != len(held):
+            fail(f"{tier}: held_slots={tier_slots.held_slots}, open requests hold {len(held)}")
+        if tier_slots.pinned_slots != pinned:
+            fail(f"{tier}: pinned_slots={tier_slots.pinned_slots}, pinned nodes own {pinned}")
+        if len(owners) + len(held) + allocator.num_free != allocator.num_slots:
+            fail(
+                f"{tier}: {len(owners)} owned + {len(held)} held + "
+                f"{allocator.num_free} free != capacity {allocator.num_slots}"
+            )

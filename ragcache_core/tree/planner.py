@@ -1,0 +1,321 @@
+"""The planner: one request's match, pins, statistics, evictions and plan (DESIGN.md 3.2).
+
+begin_request(root_tokens, docs, question_tokens, final)
+  1. walk root -> docs[:max_depth]; the hit prefix is the leading nodes with a confirmed
+     copy (GPU preferred)
+  2. alpha = hit tokens, beta = every other prompt token; pin the hits, touch every node
+     on the path, record a cost sample on the nodes this request computes
+  3. promote host hits to GPU while room can be made (`_plan_hits`); keep a host copy of
+     the root (`_plan_root_backup`); store the uncached tail on GPU (`_plan_stores`)
+  4. plan = swap_out (made by the evictions of 3), promote, load, store
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ragcache_core.cost import CostModel
+from ragcache_core.errors import InputError
+from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+from ragcache_core.policy import NodeStats
+from ragcache_core.tree.capacity import slots_for_tokens
+from ragcache_core.tree.integrity import fail
+from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
+from ragcache_core.tree.node import Node
+from ragcache_core.tree.placement import Placement
+from ragcache_core.tree.prefix import PrefixTree, match_result, readable_prefix
+from ragcache_core.tree.request import RequestHandle
+
+STORE_POLICIES = ("always", "second", "no_evict")
+SEEN_LIMIT = 1 << 16
+"""Prefixes the "second" store policy remembers (a few MB at most)."""
+
+Hits = list[tuple[Node, Tier]]
+"""The hit prefix of a request: each node with the tier it is read from."""
+
+
+class Planner:
+    """Turns requests into plans over `tree` and `placement`, and keeps the access statistics
+    the policy reads (the logical clock, final-request counts, the "second" policy's memory).
+
+    Mutates the tree (new nodes), the placement (pins, copies, evictions), nodes' statistics
+    and itself. Settings are described on `KnowledgeCache`. Every node a plan reads or writes
+    is pinned by its request before the next `make_room`, so planning never evicts what the
+    plan itself uses.
+    """
+
+    def __init__(
+        self,
+        tree: PrefixTree,
+        placement: Placement,
+        *,
+        page_size: int,
+        cost_model: CostModel,
+        max_depth: int | None,
+        frequency_window: int | None,
+        backup_root: bool,
+        store_policy: str,
+    ) -> None:
+        self._tree = tree
+        self._placement = placement
+        self.page_size = page_size
+        self.cost_model = cost_model
+        self.max_depth = max_depth
+        self.frequency_window = frequency_window
+        self.backup_root = backup_root
+        self.store_policy = store_policy
+        self.now = 0
+        """Logical time: requests begun so far (never reset: nodes' `last_access` use it)."""
+        self.final_requests = 0
+        """Final requests since `reset`; frequency windows count in them."""
+        self._seen: OrderedDict[tuple[DocKey, ...], None] = OrderedDict()
+        """Prefixes (document keys from the root) met but not stored ("second" policy),
+        bounded by `SEEN_LIMIT` (the oldest are forgotten)."""
+
+    def begin_request(
+        self,
+        request_id: int,
+        root_tokens: int,
+        docs: Sequence[DocSpec],
+        question_tokens: int,
+        *,
+        final: bool,
+    ) -> RequestHandle:
+        """Match, pin, evict and allocate for one request; return its handle with its plan.
+
+        The caller registers the handle and later releases it (confirm or abort). Never fails
+        for lack of room: without room the request stores fewer (or no) nodes. Raises
+        `InputError` for negative sizes, a root size that differs from the cached root's or a
+        document whose size differs from its cached node's; nothing is changed then.
+        """
+        cached_docs, path = self._match_path(root_tokens, docs, question_tokens)
+        self.now += 1
+        if final:
+            self.final_requests += 1
+        handle = RequestHandle(request_id, final=final, page_size=self.page_size)
+        starts = _prompt_starts(root_tokens, docs)
+        hits = readable_prefix(path)
+        alpha = sum(node.num_tokens for node, _ in hits)
+        beta = starts[-1] + question_tokens - alpha
+        cost_per_new = self.cost_model.prefill_time(alpha, beta) / beta if beta > 0 else 0.0
+        self._record_access(path, len(hits), cost_per_new, handle)
+
+        promote, load = self._plan_hits(hits, starts, handle)
+        if self.backup_root:
+            self._plan_root_backup(hits, handle)
+        store: list[StoreSpan] = []
+        if len(hits) == len(path):  # an in-flight node blocks storing below it
+            store = self._plan_stores(path, root_tokens, cached_docs, starts, cost_per_new, handle)
+
+        handle.plan = Plan(
+            page_size=self.page_size,
+            swap_out=tuple(handle.ledger.swap_out),
+            promote=tuple(promote),
+            load=tuple(load),
+            store=tuple(store),
+        )
+        handle.hits = match_result(path, hits)
+        handle.cached_tokens = alpha
+        handle.computed_tokens = beta
+        return handle
+
+    def mark_final(self, handle: RequestHandle) -> None:
+        """Count a speculative request's retrievals toward frequency now (no-op if final)."""
+        if handle.final:
+            return
+        handle.final = True
+        self.final_requests += 1
+        for node in handle.ledger.path:
+            if node.attached:
+                self._touch(node, True)
+
+    def reset(self) -> None:
+        """Forget frequency windows and the "second" policy's memory (the clock stays)."""
+        self.final_requests = 0
+        self._seen.clear()
+
+    def check(self) -> None:
+        """The planner's own invariants. Raises `IntegrityError`."""
+        if self.max_depth is not None:
+            for node in self._tree.all_nodes():
+                if node.depth > self.max_depth:
+                    fail(f"{node!r} is deeper than max_depth={self.max_depth}")
+        if len(self._seen) > SEEN_LIMIT:
+            fail(f"the store policy remembers {len(self._seen)} prefixes (> {SEEN_LIMIT})")
+
+    # ------------------------------------------------------------------ steps of begin_request
+
+    def _match_path(
+        self, root_tokens: int, docs: Sequence[DocSpec], question_tokens: int
+    ) -> tuple[Sequence[DocSpec], list[Node]]:
+        """Validate the request; return the documents it may cache (`max_depth`) and the
+        existing nodes along them. Does not modify anything."""
+        if root_tokens < 0 or question_tokens < 0:
+            raise InputError("root_tokens and question_tokens cannot be negative")
+        root = self._tree.root
+        if root.slots and root.num_tokens != root_tokens:
+            raise InputError(
+                f"root has {root.num_tokens} cached tokens but the request says {root_tokens}: "
+                "a different template/system prompt needs a different root key"
+            )
+        depth = len(docs) if self.max_depth is None else min(len(docs), self.max_depth)
+        cached_docs = docs[:depth]
+        path = self._tree.walk([d.key for d in cached_docs])
+        for node, spec in zip(path[1:], cached_docs, strict=False):
+            if node.num_tokens != spec.num_tokens:
+                raise InputError(
+                    f"document {spec.key.doc_id!r}: {spec.num_tokens} tokens, but the cached node "
+                    f"of the same content hash has {node.num_tokens}"
+                )
+        return cached_docs, path
+
+    def _record_access(
+        self, path: list[Node], num_hits: int, cost_per_new: float, handle: RequestHandle
+    ) -> None:
+        """Pin the hits; touch every node on the path; the nodes after the hits are in flight
+        and this request recomputes them, so they get a cost sample."""
+        placement = self._placement
+        for node in path[:num_hits]:
+            placement.pin(node, handle)
+            self._touch(node, handle.final)
+        for node in path[num_hits:]:
+            node.stats.record_computed(cost_per_new)
+            self._touch(node, handle.final)
+        handle.ledger.path = list(path)
+
+    def _plan_hits(
+        self, hits: Hits, starts: list[int], handle: RequestHandle
+    ) -> tuple[list[SlotCopy], list[LoadSpan]]:
+        """Load spans for the hit prefix; promote host hits to GPU while room can be made."""
+        placement = self._placement
+        promote: list[SlotCopy] = []
+        load: list[LoadSpan] = []
+        promoting = True
+        for index, (node, tier) in enumerate(hits):
+            source = tier
+            if tier is Tier.HOST and Tier.GPU not in node.slots and promoting:
+                parent_on_gpu = node.parent is None or placement.gpu_usable(node.parent, handle)
+                count = len(node.slots[Tier.HOST])
+                if parent_on_gpu and placement.make_room(Tier.GPU, count, handle):
+                    gpu_slots = placement.write_copy(node, Tier.GPU, count, handle)
+                    promote.append(SlotCopy(node.slots[Tier.HOST], gpu_slots))
+                    placement.refresh(node)
+                    source = Tier.GPU
+                else:
+                    promoting = False  # children cannot go above a parent left on host
+            if node.num_tokens:
+                load.append(LoadSpan(source, node.slots[source], starts[index], node.num_tokens))
+        return promote, load
+
+    def _plan_root_backup(self, hits: Hits, handle: RequestHandle) -> None:
+        """Keep a host copy of the root (the system prompt) beside its GPU copy (paper 2.6):
+        the host pool outlives a GPU worker, so after a worker failure the most shared node
+        is still cached. Copied by the plan's swap_out step; readable once this request
+        confirms. Skipped when the host tier has no room."""
+        root = self._tree.root
+        if not hits or hits[0][0] is not root:
+            return
+        if Tier.HOST in root.slots or Tier.GPU not in root.ready or not root.num_tokens:
+            return
+        count = len(root.slots[Tier.GPU])
+        if not self._placement.make_room(Tier.HOST, count, handle):
+            return
+        host_slots = self._placement.write_copy(root, Tier.HOST, count, handle)
+        handle.ledger.swap_out.append(SlotCopy(root.slots[Tier.GPU], host_slots))
+        self._placement.set_priority(root, Tier.HOST)
+
+    def _plan_stores(
+        self,
+        path: list[Node],
+        root_tokens: int,
+        cached_docs: Sequence[DocSpec],
+        starts: list[int],
+        cost_per_new: float,
+        handle: RequestHandle,
+    ) -> list[StoreSpan]:
+        """Create GPU copies for the uncached tail (root first if absent), one node at a time
+        while the store policy admits it and room can be made; stop at the first that does
+        not fit (a node's copy needs its parent's)."""
+        wanted: list[tuple[DocKey | RootKey, int, int]] = []
+        if not path:
+            wanted.append((self._tree.root_key, root_tokens, 0))
+        first = max(len(path) - 1, 0)
+        for i in range(first, len(cached_docs)):
+            wanted.append((cached_docs[i].key, cached_docs[i].num_tokens, starts[i + 1]))
+        parent = path[-1] if path else None
+        prefix = tuple(spec.key for spec in cached_docs[:first])
+        store: list[StoreSpan] = []
+        for key, num_tokens, start in wanted:
+            if parent is not None and not self._placement.gpu_usable(parent, handle):
+                break  # a GPU copy needs its parent on GPU, for sure (see gpu_usable)
+            count = slots_for_tokens(num_tokens, self.page_size)
+            if isinstance(key, DocKey):
+                prefix = (*prefix, key)
+                if not self._admit_store(prefix, count, handle):
+                    break
+            if not self._placement.make_room(Tier.GPU, count, handle):
+                break
+            node, slots = self._store(key, parent, num_tokens, count, cost_per_new, handle)
+            if num_tokens:
+                store.append(StoreSpan(slots, start, num_tokens))
+            parent = node
+        return store
+
+    def _store(
+        self,
+        key: DocKey | RootKey,
+        parent: Node | None,
+        num_tokens: int,
+        count: int,
+        cost_per_new: float,
+        handle: RequestHandle,
+    ) -> tuple[Node, tuple[int, ...]]:
+        """Attach a node below `parent` with a GPU copy this request writes and pins (room is
+        made). Returns the node and its slots."""
+        standalone = self.cost_model.prefill_time(0, num_tokens) / num_tokens if num_tokens else 0.0
+        node = self._tree.attach(
+            key, parent, num_tokens, NodeStats(num_tokens, standalone, self.now)
+        )
+        slots = self._placement.write_copy(node, Tier.GPU, count, handle)
+        self._placement.pin(node, handle)
+        handle.ledger.path.append(node)
+        node.stats.record_computed(cost_per_new)
+        self._touch(node, handle.final)
+        if parent is None:
+            handle.stored_root = True
+        else:
+            handle.stored_docs += 1
+        return node, slots
+
+    def _admit_store(self, prefix: tuple[DocKey, ...], count: int, handle: RequestHandle) -> bool:
+        """Whether the store policy lets the document ending `prefix` be stored now."""
+        if self.store_policy == "no_evict":
+            return self._placement.available(Tier.GPU, handle) >= count
+        if self.store_policy == "second":
+            if prefix in self._seen:
+                del self._seen[prefix]
+                return True
+            self._seen[prefix] = None
+            if len(self._seen) > SEEN_LIMIT:
+                self._seen.popitem(last=False)
+            return False
+        return True
+
+    def _touch(self, node: Node, count: bool) -> None:
+        """An access to `node` now (`count`: a final request's, which bumps its frequency)."""
+        window = (
+            0
+            if self.frequency_window is None
+            else (self.final_requests - 1) // self.frequency_window
+        )
+        node.stats.touch(self.now, count=count, window=window)
+        self._placement.refresh(node)
+
+
+def _prompt_starts(root_tokens: int, docs: Sequence[DocSpec]) -> list[int]:
+    """Token offsets of the root and each document in the prompt, then the question's."""
+    starts = [0, root_tokens]
+    for spec in docs:
+        starts.append(starts[-1] + spec.num_tokens)
+    return starts

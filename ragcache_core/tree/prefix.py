@@ -1,0 +1,187 @@
+"""The prefix structure of the knowledge tree: nodes linked root -> documents, and an index
+from document id to its nodes.
+
+It owns the links (`parent.children`, `Node.attached`) and the index, and nothing else: it
+never allocates or frees slots. Whoever detaches nodes (`Placement.remove`) owns their copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ragcache_core.plan import Tier
+from ragcache_core.policy.base import NodeStats
+from ragcache_core.tree.integrity import fail
+from ragcache_core.tree.keys import DocKey, RootKey
+from ragcache_core.tree.node import Node
+from ragcache_core.tree.results import MatchResult, TierHit
+
+
+def readable_prefix(path: Sequence[Node]) -> list[tuple[Node, Tier]]:
+    """The leading nodes of `path` with a confirmed copy, each with the tier to read it from
+    (GPU preferred); stops at the first node in flight. Does not modify anything."""
+    hits: list[tuple[Node, Tier]] = []
+    for node in path:
+        tier = node.readable_tier()
+        if tier is None:
+            break
+        hits.append((node, tier))
+    return hits
+
+
+def match_result(path: Sequence[Node], hits: Sequence[tuple[Node, Tier]]) -> MatchResult:
+    """The typed view of a walked `path` and its readable prefix `hits` (`readable_prefix`)."""
+    return MatchResult(
+        hits=tuple(TierHit(node.key, node.num_tokens, tier) for node, tier in hits),
+        in_flight=len(path) - len(hits),
+    )
+
+
+class PrefixTree:
+    """Nodes addressed by their path (root key, then document keys in prompt order).
+
+    The root node object is replaced only by `replace_root`; a tree whose root holds no copy
+    is empty (nothing matches, nothing hangs below it).
+    """
+
+    __slots__ = ("_doc_index", "num_doc_nodes", "root", "root_key")
+
+    def __init__(self, root_key: RootKey) -> None:
+        self.root_key = root_key
+        self.root = Node(root_key, None, 0, NodeStats(0, 0.0, 0))
+        self._doc_index: dict[str, set[Node]] = {}
+        self.num_doc_nodes = 0
+        """Attached document nodes (the root excluded)."""
+
+    # ------------------------------------------------------------------ queries (no mutation)
+
+    def walk(self, keys: Sequence[DocKey]) -> list[Node]:
+        """The existing nodes along root, keys[0], keys[1], ... (root first; stops at the
+        first absent one; empty when the root holds no copy). Does not modify the tree. O(h)."""
+        node = self.root
+        if not node.slots:
+            return []
+        path = [node]
+        children = node.children
+        for key in keys:
+            child = children.get(key)
+            if child is None:
+                break
+            path.append(child)
+            children = child.children
+        return path
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes holding a copy (ready or in flight), the root included."""
+        return self.num_doc_nodes + (1 if self.root.slots else 0)
+
+    def nodes_of(self, doc_id: str) -> list[Node]:
+        """Every attached node of document `doc_id` (any content hash, any prefix)."""
+        return list(self._doc_index.get(doc_id, ()))
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every attached node that holds a copy, parents before children."""
+        if not self.root.slots:
+            return
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # ------------------------------------------------------------------ mutation
+
+    def attach(
+        self, key: DocKey | RootKey, parent: Node | None, num_tokens: int, stats: NodeStats
+    ) -> Node:
+        """Link a new node for `key` below `parent` and index it. With `parent` None, (re)use
+        the root node object instead: its size and statistics are set. The caller gives the
+        node a copy before anyone can see it (a node without a copy cannot stay)."""
+        if parent is None:
+            node = self.root
+            node.num_tokens = num_tokens
+            node.stats = stats
+            return node
+        assert isinstance(key, DocKey)
+        node = Node(key, parent, num_tokens, stats)
+        parent.children[key] = node
+        self._doc_index.setdefault(key.doc_id, set()).add(node)
+        self.num_doc_nodes += 1
+        return node
+
+    def detach(self, top: Node) -> list[Node]:
+        """Unlink document node `top` from its parent and mark it and its subtree detached and
+        unindexed. Returns the detached nodes, `top` first (the caller frees or keeps their
+        copies). Counters of the parent (`tier_children`) are the caller's."""
+        parent = top.parent
+        assert parent is not None and top.attached
+        del parent.children[top.key]  # type: ignore[arg-type]
+        detached: list[Node] = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            node.attached = False
+            self.num_doc_nodes -= 1
+            self._unindex(node)
+            detached.append(node)
+        return detached
+
+    def replace_root(self, now: int) -> Node:
+        """Detach the root (its children must be gone already) and start an empty tree.
+        Returns the old root; its copies are the caller's."""
+        old = self.root
+        assert not old.children
+        old.attached = False
+        self.root = Node(self.root_key, None, 0, NodeStats(0, 0.0, now))
+        return old
+
+    def _unindex(self, node: Node) -> None:
+        if isinstance(node.key, DocKey):
+            nodes = self._doc_index.get(node.key.doc_id)
+            if nodes is not None:
+                nodes.discard(node)
+                if not nodes:
+                    del self._doc_index[node.key.doc_id]
+
+    # ------------------------------------------------------------------ invariants
+
+    def all_nodes(self) -> list[Node]:
+        """Every attached node, the root first even without a copy (for the checks)."""
+        nodes = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def check(self) -> None:
+        """Links, attachment, the document index and the node count. Raises `IntegrityError`."""
+        root = self.root
+        if root.parent is not None or not root.attached:
+            fail("the root must be attached and have no parent")
+        doc_nodes = 0
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if not node.attached:
+                fail(f"{node!r} is reachable from the root but marked detached")
+            for key, child in node.children.items():
+                if child.key != key or child.parent is not node or child.depth != node.depth + 1:
+                    fail(f"{child!r}: inconsistent link to its parent {node!r}")
+                stack.append(child)
+            if node is root:
+                continue
+            doc_nodes += 1
+            doc_key = node.key
+            if not isinstance(doc_key, DocKey) or node not in self._doc_index.get(
+                doc_key.doc_id, ()
+            ):
+                fail(f"{node!r} is missing from the document index")
+        if doc_nodes != self.num_doc_nodes:
+            fail(f"node count {self.num_doc_nodes} != {doc_nodes} document nodes in the tree")
+        indexed = sum(len(v) for v in self._doc_index.values())
+        if indexed != doc_nodes:
+            fail(f"document index holds {indexed} nodes, the tree {doc_nodes}")
