@@ -56,6 +56,7 @@ def measure(
     from ragcache_core.engine.settings import default_dtype, detect_device
     from ragcache_core.storage.copy_ops import copy_ops_for
     from ragcache_core.storage.layout import layout_for_model
+    from ragcache_core.tree.capacity import slots_for_tokens
 
     device_info = detect_device()
     device = torch.device("cuda" if device_info.is_cuda else "cpu")
@@ -77,7 +78,7 @@ def measure(
         slots_needed, start = 0, 7  # spans start off block boundaries
         while sum(r.num_tokens for r in refs) < tokens:
             n = min(span, tokens - sum(r.num_tokens for r in refs))
-            pages = -(-n // page)
+            pages = slots_for_tokens(n, page)
             refs.append(
                 SpanRef(range(slots_needed, slots_needed + pages), start, n, 0, 1 << 62, ())
             )

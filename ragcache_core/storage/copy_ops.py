@@ -166,8 +166,8 @@ class TorchCopyOps:
         dst: torch.Tensor,
         dst_slots: Sequence[int],
     ) -> None:
-        _check_slots("source", src_slots, src.shape[0])
-        _check_slots("destination", dst_slots, dst.shape[0])
+        check_slots("source", src_slots, src.shape[0])
+        check_slots("destination", dst_slots, dst.shape[0])
         for s, d, n in contiguous_runs(src_slots, dst_slots):
             dst[d : d + n].copy_(src[s : s + n], non_blocking=self._cuda)
 
@@ -223,7 +223,8 @@ def copy_ops_for(device: torch.device) -> CopyOps:
     return TorchCopyOps(device)
 
 
-def _check_slots(what: str, slots: Sequence[int], capacity: int) -> None:
+def check_slots(what: str, slots: Sequence[int], capacity: int) -> None:
+    """Raise `IndexError` for a slot outside 0..capacity-1 (host-side: no device sync)."""
     bad = [s for s in slots if not 0 <= s < capacity]
     if bad:
         raise IndexError(f"{what} slot(s) {bad[:4]} out of range 0..{capacity - 1}")

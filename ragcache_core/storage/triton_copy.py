@@ -497,13 +497,6 @@ def _check_pools(src: torch.Tensor, dst: torch.Tensor) -> None:
         raise ValueError(f"slot shapes differ: {tuple(src.shape)} vs {tuple(dst.shape)}")
 
 
-def _check_slot_list(what: str, slots: Sequence[int], capacity: int) -> None:
-    """Raises `IndexError` for a slot out of 0..capacity-1 (host-side: no device sync)."""
-    bad = [s for s in slots if not 0 <= s < capacity]
-    if bad:
-        raise IndexError(f"{what} slot(s) {bad[:4]} out of range 0..{capacity - 1}")
-
-
 def copy_slots(
     src: torch.Tensor,
     src_slots: torch.Tensor,

@@ -8,11 +8,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ragcache_core.storage.copy_ops import PagedKV, TokenIndex, TorchCopyOps
+from ragcache_core.storage.copy_ops import PagedKV, TokenIndex, TorchCopyOps, check_slots
 from ragcache_core.storage.kv_layout import LinearPagedKV, StridedLayout
 from ragcache_core.storage.triton_copy import (
     _check_pools,
-    _check_slot_list,
     _launch_slot_copy,
     gather_tokens,
     scatter_tokens,
@@ -75,8 +74,8 @@ class TritonCopyOps(TorchCopyOps):
             return
         if len(src_slots) != len(dst_slots):
             raise ValueError(f"{len(src_slots)} source slots but {len(dst_slots)} targets")
-        _check_slot_list("source", src_slots, src.shape[0])
-        _check_slot_list("target", dst_slots, dst.shape[0])
+        check_slots("source", src_slots, src.shape[0])
+        check_slots("target", dst_slots, dst.shape[0])
         if not src_slots or src[0:1].numel() == 0:
             return
         _check_pools(src, dst)

@@ -17,15 +17,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ragcache_core.plan import Plan, Tier
+from ragcache_core.tree.capacity import slots_for_tokens
 
 if TYPE_CHECKING:
     import torch
 
     from ragcache_core.storage.copy_ops import TokenIndex
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 def plan_problems(
@@ -59,7 +56,7 @@ def plan_problems(
     for i, load in enumerate(plan.load):
         if load.token_start != position:
             problems.append(f"load[{i}] starts at {load.token_start}, expected {position}")
-        if load.num_tokens <= 0 or len(load.slots) != pages_for(load.num_tokens, page_size):
+        if load.num_tokens <= 0 or len(load.slots) != slots_for_tokens(load.num_tokens, page_size):
             problems.append(
                 f"load[{i}]: {len(load.slots)} slots for {load.num_tokens} tokens "
                 f"(page size {page_size})"
@@ -75,7 +72,7 @@ def plan_problems(
                 f"store[{i}] covers [{store.token_start}, {end}) outside the prompt "
                 f"[0, {prompt_len})"
             )
-        if len(store.slots) != pages_for(store.num_tokens, page_size):
+        if len(store.slots) != slots_for_tokens(store.num_tokens, page_size):
             problems.append(
                 f"store[{i}]: {len(store.slots)} slots for {store.num_tokens} tokens "
                 f"(page size {page_size})"

@@ -34,6 +34,7 @@ from ragcache_core.plan import SlotCopy, Tier
 from ragcache_core.storage.copy_ops import CopyOps, PagedKV, copy_ops_for
 from ragcache_core.storage.host_pool import HostPool
 from ragcache_core.storage.memory import available_host_bytes, check_fits
+from ragcache_core.tree.capacity import slots_for_tokens
 
 if TYPE_CHECKING:
     import torch
@@ -233,7 +234,7 @@ class WorkerSide:
         if request.req_id in self._failures and self._failures[request.req_id] <= span:
             return
         first = max(request.load[span].token_start, request.load_lo) // self.block_size
-        last = -(-request.load_hi // self.block_size)
+        last = slots_for_tokens(request.load_hi, self.block_size)  # blocks up to load_hi
         self._invalid_blocks.update(request.block_ids[first:last])
         self._failures[request.req_id] = span
 
