@@ -2,15 +2,20 @@
 
 Each `RAGCache` has its own `CollectorRegistry` (no global state); serve it with
 `prometheus_client.start_http_server(port, registry=cache.metrics.registry)` or
-`generate_latest(cache.metrics.registry)`.
+`generate_latest(cache.metrics.registry)`. Every collector, what moves it and its `stats()`
+twin are listed in docs/configuration.md ("Metrics"). The `record_*` methods are the only
+writers: each moves a plain counter and its Prometheus collector together.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from ragcache_core.results import CacheHits
+from ragcache_core.tree.results import TreeCounters
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -35,17 +40,15 @@ class Counters:
     speculation_used: int = 0
     search_hidden_s: float = 0.0
     ttft_sum_s: float = 0.0
-    ttfts: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        ttfts = data.pop("ttfts")
         docs = max(1, self.docs_requested)
         data["doc_hit_rate"] = (self.docs_hit_gpu + self.docs_hit_host) / docs
         data["gpu_doc_hit_rate"] = self.docs_hit_gpu / docs
         data["host_doc_hit_rate"] = self.docs_hit_host / docs
         data["token_hit_rate"] = self.doc_tokens_hit / max(1, self.doc_tokens_requested)
-        data["ttft_mean_s"] = sum(ttfts) / len(ttfts) if ttfts else 0.0
+        data["ttft_mean_s"] = self.ttft_sum_s / self.requests if self.requests else 0.0
         return data
 
 
@@ -77,6 +80,83 @@ class Metrics:
         )
         self.failures = Counter("ragcache_request_failures", "Failed requests", registry=r)
         self.restarts = Counter("ragcache_engine_restarts", "Engine restarts", registry=r)
+        self._tree_seen = TreeCounters()
 
     def reset(self) -> None:
+        """Zero the plain counters (`RAGCache.clear()`, which also clears the tree and with it
+        its counters). Prometheus collectors are monotonic and keep their totals."""
         self.counters = Counters()
+        self._tree_seen = TreeCounters()
+
+    def record_request(
+        self,
+        hits: CacheHits,
+        *,
+        num_docs: int,
+        doc_tokens: int,
+        doc_hit_tokens: int,
+        queue_wait_s: float,
+        ttft_s: float,
+    ) -> None:
+        """One request answered."""
+        c = self.counters
+        c.requests += 1
+        c.docs_requested += num_docs
+        c.docs_hit_gpu += hits.gpu_docs
+        c.docs_hit_host += hits.host_docs
+        c.doc_tokens_requested += doc_tokens
+        c.doc_tokens_hit += doc_hit_tokens
+        c.tokens_saved += hits.cached_tokens
+        c.tokens_computed += hits.computed_tokens
+        c.ttft_sum_s += ttft_s
+        self.hits.labels("gpu").inc(hits.gpu_docs)
+        self.hits.labels("host").inc(hits.host_docs)
+        self.misses.inc(hits.computed_docs)
+        self.tokens_saved.inc(hits.cached_tokens)
+        self.queue_wait.observe(queue_wait_s)
+        self.ttft.observe(ttft_s)
+
+    def record_failure(self) -> None:
+        """One attempt failed (timeout or engine death)."""
+        self.counters.requests_failed += 1
+        self.failures.inc()
+
+    def record_retry(self) -> None:
+        self.counters.retries += 1
+
+    def record_restart(self) -> None:
+        self.counters.engine_restarts += 1
+        self.restarts.inc()
+
+    def record_speculation(
+        self, outcome: Literal["started", "aborted", "used"], *, search_hidden_s: float = 0.0
+    ) -> None:
+        """A speculative generation `started`, was `aborted` (wrong documents) or `used`
+        (`search_hidden_s`: the search time it overlapped)."""
+        c = self.counters
+        if outcome == "started":
+            c.speculation_started += 1
+        elif outcome == "aborted":
+            c.speculation_aborted += 1
+        elif outcome == "used":
+            c.speculation_used += 1
+            c.search_hidden_s += search_hidden_s
+        else:
+            raise ValueError(f"unknown speculation outcome {outcome!r}")
+        self.speculation.labels(outcome).inc()
+
+    def record_tree(self, now: TreeCounters) -> None:
+        """Move the eviction and swap-out collectors by what the tree counted since the last
+        call. The tree's counters only grow until its `clear()`: a drop means a clear, after
+        which everything counted is new."""
+        seen = self._tree_seen
+        if (
+            now.evictions_gpu < seen.evictions_gpu
+            or now.evictions_host < seen.evictions_host
+            or now.swap_outs < seen.swap_outs
+        ):
+            seen = TreeCounters()
+        self.evictions.labels("gpu").inc(now.evictions_gpu - seen.evictions_gpu)
+        self.evictions.labels("host").inc(now.evictions_host - seen.evictions_host)
+        self.swaps.inc(now.swap_outs - seen.swap_outs)
+        self._tree_seen = now

@@ -42,12 +42,12 @@ class QueryResult:
     """True when the answer came from a speculative generation started before the search ended."""
     retries: int = 0
     scores: tuple[float, ...] = ()
+    """The search scores of `sources` (empty when the caller gave the documents)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Where the request's time went, in seconds: `plan` (tree walk, eviction, plan check and
     serialization), `engine_first_token` (submit to first token: scheduling, copies, prefill),
     `load_copy` / `store_copy` (the worker's copies in this request's steps, shared with the
     other requests of those steps), `settle` (the final report applied)."""
-    """The search scores of `sources` (empty when the caller gave the documents)."""
 
     def report(self) -> dict[str, Any]:
         """The measurements as plain values (what the framework integrations attach as

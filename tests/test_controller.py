@@ -90,6 +90,11 @@ def nothing_leaks(cache: RAGCache) -> Iterator[None]:
     cache.tree.check_integrity()
 
 
+def metric(cache: RAGCache, name: str, **labels: str) -> float:
+    """A sample of the cache's Prometheus registry (0 before it first moves)."""
+    return cache.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
 def reference(cache: RAGCache, question: str, documents: Sequence[Document]) -> tuple[int, ...]:
     """Plain vLLM (no plan, prefix caching off) on the same prompt token ids."""
     prompt = cache.prompts.build(question, documents).token_ids
@@ -261,15 +266,33 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
             text += chunk.delta
         return text
 
-    async def run_all() -> list[object]:
+    async def slowest_stats(done: asyncio.Event) -> float:
+        """The longest `stats()` call while the engine dies and restarts (~25 s): the
+        restart runs off RAGCache's loop, so the loop keeps answering."""
+        worst = 0.0
+        while not done.is_set():
+            started = time.perf_counter()
+            await asyncio.to_thread(cache.stats)
+            worst = max(worst, time.perf_counter() - started)
+            await asyncio.sleep(0.2)
+        return worst
+
+    async def run_all() -> tuple[list[object], float]:
+        done = asyncio.Event()
+        probe = asyncio.ensure_future(slowest_stats(done))
         others = [
             asyncio.ensure_future(cache.agenerate(f"long {i}?", [DOCS[3 + i]], sampling=long))
             for i in range(2)
         ]
         await asyncio.sleep(0.5)  # the others are generating when the kill comes
-        return await asyncio.gather(streamed_then_killed(), *others, return_exceptions=True)
+        outcomes = await asyncio.gather(streamed_then_killed(), *others, return_exceptions=True)
+        done.set()
+        return outcomes, await probe
 
-    streamed, *outcomes = asyncio.run(run_all())
+    failures = metric(cache, "ragcache_request_failures_total")
+    restarted = metric(cache, "ragcache_engine_restarts_total")
+    (streamed, *outcomes), slowest = asyncio.run(run_all())
+    assert slowest < 5.0, f"the loop was blocked for {slowest:.1f} s during the restart"
     # The streamed request cannot take back text it sent: it fails with a clear error.
     assert isinstance(streamed, RAGCacheError), streamed
     assert "streamed text already" in str(streamed)
@@ -278,6 +301,8 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
         assert outcome.retries == 1  # type: ignore[attr-defined]
         assert len(outcome.token_ids) == 1500  # type: ignore[attr-defined]
     assert cache.stats()["engine_restarts"] == restarts + 1  # one death, one restart
+    assert metric(cache, "ragcache_engine_restarts_total") == restarted + 1
+    assert metric(cache, "ragcache_request_failures_total") == failures + 3  # one per request
     after = cache.generate("after the restart?", docs)
     assert after.token_ids == reference(cache, "after the restart?", docs)
     # The GPU pool died with the worker; the root's host copy survived in shared memory.
@@ -308,3 +333,50 @@ def test_stores_are_readable_from_the_first_token(cache: RAGCache) -> None:
     assert first is not None and first.hits.hit_docs == 0 and len(first.token_ids) == 64
     assert set(first.timings) >= {"plan", "engine_first_token", "load_copy", "store_copy"}
     assert first.timings["store_copy"] > 0  # the worker reported the store it ran
+
+
+METRICS = [
+    ("ragcache_doc_hits_total", {"tier": "gpu"}),
+    ("ragcache_doc_hits_total", {"tier": "host"}),
+    ("ragcache_doc_misses_total", {}),
+    ("ragcache_tokens_saved_total", {}),
+    ("ragcache_evictions_total", {"tier": "gpu"}),
+    ("ragcache_evictions_total", {"tier": "host"}),
+    ("ragcache_swap_outs_total", {}),
+    ("ragcache_speculation_total", {"outcome": "started"}),
+    ("ragcache_speculation_total", {"outcome": "aborted"}),
+    ("ragcache_speculation_total", {"outcome": "used"}),
+    ("ragcache_ttft_seconds_count", {}),
+    ("ragcache_queue_wait_seconds_count", {}),
+]
+"""Every collector but the fault ones (those move in test_engine_death_is_survived)."""
+
+
+def test_every_metric_moves(cache: RAGCache) -> None:
+    """A workload larger than both tiers (1,024 + 4,096 tokens): documents are evicted from
+    the GPU tier (swapped out to host), come back from host, and are evicted from host; one
+    query speculates wrong, then right."""
+    cache.clear()
+    before = {
+        (name, tuple(labels.items())): metric(cache, name, **labels) for name, labels in METRICS
+    }
+    big = [Document(f"big{i}", " ".join(f"w{i}x{j}" for j in range(60))) for i in range(40)]
+    doc_tokens = cache.prompts.build("q?", big[:1]).doc_specs[0].num_tokens
+    needed = (cache.config.gpu_pool_tokens + cache.config.host_pool_tokens) // doc_tokens + 3
+    assert needed < len(big), doc_tokens
+    host_hits = 0
+    for i, doc in enumerate(big[:needed]):
+        cache.generate(f"first {i}?", [doc])
+        if i >= 3 and not host_hits:  # the first documents were swapped out by now
+            host_hits += sum(cache.generate("again?", [d]).hits.host_docs for d in big[:3])
+    assert host_hits > 0
+    assert cache.generate("once more?", [big[needed - 1]]).hits.gpu_docs == 1
+    wrong, final = [DOCS[4], DOCS[5]], [DOCS[0], DOCS[2]]
+    cache.query("Which city?", search=ScriptedSource([wrong, final, final], delay_s=0.2))
+    stats = cache.stats()
+    for name, labels in METRICS:
+        assert metric(cache, name, **labels) > before[(name, tuple(labels.items()))], (name, labels)
+    tree = stats["tree"]
+    assert tree["evictions_gpu"] > 0 and tree["evictions_host"] > 0 and tree["swap_outs"] > 0
+    assert stats["ttft_sum_s"] > 0
+    assert abs(stats["ttft_mean_s"] - stats["ttft_sum_s"] / stats["requests"]) < 1e-9

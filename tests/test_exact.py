@@ -19,7 +19,7 @@ from ragcache_core.engine.cached import CachedEngine, PoolSettings
 from ragcache_core.engine.connector import FAULT_KEY
 from ragcache_core.engine.llm import GreedySampling
 from ragcache_core.engine.settings import EngineSpec
-from ragcache_core.engine.single import Document, run_request
+from ragcache_core.engine.single import TokenizedDocument, run_request
 from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RootKey
@@ -42,8 +42,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
-def _doc(name: str, tokens: list[int]) -> Document:
-    return Document(DocKey(name, f"h-{name}"), tuple(tokens))
+def _doc(name: str, tokens: list[int]) -> TokenizedDocument:
+    return TokenizedDocument(DocKey(name, f"h-{name}"), tuple(tokens))
 
 
 def _new_cache(rig: Rig) -> KnowledgeCache:

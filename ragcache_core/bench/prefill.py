@@ -21,14 +21,23 @@ import json
 import random
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragcache_core.cli.output import stdout_to_stderr
+from ragcache_core.engine.sampling import GreedySampling
+from ragcache_core.tree.capacity import slots_for_tokens
+
+if TYPE_CHECKING:
+    from ragcache_core.engine.cached import CachedEngine, PoolSettings
+    from ragcache_core.engine.settings import EngineSpec
+    from ragcache_core.storage.layout import PoolLayout
 
 DOC_TOKENS = (512, 1024, 2048, 4096)
 QUESTION_TOKENS = 32
 PAGE = 16
+SAMPLING = GreedySampling(max_tokens=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +48,9 @@ class PrefillResult:
     host_hit_s: float
     floor_s: float
     alignment_recomputed_tokens: int
-    """Document tokens recomputed because of block alignment (per-token loads: always 0)."""
+    """Document tokens a hit's plan asked to load that vLLM computed instead (the most over
+    the hit runs), from the connector's report (`ConnectorResult.loaded_tokens`). A run whose
+    plan was rejected or loaded nothing fails the benchmark instead."""
 
 
 def measure(
@@ -49,33 +60,12 @@ def measure(
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Run the benchmark in one engine; returns the `--json` document."""
-    from ragcache_core.engine.cached import CachedEngine, PoolSettings
-    from ragcache_core.engine.llm import GreedySampling
-    from ragcache_core.engine.settings import EngineSpec
-    from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
-    from ragcache_core.storage.layout import layout_for_model
-    from ragcache_core.storage.memory import GIB
+    """Run the benchmark in one engine; returns the `--json` document. Raises `RAGCacheError`
+    when a RAGCache run was not served as planned (see `require_plan_ran`)."""
+    from ragcache_core.engine.cached import CachedEngine
 
-    longest = max(doc_tokens)
-    layout = layout_for_model(model, dtype="float32", page_size=PAGE)
-    pool_gib = (-(-longest // PAGE) + 1) * layout.slot_bytes / GIB
-    spec = EngineSpec(
-        model=model,
-        dtype="float32",
-        prefix_caching=True,  # only to measure the floor; emptied before every RAGCache run
-        max_model_len=longest + QUESTION_TOKENS + 64,
-        max_num_batched_tokens=longest + QUESTION_TOKENS + 64,
-        kv_cache_bytes=int(max(1.0, 4 * (longest + 128) * layout.token_bytes / GIB) * GIB),
-    )
-    pools = PoolSettings(
-        gpu_pool_gib=pool_gib,
-        host_pool_gib=pool_gib,
-        page_size=PAGE,
-        host_pool_name="bench-prefill",
-    )
+    spec, pools, layout = _engine_setup(model, max(doc_tokens))
     rng = random.Random(seed)
-    sampling = GreedySampling(max_tokens=1)
     results: list[PrefillResult] = []
     engine = CachedEngine(spec, pools)
     try:
@@ -84,40 +74,9 @@ def measure(
         def tokens(n: int) -> list[int]:
             return [rng.randrange(3, vocab) for _ in range(n)]
 
-        engine.run(tokens(64), None, sampling)  # warm-up
+        engine.run(tokens(64), None, SAMPLING)  # warm-up
         for n in doc_tokens:
-            doc = tokens(n)
-            pages = -(-n // PAGE)
-            gpu, host = tuple(range(pages)), tuple(range(pages))
-            gpu_load = Plan(PAGE, load=(LoadSpan(Tier.GPU, gpu, 0, n),))
-            host_load = Plan(PAGE, load=(LoadSpan(Tier.HOST, host, 0, n),))
-
-            def ttft(doc: list[int], plan: Plan | None, *, floor: bool = False) -> float:
-                if plan is not None:
-                    engine.reset_prefix_cache()  # RAGCache runs are served by the pools alone
-                prompt = doc + tokens(QUESTION_TOKENS)
-                return float(engine.run(prompt, plan, sampling, read_prefix_cache=floor).ttft_s)
-
-            full = [ttft(doc, None) for _ in range(repeats)]
-            engine.reset_prefix_cache()
-            engine.run(
-                doc + tokens(QUESTION_TOKENS), Plan(PAGE, store=(StoreSpan(gpu, 0, n),)), sampling
-            )
-            gpu_hit = [ttft(doc, gpu_load) for _ in range(repeats)]
-            engine.reset_prefix_cache()
-            engine.run(tokens(8), Plan(PAGE, swap_out=(SlotCopy(gpu, host),)), sampling)
-            host_hit = [ttft(doc, host_load) for _ in range(repeats)]
-            engine.reset_prefix_cache()
-            ttft(doc, None, floor=True)  # puts the document into vLLM's prefix cache
-            floor = [ttft(doc, None, floor=True) for _ in range(repeats)]
-            result = PrefillResult(
-                doc_tokens=n,
-                full_s=statistics.median(full),
-                gpu_hit_s=statistics.median(gpu_hit),
-                host_hit_s=statistics.median(host_hit),
-                floor_s=statistics.median(floor),
-                alignment_recomputed_tokens=0,
-            )
+            result = _measure_length(engine, n, tokens, repeats)
             results.append(result)
             if progress:
                 print(f"  {_row(result)}", file=sys.stderr, flush=True)
@@ -137,6 +96,77 @@ def measure(
         "memory": memory,
         "results": [asdict(r) for r in results],
     }
+
+
+def _engine_setup(model: str, longest: int) -> tuple[EngineSpec, PoolSettings, PoolLayout]:
+    """One engine for every length: pools that hold the longest document once."""
+    from ragcache_core.engine.cached import PoolSettings
+    from ragcache_core.engine.settings import EngineSpec
+    from ragcache_core.storage.layout import layout_for_model
+    from ragcache_core.storage.memory import GIB
+
+    layout = layout_for_model(model, dtype="float32", page_size=PAGE)
+    pool_gib = (slots_for_tokens(longest, PAGE) + 1) * layout.slot_bytes / GIB
+    spec = EngineSpec(
+        model=model,
+        dtype="float32",
+        prefix_caching=True,  # only to measure the floor; emptied before every RAGCache run
+        max_model_len=longest + QUESTION_TOKENS + 64,
+        max_num_batched_tokens=longest + QUESTION_TOKENS + 64,
+        kv_cache_bytes=int(max(1.0, 4 * (longest + 128) * layout.token_bytes / GIB) * GIB),
+    )
+    pools = PoolSettings(
+        gpu_pool_gib=pool_gib,
+        host_pool_gib=pool_gib,
+        page_size=PAGE,
+        host_pool_name="bench-prefill",
+    )
+    return spec, pools, layout
+
+
+def _measure_length(
+    engine: CachedEngine, n: int, tokens: Callable[[int], list[int]], repeats: int
+) -> PrefillResult:
+    """The four timings of one document length (module docstring), medians over `repeats`:
+    uncached; store the document in the GPU pool, load it from there; swap it out to the host
+    pool, load it from there; vLLM's own prefix cache."""
+    from ragcache_core.engine.cached import require_plan_ran
+    from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+
+    doc = tokens(n)
+    slots = tuple(range(slots_for_tokens(n, PAGE)))
+    recomputed = [0]
+
+    def ttft(plan: Plan | None, *, floor: bool = False) -> float:
+        if plan is not None:
+            engine.reset_prefix_cache()  # RAGCache runs are served by the pools alone
+        run = engine.run(doc + tokens(QUESTION_TOKENS), plan, SAMPLING, read_prefix_cache=floor)
+        if plan is not None:
+            recomputed.append(require_plan_ran(run, plan))
+        return float(run.ttft_s)
+
+    def prepare(prompt: list[int], plan: Plan) -> None:
+        engine.reset_prefix_cache()
+        require_plan_ran(engine.run(prompt, plan, SAMPLING), plan)
+
+    full = [ttft(None) for _ in range(repeats)]
+    prepare(doc + tokens(QUESTION_TOKENS), Plan(PAGE, store=(StoreSpan(slots, 0, n),)))
+    gpu_load = Plan(PAGE, load=(LoadSpan(Tier.GPU, slots, 0, n),))
+    gpu_hit = [ttft(gpu_load) for _ in range(repeats)]
+    prepare(tokens(8), Plan(PAGE, swap_out=(SlotCopy(slots, slots),)))
+    host_load = Plan(PAGE, load=(LoadSpan(Tier.HOST, slots, 0, n),))
+    host_hit = [ttft(host_load) for _ in range(repeats)]
+    engine.reset_prefix_cache()
+    ttft(None, floor=True)  # puts the document into vLLM's prefix cache
+    floor = [ttft(None, floor=True) for _ in range(repeats)]
+    return PrefillResult(
+        doc_tokens=n,
+        full_s=statistics.median(full),
+        gpu_hit_s=statistics.median(gpu_hit),
+        host_hit_s=statistics.median(host_hit),
+        floor_s=statistics.median(floor),
+        alignment_recomputed_tokens=max(recomputed),
+    )
 
 
 def _vocab_size(model: str) -> int:

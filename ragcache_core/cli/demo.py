@@ -1,8 +1,15 @@
 """`ragcache demo`: the main job. One real question stream through vLLM, vLLM with prefix
-caching, and RAGCache, side by side; a table, a PNG chart and (with --json) one JSON object.
+caching, and RAGCache, side by side, near vLLM's saturation; a table, the ratios against both
+baselines, a TTFT CDF chart (PNG) and (with --json) one JSON object.
 
-With no arguments it builds the offline bench model, indexes the Wikipedia sample shipped in
-the package and streams the shipped NQ-open / MMLU questions (see ragcache_core/data/).
+With no arguments: the offline bench model, the long-chunk SQuAD sample shipped in the package
+(46 chunks of ~1,100 tokens from three Wikipedia articles, 395 SQuAD questions about them),
+top-1 retrieval, so documents dominate the prompt and popular articles come back often. The rate
+is calibrated at start: vLLM answers a few requests one at a time, and the demo sends 1.4x the
+rate it could serve that way (batching lets it serve a little more than that, so this sits near
+its saturation, where prefill time turns into queueing). One run, no spread: `ragcache bench
+serve --quick` repeats points.
+`--workload demo-short` is the earlier stream (300 short documents, NQ-open + MMLU questions).
 """
 
 from __future__ import annotations
@@ -11,31 +18,39 @@ import argparse
 import json
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-DEFAULTS = {"requests": 160, "rate": 4.0, "top_k": 2, "max_tokens": 8}
+DEFAULTS = {"requests": 48, "warmup": 8, "max_tokens": 8, "load": 1.4, "calibration": 4}
+DEMO_WORKLOADS = ("demo", "demo-short", "short", "long", "long-shuffled", "noreuse")
+DEMO_SYSTEMS = ("vllm", "vllm-apc", "vllm-apc-total", "ragcache")
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "demo",
-        help="run one question stream through vLLM, vLLM-APC and RAGCache; print a table",
+        help="one question stream through vLLM, vLLM-APC and RAGCache near saturation; a table",
         description=__doc__,
     )
+    p.add_argument("--workload", choices=DEMO_WORKLOADS, default="demo", help="the stream")
     p.add_argument("--model", type=Path, default=None, help="a local checkpoint folder")
     p.add_argument("--corpus", type=Path, action="append", default=None, help="JSONL (repeatable)")
+    p.add_argument("--questions", type=Path, default=None, help="JSONL of questions")
     p.add_argument("--text-field", default="text,context", help="candidates, first present wins")
     p.add_argument("--id-field", default="doc_id,paragraph_id,id", help="candidates")
-    p.add_argument("--questions", type=Path, default=None, help="JSONL of questions")
     p.add_argument("--question-field", default="question,input", help="candidates")
-    p.add_argument("--requests", type=int, default=DEFAULTS["requests"])
-    p.add_argument("--rate", type=float, default=DEFAULTS["rate"], help="requests per second")
-    p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"])
+    p.add_argument("--requests", type=int, default=DEFAULTS["requests"], help="measured requests")
+    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="unmeasured, first")
+    p.add_argument("--rate", type=float, default=None, help="requests/s (default: calibrated)")
+    p.add_argument(
+        "--load",
+        type=float,
+        default=DEFAULTS["load"],
+        help="rate x vLLM's one-at-a-time service time",
+    )
+    p.add_argument("--top-k", type=int, default=None, help="default: 1 (long), 2 (short)")
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])
-    p.add_argument("--systems", default=",".join(("vllm", "vllm-apc", "ragcache")))
-    p.add_argument("--index-kind", choices=("ivf", "hnsw", "flat"), default="ivf")
+    p.add_argument("--systems", default="vllm,vllm-apc,ragcache", help=",".join(DEMO_SYSTEMS))
     p.add_argument(
         "--vllm-kv-gib",
         type=float,
@@ -54,33 +69,51 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_demo)
 
 
-def _data(name: str) -> Path:
-    return Path(str(resources.files("ragcache_core") / "data" / name))
-
-
-def _demo(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace) -> list[str]:
     from ragcache_core.cli import CliError
-    from ragcache_core.engine.config import check_model_folder
 
-    if args.requests < 1 or args.rate <= 0 or args.top_k < 1 or args.max_tokens < 1:
-        raise CliError("--requests, --rate, --top-k and --max-tokens must be positive")
+    if args.requests < 1 or args.warmup < 0 or args.max_tokens < 1 or args.load <= 0:
+        raise CliError("--requests, --max-tokens and --load must be positive, --warmup >= 0")
+    if (args.rate is not None and args.rate <= 0) or (args.top_k is not None and args.top_k < 1):
+        raise CliError("--rate and --top-k must be positive")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - {"vllm", "vllm-apc", "ragcache"}
+    unknown = set(systems) - set(DEMO_SYSTEMS)
     if unknown or not systems:
-        raise CliError(f"unknown system(s) {sorted(unknown)}: choose from vllm, vllm-apc, ragcache")
+        raise CliError(
+            f"unknown system(s) {sorted(unknown)}: choose from {', '.join(DEMO_SYSTEMS)}"
+        )
+    if bool(args.corpus) != bool(args.questions):
+        raise CliError("--corpus and --questions go together")
     for path in [*(args.corpus or []), *([args.questions] if args.questions else [])]:
         if not path.is_file():
             raise CliError(f"no such file: {path}")
+    return systems
+
+
+def _workload(args: argparse.Namespace, model: Path) -> Any:
+    from ragcache_core.bench.workloads import file_workload, load_workload
+    from ragcache_core.retrieval.trace import tokenizer_counter
+
+    if args.corpus:
+        return file_workload(
+            args.corpus,
+            args.questions,
+            text_fields=args.text_field,
+            id_fields=args.id_field,
+            question_fields=args.question_field,
+            seed=args.seed,
+            top_k=args.top_k or 2,
+        )
+    counter = tokenizer_counter(str(model))
+    return load_workload(args.workload, counter, seed=args.seed, top_k=args.top_k)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ragcache_core.engine.config import check_model_folder
+
+    systems = _check(args)
     model = check_model_folder(args.model) if args.model else None
-
-    from tqdm import tqdm
-
-    from ragcache_core.bench.serve import default_sampling, run_ragcache, run_vllm
     from ragcache_core.cli.output import stdout_to_stderr
-    from ragcache_core.config import CacheConfig
-    from ragcache_core.retrieval.corpus import load_corpus, load_questions
-    from ragcache_core.retrieval.index_store import IndexSettings, build_index
-    from ragcache_core.retrieval.trace import poisson_arrivals
 
     log = sys.stderr
     if model is None:
@@ -88,20 +121,34 @@ def _demo(args: argparse.Namespace) -> int:
 
         print(f"building the offline {args.size} model ...", file=log, flush=True)
         model = build_tiny_model(size=args.size)
-    corpus = args.corpus or [_data("demo_corpus.jsonl")]
-    documents = load_corpus(corpus, text_fields=args.text_field, id_fields=args.id_field)
-    index = build_index(documents, IndexSettings(kind=args.index_kind), progress=True)
-    question_file = args.questions or _data("demo_questions.jsonl")
-    pool = load_questions(question_file, question_fields=args.question_field)
-    import random
+    started = time.perf_counter()
+    # vLLM's processes log to stdout: keep stdout for the table / JSON document alone.
+    with stdout_to_stderr():
+        document = _run(args, model, systems)
+    document["settings"]["wall_s"] = round(time.perf_counter() - started, 1)
+    _chart(document, args.chart)
+    if args.json:
+        print(json.dumps(document, indent=1))
+    else:
+        _table(document, args.chart)
+    return 0
 
-    rng = random.Random(args.seed)
-    questions = [q.text for q in rng.sample(pool, min(args.requests, len(pool)))]
-    while len(questions) < args.requests:  # a short question file: repeat it
-        questions.append(rng.choice(pool).text)
-    arrivals = [float(x) for x in poisson_arrivals(len(questions), args.rate, args.seed)]
+
+def _run(args: argparse.Namespace, model: Path, systems: list[str]) -> dict[str, Any]:
+    from ragcache_core.bench.report import tqdm_recorder
+    from ragcache_core.bench.serve import default_sampling, identical_answers, run_point
+    from ragcache_core.bench.sweep import COOL_DOWN_S, Engines
+    from ragcache_core.config import CacheConfig
+    from ragcache_core.retrieval.index_store import IndexSettings, build_index
+    from ragcache_core.retrieval.trace import poisson_arrivals
+
+    log = sys.stderr
+    workload = _workload(args, model)
+    source = None
+    if workload.retrieves:
+        source = build_index(workload.documents, IndexSettings(kind="ivf"), progress=True).source()
     config = CacheConfig(
-        top_k=args.top_k,
+        top_k=workload.top_k,
         sampling=default_sampling(args.max_tokens),
         gpu_pool_tokens=args.gpu_pool_tokens,
         host_pool_tokens=args.host_pool_tokens,
@@ -110,114 +157,169 @@ def _demo(args: argparse.Namespace) -> int:
         reorder=args.reorder == "on",
         policy=args.policy,
     )
-    source = index.source()
-    runs = {}
-    for name in systems:
-        bar = tqdm(total=len(questions), desc=f"{name:>9}", unit="req", file=log)
+    engines = Engines(model, config, log)
+    try:
+        engines.start(systems, source)
+        engines.use(source, workload.top_k)
+        calibration = _calibrate(engines, workload, systems, args)
+        rate = calibration["rate_rps"]
+        requests = workload.stream(args.warmup + args.requests)
+        arrivals = [float(x) for x in poisson_arrivals(len(requests), rate, args.seed)]
+        bar = tqdm_recorder(log)
+        runs = {}
+        for name in systems:
+            time.sleep(COOL_DOWN_S)  # the previous engine's worker busy-polls for ~1 s
+            point = run_point(
+                engines.systems[name],
+                requests,
+                arrivals,
+                rate,
+                args.warmup,
+                "demo",
+                bar(f"{name:>9}", len(requests)),
+            )
+            runs[name] = engines.run(point)
+    finally:
+        engines.close()
+    same, total = identical_answers(list(runs.values()))
+    return {
+        "settings": _settings(args, model, workload, config, systems, rate),
+        "calibration": calibration,
+        "systems": {name: run.summary() for name, run in runs.items()},
+        "identical_answers": f"{same}/{total}",
+        "ratios": _ratios({name: run.summary() for name, run in runs.items()}),
+    }
 
-        def progress(_: str, done: int, bar: Any = bar) -> None:
-            bar.n = done
-            bar.refresh()
 
-        started = time.perf_counter()
-        # vLLM's processes log to stdout: keep stdout for the table / JSON document alone.
-        with stdout_to_stderr():
-            if name == "ragcache":
-                runs[name] = run_ragcache(model, config, source, questions, arrivals, progress)
-            else:
-                runs[name] = run_vllm(name, model, config, source, questions, arrivals, progress)
-        bar.close()
-        print(f"{name}: {time.perf_counter() - started:.0f} s", file=log, flush=True)
+def _calibrate(
+    engines: Any, workload: Any, systems: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """vLLM (the first baseline) answers a few requests one at a time: its service time S.
+    One at a time it serves 1/S requests per second; the demo sends `--load` times that."""
+    from ragcache_core.bench.serve import light_load
 
-    settings = {
+    reference = next((s for s in systems if s.startswith("vllm")), systems[0])
+    warm, n = 2, DEFAULTS["calibration"]
+    run = engines.run(
+        light_load(engines.systems[reference], workload.stream(warm + n), warm, "cal")
+    )
+    service = sum(o.latency_s for o in run.measured) / n
+    ttft = sum(o.ttft_s for o in run.measured) / n
+    rate = args.rate if args.rate is not None else round(args.load / service, 2)
+    return {
+        "reference": reference,
+        "requests": n,
+        "service_s": service,
+        "ttft_s": ttft,
+        "capacity_rps": 1 / service,
+        "rate_rps": rate,
+        "rule": "given by --rate"
+        if args.rate is not None
+        else f"{args.load} x 1 / (mean service time of {n} requests one at a time on {reference})",
+    }
+
+
+def _settings(
+    args: argparse.Namespace,
+    model: Path,
+    workload: Any,
+    config: Any,
+    systems: list[str],
+    rate: float,
+) -> dict[str, Any]:
+    from ragcache_core.bench.sweep import describe_systems, git_commit
+    from ragcache_core.bench.workloads import RETRIEVER
+
+    return {
         "model": str(model),
-        "corpus": [str(c) for c in corpus],
-        "documents": len(documents),
-        "questions": str(question_file),
-        "requests": len(questions),
-        "rate_rps": args.rate,
-        "top_k": args.top_k,
+        "git_commit": git_commit(),
+        "workload": workload.name,
+        "stream": workload.description,
+        "retriever": RETRIEVER if workload.retrieves else "none (requests bring documents)",
+        "systems": describe_systems(systems),
+        "requests": args.requests,
+        "warmup": args.warmup,
+        "rate_rps": rate,
+        "top_k": workload.top_k,
         "max_tokens": args.max_tokens,
-        "index": args.index_kind,
         "vllm_kv_gib": args.vllm_kv_gib,
         "gpu_pool_tokens": args.gpu_pool_tokens,
         "host_pool_tokens": args.host_pool_tokens,
         "policy": config.policy,
         "reorder": config.reorder,
         "speculation": config.speculation,
+        "runs": "one run per system, no repeats (see `ragcache bench serve` for spreads)",
     }
-    summaries = {name: run.summary() for name, run in runs.items()}
-    settings["identical_answers"] = _agreement(runs)
-    _chart(runs, args.chart)
-    if args.json:
-        print(json.dumps({"settings": settings, "systems": summaries}, indent=1))
-    else:
-        _table(settings, summaries, args.chart)
-    return 0
 
 
-def _table(settings: dict[str, Any], systems: dict[str, dict[str, Any]], chart: Path) -> None:
+def _ratios(systems: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each baseline's TTFT over RAGCache's (above 1: RAGCache is faster)."""
+    mine = systems.get("ragcache")
+    if not mine or not mine["ttft_mean_s"]:
+        return {}
+    return {
+        name: {
+            "ttft_mean": s["ttft_mean_s"] / mine["ttft_mean_s"],
+            "ttft_p95": s["ttft_p95_s"] / max(mine["ttft_p95_s"], 1e-9),
+        }
+        for name, s in systems.items()
+        if name != "ragcache"
+    }
+
+
+def _table(document: dict[str, Any], chart: Path) -> None:
+    settings, calibration = document["settings"], document["calibration"]
     print(
-        f"\nmodel {settings['model']}, {settings['documents']} documents, "
-        f"{settings['requests']} requests at {settings['rate_rps']}/s, top-{settings['top_k']}, "
-        f"{settings['max_tokens']} answer tokens\n"
+        f"\nmodel {settings['model']}\nstream: {settings['stream']}\n"
+        f"retriever: {settings['retriever']}\n"
+        f"rate: {settings['rate_rps']}/s: {calibration['reference']} served one request "
+        f"at a time in "
+        f"{calibration['service_s'] * 1000:.0f} ms (TTFT {calibration['ttft_s'] * 1000:.0f} ms), "
+        f"about {calibration['capacity_rps']:.2f} req/s; rule: {calibration['rule']}\n"
+        f"{settings['requests']} measured requests per system after {settings['warmup']} "
+        f"warm-up requests (not measured), {settings['max_tokens']} answer tokens\n"
     )
     header = (
-        f"{'system':<10}{'TTFT mean':>11}{'p50':>9}{'p95':>9}{'req/s':>8}"
-        f"{'hit':>7}{'GPU':>7}{'host':>7}{'tokens':>8}  speculation (started/aborted/used)"
+        f"{'system':<10}{'TTFT mean':>11}{'p50':>9}{'p95':>9}{'req/s':>8}{'tokens hit':>12}"
+        f"{'docs hit (GPU/host)':>22}  speculation used"
     )
     print(header)
     print("-" * len(header))
-    base = systems.get("vllm", {}).get("ttft_mean_s")
-    for name, s in systems.items():
-        spec = s.get("speculation")
-        spec_text = f"{spec['started']}/{spec['aborted']}/{spec['used']}" if spec else "-"
+    for name, s in document["systems"].items():
+        docs = (
+            f"{s['doc_hit_rate'] * 100:.0f}% ({s['gpu_doc_hit_rate'] * 100:.0f}%/"
+            f"{s['host_doc_hit_rate'] * 100:.0f}%)"
+            if "doc_hit_rate" in s
+            else "-"
+        )
+        spec = str(s.get("speculative_answers", "-"))
         print(
             f"{name:<10}{s['ttft_mean_s'] * 1000:>9.0f}ms{s['ttft_p50_s'] * 1000:>7.0f}ms"
             f"{s['ttft_p95_s'] * 1000:>7.0f}ms{s['throughput_rps']:>8.2f}"
-            f"{_pct(s, 'doc_hit_rate')}{_pct(s, 'gpu_doc_hit_rate')}"
-            f"{_pct(s, 'host_doc_hit_rate')}{_pct(s, 'token_hit_rate', 8)}  {spec_text}"
+            f"{s['token_hit_rate'] * 100:>11.0f}%{docs:>22}  {spec}"
         )
-    print(f"\nanswers identical across systems: {settings['identical_answers']} requests")
-    if base and "ragcache" in systems and systems["ragcache"]["ttft_mean_s"]:
-        ratio = base / systems["ragcache"]["ttft_mean_s"]
-        print(f"vLLM mean TTFT / RAGCache mean TTFT = {ratio:.2f} (above 1: RAGCache is faster)")
+    print(f"\nanswers identical across systems: {document['identical_answers']} requests")
+    for name, r in document["ratios"].items():
+        print(
+            f"{name} / RAGCache: mean TTFT {r['ttft_mean']:.2f}x, p95 {r['ttft_p95']:.2f}x "
+            "(above 1: RAGCache is faster)"
+        )
+    print(
+        "one run, no repeats: machine noise can move these by 10-30%; "
+        "`ragcache bench serve --quick` repeats each point and reports spreads"
+    )
     print(f"chart: {chart}")
 
 
-def _agreement(runs: dict[str, Any]) -> str:
-    """How many requests got the same answer tokens from every system (greedy, float32: all
-    of them should, since the cache must not change the output)."""
-    answers = [run.answers for run in runs.values()]
-    same = sum(1 for per_request in zip(*answers, strict=True) if len(set(per_request)) == 1)
-    return f"{same}/{len(answers[0]) if answers else 0}"
+def _chart(document: dict[str, Any], path: Path) -> None:
+    from ragcache_core.bench.plots import plot_cdf, pyplot
 
-
-def _pct(summary: dict[str, Any], key: str, width: int = 7) -> str:
-    return f"{summary[key] * 100:>{width - 1}.0f}%" if key in summary else f"{'-':>{width}}"
-
-
-def _chart(runs: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for name, run in runs.items():
-        ax.plot(
-            range(1, len(run.ttfts) + 1),
-            [t * 1000 for t in run.ttfts],
-            marker="o",
-            markersize=3,
-            linewidth=1,
-            label=name,
-        )
-    ax.set_xlabel("request (arrival order)")
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title("TTFT per request: vLLM vs vLLM prefix caching vs RAGCache")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    points = list(document["systems"].values())
+    rate = document["settings"]["rate_rps"]
+    title = f"TTFT CDF at {rate}/s ({document['settings']['workload']}; one run)"
+    plot_cdf(ax, points, rate, title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

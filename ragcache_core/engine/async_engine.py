@@ -39,8 +39,10 @@ class StreamEvent:
 
 
 class AsyncEngine:
-    """A started `AsyncLLM`. Create it from a thread that may block (start takes ~25 s on CPU);
-    use it from one event loop."""
+    """A started `AsyncLLM`. Create it where no event loop runs and blocking is fine (start
+    takes ~25 s on CPU; the controller uses a worker thread); use it from one event loop: built
+    without a running loop, `AsyncLLM` starts its output handler at the first `stream`, on the
+    loop that calls it."""
 
     def __init__(self, settings: EngineSettings) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -88,21 +90,12 @@ class AsyncEngine:
     ) -> AsyncIterator[StreamEvent]:
         """Submit one request and yield its progress. Raises `EngineDied` if the engine core
         died; cancelling the iteration aborts the request in vLLM."""
-        from vllm import SamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
         from ragcache_core.engine.compat import first_token_latency, token_prompt
+        from ragcache_core.engine.sampling import sampling_params
 
-        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
-        params = SamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            stop=list(sampling.stop) or None,
-            seed=sampling.seed,
-            ignore_eos=sampling.ignore_eos,
-            extra_args=extra,
-        )
+        params = sampling_params(sampling, kv_transfer_params=kv_transfer_params)
         if self.is_dead:
             raise EngineDied("the vLLM engine is not running")
         try:

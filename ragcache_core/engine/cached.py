@@ -3,7 +3,8 @@
 App side of the data plane. It creates the host pool (shared memory that outlives the
 engine), checks that both pools fit before anything starts, starts vLLM with the connector,
 and runs requests with a given `Plan`, returning the connector's report. It decides no plan:
-`ragcache_core.engine.single.run_request` (or the controller) asks the `KnowledgeCache`.
+`ragcache_core.engine.single.run_request` (or the controller) asks the `KnowledgeCache`,
+through the request lifecycle of `ragcache_core.lifecycle`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 from ragcache_core.engine.config import EngineSettings
 from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.result import ConnectorResult
-from ragcache_core.engine.llm import Engine, GreedySampling
+from ragcache_core.engine.llm import Engine
+from ragcache_core.engine.sampling import GreedySampling, sampling_params, token_logprobs
 from ragcache_core.engine.settings import (
     DeviceInfo,
     EngineSpec,
@@ -24,7 +26,7 @@ from ragcache_core.engine.settings import (
     default_dtype,
     detect_device,
 )
-from ragcache_core.errors import ConfigError, InputError
+from ragcache_core.errors import ConfigError, InputError, RAGCacheError
 from ragcache_core.plan import PLAN_KEY, Plan
 from ragcache_core.storage.host_pool import HostPool
 from ragcache_core.storage.layout import PoolLayout, layout_for_model
@@ -166,37 +168,31 @@ class CachedEngine:
         """Run requests in one vLLM batch (scheduled in order). See `run`.
         `extra_transfer_params` are merged into every planned request's `kv_transfer_params`
         (tests use it for the connector's fault hook, `FAULT_KEY`)."""
-        from vllm import SamplingParams
-
         from ragcache_core.engine.compat import first_token_latency, token_prompt
 
         sampling = sampling or GreedySampling()
         for prompt in prompts:
             check_fits_context(len(prompt), sampling.max_tokens, self.max_model_len)
-        params = []
-        for plan in plans:
-            extra = None
-            if plan is not None:
-                transfer = {PLAN_KEY: plan.to_json(), **(extra_transfer_params or {})}
-                extra = {"kv_transfer_params": transfer}
-            params.append(
-                SamplingParams(
-                    max_tokens=sampling.max_tokens,
-                    temperature=sampling.temperature,
-                    logprobs=0 if sampling.logprobs else None,
-                    ignore_eos=True,
-                    # vLLM skips connector loads too when a request skips its prefix cache.
-                    skip_reading_prefix_cache=not read_prefix_cache and plan is None,
-                    extra_args=extra,
-                )
+        params = [
+            sampling_params(
+                sampling,
+                kv_transfer_params=(
+                    None
+                    if plan is None
+                    else {PLAN_KEY: plan.to_json(), **(extra_transfer_params or {})}
+                ),
+                # vLLM skips connector loads too when a request skips its prefix cache.
+                skip_reading_prefix_cache=not read_prefix_cache and plan is None,
             )
+            for plan in plans
+        ]
         started = time.perf_counter()
         outputs = self.engine.llm.generate(
             [token_prompt(list(p)) for p in prompts], params, use_tqdm=False
         )
         wall = time.perf_counter() - started
         return [
-            _planned_run(p, out, sampling, first_token_latency(out), wall)
+            _planned_run(p, out, first_token_latency(out), wall)
             for p, out in zip(prompts, outputs, strict=True)
         ]
 
@@ -262,20 +258,35 @@ def check_fits_context(prompt_len: int, max_tokens: int, max_model_len: int) -> 
         )
 
 
-def _planned_run(
-    prompt: Sequence[int], output: Any, sampling: GreedySampling, ttft: float | None, wall: float
-) -> PlannedRun:
+def require_plan_ran(run: PlannedRun, plan: Plan) -> int:
+    """Check from the connector's report that `plan` ran; returns how many of the tokens it
+    asked to load vLLM computed instead (0 when every one was loaded).
+
+    Raises `RAGCacheError` when the connector rejected the plan, a store did not run, a load
+    failed or nothing was loaded: a measurement would otherwise record an uncached run (or one
+    reading KV that was never written) as a hit."""
+    result = run.connector
+    problems = []
+    if result.rejected:
+        problems.append(f"the connector rejected it ({'; '.join(result.rejected)})")
+    if plan.store and not result.stored:
+        problems.append("its stores did not run")
+    if plan.load:
+        if result.load_failed:
+            problems.append(f"load spans {list(result.failed_load_spans)} failed")
+        elif not result.loaded_tokens:
+            problems.append(f"none of its {plan.num_loaded_tokens} tokens to load were loaded")
+    if problems:
+        raise RAGCacheError(f"a planned run did not run as planned: {', '.join(problems)}")
+    return plan.num_loaded_tokens - result.loaded_tokens
+
+
+def _planned_run(prompt: Sequence[int], output: Any, ttft: float | None, wall: float) -> PlannedRun:
     completion = output.outputs[0]
-    logprobs: tuple[float, ...] = ()
-    if sampling.logprobs and completion.logprobs:
-        logprobs = tuple(
-            float(step[tok].logprob)
-            for step, tok in zip(completion.logprobs, completion.token_ids, strict=True)
-        )
     return PlannedRun(
         prompt_len=len(prompt),
         token_ids=tuple(completion.token_ids),
-        logprobs=logprobs,
+        logprobs=token_logprobs(completion),
         ttft_s=ttft if ttft is not None else wall,
         connector=ConnectorResult.from_transfer_params(output.kv_transfer_params),
     )

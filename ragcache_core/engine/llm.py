@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragcache_core.engine.config import EngineSettings
+from ragcache_core.engine.sampling import GreedySampling, sampling_params, token_logprobs
+
+__all__ = ["Engine", "Generation", "GreedySampling"]
 
 
 @dataclass(frozen=True)
@@ -27,15 +30,6 @@ class Generation:
     """vLLM's first-token latency (arrival to first token); wall time when vLLM has none."""
     logprobs: tuple[float, ...] = field(default=())
     """Log-probability of each generated token (when requested)."""
-
-
-@dataclass(frozen=True)
-class GreedySampling:
-    """Sampling settings for tests and benchmarks (greedy by default)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    logprobs: bool = False
 
 
 class Engine:
@@ -68,25 +62,11 @@ class Engine:
         kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[Generation]:
         """Generate for each prompt (token ids) in one batch; results in prompt order."""
-        from vllm import SamplingParams
-
         from ragcache_core.engine.compat import first_token_latency, token_prompt
 
         sampling = sampling or GreedySampling()
-        params = []
-        for i in range(len(prompts)):
-            extra = None
-            if kv_transfer_params is not None and kv_transfer_params[i] is not None:
-                extra = {"kv_transfer_params": dict(kv_transfer_params[i] or {})}
-            params.append(
-                SamplingParams(
-                    max_tokens=sampling.max_tokens,
-                    temperature=sampling.temperature,
-                    logprobs=0 if sampling.logprobs else None,
-                    ignore_eos=True,
-                    extra_args=extra,
-                )
-            )
+        transfers = kv_transfer_params or [None] * len(prompts)
+        params = [sampling_params(sampling, kv_transfer_params=t) for t in transfers]
         started = time.perf_counter()
         outputs = self._llm.generate(
             [token_prompt(list(p)) for p in prompts], params, use_tqdm=False
@@ -95,12 +75,6 @@ class Engine:
         results = []
         for prompt, output in zip(prompts, outputs, strict=True):
             completion = output.outputs[0]
-            logprobs: tuple[float, ...] = ()
-            if sampling.logprobs and completion.logprobs:
-                logprobs = tuple(
-                    float(step[tok].logprob)
-                    for step, tok in zip(completion.logprobs, completion.token_ids, strict=True)
-                )
             ttft = first_token_latency(output)
             results.append(
                 Generation(
@@ -108,7 +82,7 @@ class Engine:
                     token_ids=tuple(completion.token_ids),
                     text=completion.text,
                     ttft_s=ttft if ttft is not None else wall,
-                    logprobs=logprobs,
+                    logprobs=token_logprobs(completion),
                 )
             )
         return results

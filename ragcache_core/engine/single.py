@@ -1,40 +1,41 @@
-"""Run one RAG request through vLLM with the knowledge cache (the Python API of the data plane).
+"""Run one RAG request through the synchronous engine with the knowledge cache (the Python API
+of the data plane, used by tests and benchmarks).
 
     system tokens + documents (token ids each) + question tokens
         │  check: fits the context (InputError before anything is allocated)
         ▼
-    KnowledgeCache.begin_request  ──► handle.plan (pins, allocations)
+    lifecycle.open_request  ──► handle (pins, allocations), the checked plan
         ▼
     CachedEngine.run(prompt, plan) ──► tokens, TTFT, ConnectorResult
         ▼
-    confirm(handle)   every copy ran (the report says so): new nodes become readable
-    abort(handle)     the plan was rejected, a load failed, or the engine raised: the
-                      request's copies are dropped; a node whose load failed is invalidated
-                      (at this prefix only)
+    lifecycle.settle   every copy ran (the report says so): new nodes become readable;
+                       else the request's copies are dropped and a node whose load failed
+                       is invalidated (at this prefix only)
 
-The prompt is exactly `system + doc_1 + ... + doc_n + question`: the same token ids go to vLLM
-with or without the cache (DESIGN.md 3.3).
+The steps are `ragcache_core.lifecycle`'s, the same the controller runs over the async engine;
+the synchronous `vllm.LLM` returns finished requests only, so the handle is settled at the end
+instead of confirmed at the first token. The prompt is exactly `system + doc_1 + ... + doc_n +
+question`: the same token ids go to vLLM with or without the cache (DESIGN.md 3.3).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.engine.cached import CachedEngine, check_fits_context
 from ragcache_core.engine.connector.result import ConnectorResult
-from ragcache_core.engine.llm import GreedySampling
-from ragcache_core.plan import Tier
-from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RequestHandle
-
-logger = logging.getLogger(__name__)
+from ragcache_core.engine.sampling import GreedySampling
+from ragcache_core.lifecycle import open_request, served_hits, settle
+from ragcache_core.pipeline.prompt import BuiltPrompt
+from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache
 
 
 @dataclass(frozen=True, slots=True)
-class Document:
-    """One retrieved document: its key (id + content hash) and its wrapped text's token ids."""
+class TokenizedDocument:
+    """One document as the data plane sees it: its key (id + content hash) and its wrapped
+    text's token ids (`ragcache_core.Document` is the text the application retrieves)."""
 
     key: DocKey
     token_ids: tuple[int, ...]
@@ -66,13 +67,15 @@ class RequestResult:
 
 
 def build_prompt(
-    system: Sequence[int], documents: Sequence[Document], question: Sequence[int]
-) -> list[int]:
-    prompt = list(system)
-    for doc in documents:
-        prompt.extend(doc.token_ids)
-    prompt.extend(question)
-    return prompt
+    system: Sequence[int], documents: Sequence[TokenizedDocument], question: Sequence[int]
+) -> BuiltPrompt:
+    """The request's prompt in the pieces that map onto tree nodes."""
+    return BuiltPrompt(
+        root_ids=tuple(system),
+        doc_ids=tuple(doc.token_ids for doc in documents),
+        question_ids=tuple(question),
+        doc_specs=tuple(DocSpec(doc.key, len(doc.token_ids)) for doc in documents),
+    )
 
 
 def run_request(
@@ -80,7 +83,7 @@ def run_request(
     cache: KnowledgeCache,
     *,
     system: Sequence[int],
-    documents: Sequence[Document],
+    documents: Sequence[TokenizedDocument],
     question: Sequence[int],
     sampling: GreedySampling | None = None,
     final: bool = True,
@@ -94,59 +97,28 @@ def run_request(
     """
     sampling = sampling or GreedySampling()
     prompt = build_prompt(system, documents, question)
-    check_fits_context(len(prompt), sampling.max_tokens, engine.max_model_len)
-    specs = [DocSpec(doc.key, len(doc.token_ids)) for doc in documents]
-    handle = cache.begin_request(len(system), specs, len(question), final=final)
+    check_fits_context(prompt.num_tokens, sampling.max_tokens, engine.max_model_len)
+    handle, plan = open_request(cache, engine.config, prompt, final=final)
     try:
-        run = engine.run(prompt, handle.plan, sampling, extra_transfer_params=extra_transfer_params)
+        run = engine.run(
+            prompt.token_ids, plan, sampling, extra_transfer_params=extra_transfer_params
+        )
     except BaseException:
-        cache.abort(handle)
+        if handle.is_open:
+            cache.abort(handle)
         raise
     confirmed = settle(cache, handle, run.connector)
-    hits = handle.hits
+    hits, _ = served_hits(handle, run.connector, prompt)
     return RequestResult(
         token_ids=run.token_ids,
         logprobs=run.logprobs,
         ttft_s=run.ttft_s,
-        prompt_tokens=len(prompt),
+        prompt_tokens=prompt.num_tokens,
         gpu_hit_tokens=run.connector.gpu_tokens,
         host_hit_tokens=run.connector.host_tokens,
-        gpu_hit_docs=hits.docs_on(Tier.GPU) if not run.connector.load_failed else 0,
-        host_hit_docs=hits.docs_on(Tier.HOST) if not run.connector.load_failed else 0,
+        gpu_hit_docs=hits.gpu_docs,
+        host_hit_docs=hits.host_docs,
         stored_docs=handle.stored_docs if confirmed else 0,
         confirmed=confirmed,
         connector=run.connector,
     )
-
-
-def settle(cache: KnowledgeCache, handle: RequestHandle, result: ConnectorResult) -> bool:
-    """Apply the connector's final report on a request; returns whether its copies stand.
-
-    An open handle (the sync path: nothing was confirmed yet) is confirmed when every copy ran
-    (plan not rejected, no load failed, stores reported run), else aborted. A handle the
-    controller confirmed at its first token (which proves the stores ran: they run
-    synchronously in the step that completes the prompt, and the app checked the plan before
-    sending it) is only re-checked: a report contradicting that is a bug, logged, and the
-    request's written copies leave the tree. Either way a failed load removes the node it read,
-    at this prefix only (`KnowledgeCache.invalidate_loads`)."""
-    plan = handle.plan
-    every_copy_ran = not result.rejected and (result.stored or not plan.store)
-    if handle.is_open:
-        confirmed = every_copy_ran and not result.load_failed
-        if confirmed:
-            cache.confirm(handle)
-        else:
-            cache.abort(handle)
-    else:
-        confirmed = every_copy_ran
-        if not confirmed:
-            logger.error(
-                "the connector did not run a confirmed plan (rejected: %s; stores ran: %s): "
-                "dropping the request's copies",
-                "; ".join(result.rejected) or "no",
-                result.stored,
-            )
-            cache.invalidate_written(handle)
-    if result.load_failed:
-        cache.invalidate_loads(handle, result.failed_load_spans)
-    return confirmed

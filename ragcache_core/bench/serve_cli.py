@@ -1,0 +1,125 @@
+"""`ragcache bench serve`: the serving benchmark (see `bench.sweep` for the method).
+
+    ragcache bench serve --smoke            # tests: tiny model, 3 systems, a few requests
+    ragcache bench serve --quick            # real figures in under 10 minutes (demo stream)
+    ragcache bench serve                    # the full sweep (estimated ~1.5 hours)
+    ragcache bench serve --workloads long,noreuse --systems vllm,ragcache --repeats 3
+
+Writes DIR/serve.json (settings, git commit, every point) and PNG plots into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ragcache_core.bench.serve import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
+from ragcache_core.bench.workloads import WORKLOADS
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser(
+        "serve",
+        help="TTFT and throughput vs request rate: vLLM, vLLM-APC, RAGCache and ablations",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="tiny model, a few requests, no sweep")
+    mode.add_argument("--quick", action="store_true", help="real figures in under 10 minutes")
+    p.add_argument("--model", type=Path, default=None, help="a local checkpoint folder")
+    p.add_argument("--workloads", default=None, help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--systems", default=None, help=f"comma list of {', '.join(MAIN_SYSTEMS)}")
+    p.add_argument(
+        "--ablations", default=None, help=f"comma list of {', '.join(ABLATIONS)}, or none"
+    )
+    p.add_argument("--requests", type=int, default=None, help="measured requests per point")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured requests first per point")
+    p.add_argument("--repeats", type=int, default=None, help="rounds per rate")
+    p.add_argument("--max-points", type=int, default=None, help="rates in the ladder at most")
+    p.add_argument("--rate", type=float, default=None, help="first rate (default: calibrated)")
+    p.add_argument("--top-k", type=int, default=None, help="override each workload's top-k")
+    p.add_argument("--max-tokens", type=int, default=8, help="answer tokens (fixed length)")
+    p.add_argument("--vllm-kv-gib", type=float, default=0.25, help="vLLM's own KV of every system")
+    p.add_argument("--gpu-pool-tokens", type=int, default=8192)
+    p.add_argument("--host-pool-tokens", type=int, default=65536)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-serve"), help="folder for JSON + PNGs")
+    p.add_argument("--json", action="store_true", help="print the JSON document to stdout")
+    p.set_defaults(func=_run)
+
+
+def _names(
+    text: str | None, default: tuple[str, ...], allowed: tuple[str, ...], what: str
+) -> tuple[str, ...]:
+    from ragcache_core.cli import CliError
+
+    if text is None:
+        return default
+    if text.strip() == "none":
+        return ()
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(set(names) - set(allowed))
+    if unknown or not names:
+        raise CliError(f"unknown {what} {unknown or text!r}: choose from {', '.join(allowed)}")
+    return names
+
+
+def resolve_mode(args: argparse.Namespace) -> Any:
+    """The `Mode` chosen by --smoke/--quick, with the command line's overrides applied.
+    Raises `CliError` for bad values."""
+    from dataclasses import replace
+
+    from ragcache_core.bench.sweep import MODES
+    from ragcache_core.cli import CliError
+
+    mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    for name in ("requests", "warmup", "repeats", "max_points", "top_k", "rate"):
+        value = getattr(args, name)
+        if value is not None and (value < 1 if name != "warmup" and name != "rate" else value < 0):
+            raise CliError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.rate is not None and args.rate <= 0:
+        raise CliError(f"--rate must be positive, got {args.rate}")
+    if (
+        args.max_tokens < 1
+        or args.vllm_kv_gib <= 0
+        or min(args.gpu_pool_tokens, args.host_pool_tokens) < 0
+    ):
+        raise CliError("--max-tokens and --vllm-kv-gib must be positive, pool sizes not negative")
+    overrides = {k: getattr(args, k) for k in ("requests", "warmup", "repeats", "max_points")}
+    mode = replace(mode, **{k: v for k, v in overrides.items() if v is not None})
+    systems = _names(args.systems, mode.systems, tuple(SYSTEMS), "system(s)")
+    return replace(
+        mode,
+        workloads=_names(args.workloads, mode.workloads, WORKLOADS, "workload(s)"),
+        systems=systems,
+        ablations=_names(args.ablations, mode.ablations, ABLATIONS, "ablation(s)"),
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ragcache_core.bench.workloads import DATA_DIR, SHARED_WORKLOADS
+    from ragcache_core.cli import CliError
+    from ragcache_core.engine.config import check_model_folder
+
+    mode = resolve_mode(args)
+    if set(mode.workloads) & SHARED_WORKLOADS and not DATA_DIR.is_dir():
+        raise CliError(
+            f"workloads {sorted(set(mode.workloads) & SHARED_WORKLOADS)} need {DATA_DIR}"
+        )
+    model = check_model_folder(args.model) if args.model else None
+    from ragcache_core.bench.report import run_bench
+    from ragcache_core.cli.output import stdout_to_stderr
+
+    with stdout_to_stderr():  # vLLM's processes log to stdout: keep it for the results alone
+        document = run_bench(mode, args, model)
+    if args.json:
+        print(json.dumps(document, indent=1))
+    else:
+        from ragcache_core.bench.report import print_tables
+
+        print_tables(document, sys.stdout)
+    return 0

@@ -1,0 +1,439 @@
+"""`ragcache bench serve`: every system over a ladder of Poisson rates, repeated, per workload.
+
+For each workload:
+
+1. light load: each system answers `light` requests one at a time (after `warmup` more that
+   fill its cache); its light-load TTFT p95 and service time (arrival to last token);
+2. the SLO is fixed before any loaded point: `slo_factor` x the reference baseline's light-load
+   TTFT p95 (the reference is `vllm`, else the first system);
+3. a geometric ladder of rates from `start_fraction / service time of the reference`, times
+   `factor` per step, at most `max_points` steps. Every point runs `repeats` times, the order of
+   the systems rotated at each repeat; a system whose p95 passes 10x its light-load p95 in
+   every repeat is saturated and leaves the ladder; the ladder ends when every system has;
+4. each system's sustained rate: the highest rate up to which every rate's p95 met the SLO in
+   every repeat.
+
+Ablations run at one rate only (the reference's sustained rate, else the ladder's first), with
+`ragcache` and `vllm` measured beside them in the same rounds. One engine per system serves
+every point (its cache emptied before each point); warm-up requests of every point are not
+measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
+
+from ragcache_core.bench.serve import (
+    SYSTEMS,
+    PointRun,
+    ServedSystem,
+    identical_answers,
+    light_load,
+    run_point,
+    start_system,
+)
+from ragcache_core.bench.workloads import RETRIEVER, Workload
+from ragcache_core.config import CacheConfig
+from ragcache_core.retrieval.source import SearchSource
+from ragcache_core.retrieval.trace import poisson_arrivals
+
+SATURATION_FACTOR = 10.0
+"""A system is saturated when its TTFT p95 passes this multiple of its light-load p95."""
+SCHEMA = "ragcache-bench-serve/1"
+COOL_DOWN_S = 1.5
+"""Pause before every point: a vLLM worker busy-polls for ~1 s after its last step (measured),
+which would slow the next system's first requests."""
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How much to measure (see `MODES`)."""
+
+    name: str
+    warmup: int
+    requests: int
+    repeats: int
+    light: int
+    factor: float
+    max_points: int
+    start_fraction: float
+    workloads: tuple[str, ...]
+    systems: tuple[str, ...]
+    ablations: tuple[str, ...]
+    slo_factor: float = 5.0
+
+
+MODES = {
+    # Tests: the tiny model, a few requests per system at one fixed rate, no sweep.
+    "smoke": Mode(
+        "smoke", 1, 3, 1, 0, 1.0, 1, 0.0, ("demo",), ("vllm", "vllm-apc", "ragcache"), ()
+    ),
+    # Real figures in under 10 minutes: the demo's stream (documents dominate the prompt, the
+    # working set is larger than vLLM-APC's "GPU" KV), four systems, two rates, 2 repeats.
+    "quick": Mode(
+        "quick",
+        14,
+        18,
+        2,
+        3,
+        2.0,
+        2,
+        1.0,
+        ("demo",),
+        ("vllm", "vllm-apc", "vllm-apc-total", "ragcache"),
+        (),
+    ),
+    # About 1.5 hours (estimated, not run yet): five workloads, four systems, up to four rates,
+    # 3 repeats; the ablations on the first workload.
+    "full": Mode(
+        "full",
+        12,
+        36,
+        3,
+        6,
+        1.5,
+        4,
+        0.4,
+        ("demo", "long", "long-shuffled", "short", "noreuse"),
+        ("vllm", "vllm-apc", "vllm-apc-total", "ragcache"),
+        (
+            "ragcache-nohost",
+            "ragcache-lru",
+            "ragcache-noreorder",
+            "ragcache-nospec",
+            "vllm-noconn",
+            "vllm-apc-noconn",
+        ),
+    ),
+}
+
+
+class Engines:
+    """The started systems and the one event loop they are used from (vLLM's async engine
+    binds to the loop that first uses it, so every point runs on this loop)."""
+
+    def __init__(self, model: str | Path, config: CacheConfig, log: TextIO) -> None:
+        self.model, self.config, self.log = model, config, log
+        self.loop = asyncio.new_event_loop()
+        self.systems: dict[str, ServedSystem] = {}
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def start(self, names: Sequence[str], source: SearchSource | None) -> None:
+        """Start the systems not started yet (outside the loop: start is blocking)."""
+        for name in names:
+            if name in self.systems:
+                continue
+            print(f"starting {name} ...", file=self.log, flush=True)
+            self.systems[name] = start_system(name, self.model, self.config, source)
+            print(f"{name}: engine started in {self.systems[name].start_s:.0f} s", file=self.log)
+
+    def use(self, source: SearchSource | None, top_k: int) -> None:
+        for system in self.systems.values():
+            system.use(source, top_k)
+
+    def stop(self, names: Sequence[str]) -> None:
+        for name in names:
+            system = self.systems.pop(name, None)
+            if system is not None:
+                self.run(system.aclose())
+
+    def close(self) -> None:
+        try:
+            self.stop(list(self.systems))
+        finally:
+            self.loop.close()
+
+
+Recorder = Callable[[str, int], Callable[[int], None]]
+"""(label, total requests) -> a progress callback (a tqdm bar in the CLI)."""
+
+
+@dataclass
+class WorkloadResult:
+    """Everything measured on one workload."""
+
+    workload: Workload
+    light: dict[str, PointRun]
+    slo_s: float
+    reference: str
+    rates: list[float]
+    points: list[dict[str, Any]]
+    answers: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        light = {n: _light_summary(r) for n, r in self.light.items()}
+        return {
+            "name": self.workload.name,
+            "description": self.workload.description,
+            "retriever": RETRIEVER
+            if self.workload.retrieves
+            else "none (requests bring documents)",
+            "documents": len(self.workload.documents),
+            "top_k": self.workload.top_k,
+            "light_load": light,
+            "slo_s": self.slo_s,
+            "slo_rule": f"{MODES_SLO_TEXT} (reference: {self.reference})",
+            "rates_rps": self.rates,
+            "points": self.points,
+            "answers": self.answers,
+            "sustained": sustained(self.points, self.slo_s),
+            "comparisons": compare(self.points),
+        }
+
+
+MODES_SLO_TEXT = "SLO = slo_factor x the reference's light-load TTFT p95, fixed before the sweep"
+
+
+def _light_summary(run: PointRun) -> dict[str, Any]:
+    summary = run.summary()
+    measured = run.measured
+    summary["service_s"] = sum(o.latency_s for o in measured) / max(1, len(measured))
+    summary.pop("throughput_rps", None)
+    return summary
+
+
+def sweep_workload(
+    engines: Engines,
+    workload: Workload,
+    source: SearchSource | None,
+    mode: Mode,
+    systems: Sequence[str],
+    seed: int,
+    bar: Recorder,
+    fixed_rate: float | None = None,
+) -> WorkloadResult:
+    """The light-load calibration and the rate ladder of one workload (see the module doc)."""
+    engines.use(source, workload.top_k)
+    light = {n: _light(engines, n, workload, mode) for n in systems} if mode.light else {}
+    reference = "vllm" if "vllm" in systems else systems[0]
+    slo = mode.slo_factor * light[reference].summary()["ttft_p95_s"] if light else 0.0
+    if fixed_rate is not None:
+        rate0 = fixed_rate
+    else:
+        service = _light_summary(light[reference])["service_s"]
+        rate0 = round(mode.start_fraction / service, 2)
+    print(
+        f"{workload.name}: SLO {slo * 1000:.0f} ms (fixed before the sweep), first rate "
+        f"{rate0:.2f}/s, x{mode.factor} per step, at most {mode.max_points} steps",
+        file=engines.log,
+        flush=True,
+    )
+    result = WorkloadResult(workload, light, slo, reference, [], [], [])
+    active = list(systems)
+    for step in range(mode.max_points):
+        if not active:
+            break
+        rate = round(rate0 * mode.factor**step, 3)
+        result.rates.append(rate)
+        runs = _rounds(engines, workload, mode, active, rate, seed, step, bar, result)
+        active = [n for n in active if not _saturated(runs[n], light.get(n))]
+    return result
+
+
+def _light(engines: Engines, name: str, workload: Workload, mode: Mode) -> PointRun:
+    requests = workload.stream(mode.warmup + mode.light)
+    return engines.run(light_load(engines.systems[name], requests, mode.warmup, "light"))
+
+
+def _rounds(
+    engines: Engines,
+    workload: Workload,
+    mode: Mode,
+    systems: Sequence[str],
+    rate: float,
+    seed: int,
+    step: int,
+    bar: Recorder,
+    result: WorkloadResult,
+) -> dict[str, list[PointRun]]:
+    """`mode.repeats` rounds at one rate; each round sends the same stream (same questions, same
+    arrivals: the rounds measure the machine's noise, not the stream's) to every system, in an
+    order rotated from round to round."""
+    requests = workload.stream(mode.warmup + mode.requests)
+    arrivals = [float(x) for x in poisson_arrivals(len(requests), rate, seed)]
+    runs: dict[str, list[PointRun]] = {n: [] for n in systems}
+    for repeat in range(mode.repeats):
+        shift = (step * mode.repeats + repeat) % len(systems)
+        order = [*systems[shift:], *systems[:shift]]
+        round_runs = []
+        for position, name in enumerate(order):
+            label = f"{workload.name} {rate:.2f}/s #{repeat + 1} {name}"
+            tag = f"{workload.name}-{step}-{repeat}"
+            time.sleep(COOL_DOWN_S)
+            run = engines.run(
+                run_point(
+                    engines.systems[name],
+                    requests,
+                    arrivals,
+                    rate,
+                    mode.warmup,
+                    tag,
+                    bar(label, len(requests)),
+                )
+            )
+            summary = run.summary() | {"repeat": repeat, "position": position}
+            result.points.append(summary)
+            runs[name].append(run)
+            round_runs.append(run)
+            print(_point_line(label, summary), file=engines.log, flush=True)
+        same, total = identical_answers(round_runs)
+        result.answers.append(
+            {"rate_rps": rate, "repeat": repeat, "identical": same, "requests": total}
+        )
+    return runs
+
+
+def _point_line(label: str, s: dict[str, Any]) -> str:
+    return (
+        f"{label}: TTFT mean {s['ttft_mean_s'] * 1000:.0f} ms, "
+        f"p95 {s['ttft_p95_s'] * 1000:.0f} ms, "
+        f"{s['throughput_rps']:.2f} req/s, token hits {s['token_hit_rate'] * 100:.0f}%"
+    )
+
+
+def _saturated(runs: Sequence[PointRun], light: PointRun | None) -> bool:
+    """Past 10x the light-load p95 in every repeat: one stalled repeat does not end a system's
+    ladder (it still shows in the spread)."""
+    if light is None:
+        return False
+    limit = SATURATION_FACTOR * light.summary()["ttft_p95_s"]
+    return all(r.summary()["ttft_p95_s"] > limit for r in runs)
+
+
+def sustained(points: Sequence[dict[str, Any]], slo_s: float) -> dict[str, dict[str, float] | None]:
+    """Per system: the highest rate up to which every rate's TTFT p95 met the SLO in every
+    repeat (the ladder stops at the first rate that misses), with the lowest throughput of that
+    rate's repeats; None when the first rate already missed."""
+    by: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for p in points:
+        by.setdefault((p["system"], p["rate_rps"]), []).append(p)
+    out: dict[str, dict[str, float] | None] = {}
+    missed: set[str] = set()
+    for (system, rate), reps in sorted(by.items(), key=lambda kv: kv[0][1]):
+        out.setdefault(system, None)
+        if system in missed:
+            continue
+        if slo_s > 0 and all(r["ttft_p95_s"] <= slo_s for r in reps):
+            out[system] = {
+                "rate_rps": rate,
+                "throughput_rps": min(r["throughput_rps"] for r in reps),
+            }
+        else:
+            missed.add(system)
+    return out
+
+
+def spread(points: Sequence[dict[str, Any]], system: str, rate: float, key: str) -> list[float]:
+    """[min, median, max] of `key` over the repeats of one system at one rate ([] if none)."""
+    values = sorted(p[key] for p in points if p["system"] == system and p["rate_rps"] == rate)
+    return [values[0], statistics.median(values), values[-1]] if values else []
+
+
+def _count(points: Sequence[dict[str, Any]], system: str, rate: float) -> int:
+    return sum(1 for p in points if p["system"] == system and p["rate_rps"] == rate)
+
+
+def compare(points: Sequence[dict[str, Any]], target: str = "ragcache") -> list[dict[str, Any]]:
+    """RAGCache against every other system at every shared rate: the ratio of median TTFT means
+    (other / RAGCache; above 1 RAGCache is faster) and whether the spreads of at least 2 repeats
+    each are apart (only then is the ratio a claim)."""
+    rows = []
+    rates = sorted({p["rate_rps"] for p in points if p["system"] == target})
+    others = sorted({p["system"] for p in points} - {target})
+    for rate in rates:
+        mine = spread(points, target, rate, "ttft_mean_s")
+        for other in others:
+            theirs = spread(points, other, rate, "ttft_mean_s")
+            if not theirs or not mine[1]:
+                continue
+            repeats = min(_count(points, target, rate), _count(points, other, rate))
+            # One run has no spread: it can show a difference, never claim one.
+            apart = repeats >= 2 and (mine[2] < theirs[0] or theirs[2] < mine[0])
+            rows.append(
+                {
+                    "rate_rps": rate,
+                    "system": other,
+                    "ratio_ttft_mean": theirs[1] / mine[1],
+                    "spread_other_s": [theirs[0], theirs[2]],
+                    "spread_ragcache_s": [mine[0], mine[2]],
+                    "spreads_apart": apart,
+                }
+            )
+    return rows
+
+
+def ablation_rate(result: WorkloadResult) -> float:
+    """The rate the ablations run at: the reference's sustained rate, else the first rate."""
+    best = sustained(result.points, result.slo_s).get(result.reference)
+    return best["rate_rps"] if best else result.rates[0]
+
+
+def run_ablations(
+    engines: Engines,
+    workload: Workload,
+    source: SearchSource | None,
+    mode: Mode,
+    ablations: Sequence[str],
+    rate: float,
+    seed: int,
+    bar: Recorder,
+    group: int = 2,
+) -> dict[str, Any]:
+    """Each ablation at one rate, `group` ablation engines alive at a time (memory), always
+    beside `ragcache` and `vllm` in the same rounds."""
+    references = [n for n in ("ragcache", "vllm") if n in engines.systems]
+    result = WorkloadResult(workload, {}, 0.0, "vllm", [rate], [], [])
+    one_rate = Mode(**(asdict(mode) | {"max_points": 1, "light": 0}))
+    for start in range(0, len(ablations), group):
+        names = list(ablations[start : start + group])
+        engines.start(names, source)
+        engines.use(source, workload.top_k)
+        _rounds(engines, workload, one_rate, [*references, *names], rate, seed, 0, bar, result)
+        engines.stop(names)
+    return {
+        "workload": workload.name,
+        "rate_rps": rate,
+        "points": result.points,
+        "answers": result.answers,
+        "comparisons": compare(result.points),
+    }
+
+
+def git_commit() -> str:
+    """The checkout's commit (short), "+dirty" when the working tree has changes."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "log", "-1", "--format=%h"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def describe_systems(names: Sequence[str]) -> dict[str, str]:
+    return {n: SYSTEMS[n].what for n in names}

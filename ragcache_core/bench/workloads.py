@@ -1,0 +1,278 @@
+"""Request streams of `ragcache bench serve` and `ragcache demo`: real text, real questions.
+
+A `Workload` is a document set (what the index holds), an ordered pool of requests and a top-k.
+A request either retrieves its documents (`documents is None`: the search runs inside the
+request, for every system) or brings them (`documents` given: no search, as `agenerate`).
+
+| name            | documents                                        | questions                 |
+|-----------------|--------------------------------------------------|---------------------------|
+| `short`         | 12,100: vital-article leads + SQuAD paragraphs   | NQ-open dev + MMLU val    |
+| `long`          | SQuAD dev articles in ~1,024-token chunks        | SQuAD dev, dataset order  |
+| `long-shuffled` | same                                             | SQuAD dev, shuffled       |
+| `noreuse`       | same chunks, each given to exactly one request   | SQuAD dev (gold chunk)    |
+| `demo`          | the shipped long-chunk sample (package data)     | its SQuAD questions       |
+| `demo-short`    | the shipped 300-document sample (package data)   | its NQ-open + MMLU        |
+
+The first four read `../shared/data` (`DATA_DIR`); the last two need nothing outside the package.
+Retriever for every retrieving workload: the project's offline TF-IDF + SVD embedder with an IVF
+index (`retrieval.index_store.build_index`, default settings).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ragcache_core.documents import Document
+from ragcache_core.errors import InputError
+from ragcache_core.retrieval.corpus import load_corpus, load_questions
+
+DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+"""`../shared/data` next to the checkout (see its README.md)."""
+
+RETRIEVER = "offline TF-IDF + SVD embedder, IVF index (ragcache_core.retrieval)"
+CHUNK_TOKENS = 1024
+WORKLOADS = ("short", "long", "long-shuffled", "noreuse", "demo", "demo-short")
+SHARED_WORKLOADS = frozenset({"short", "long", "long-shuffled", "noreuse"})
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a stream: a question and, when it brings them, its documents."""
+
+    question: str
+    documents: tuple[Document, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A document set, the requests in stream order, and how many documents each retrieves."""
+
+    name: str
+    description: str
+    documents: tuple[Document, ...]
+    requests: tuple[Request, ...]
+    top_k: int
+
+    @property
+    def retrieves(self) -> bool:
+        return any(r.documents is None for r in self.requests)
+
+    def stream(self, n: int) -> list[Request]:
+        """The first n requests (the pool repeated when it is shorter)."""
+        if not self.requests:
+            raise InputError(f"workload {self.name!r} has no requests")
+        return [self.requests[i % len(self.requests)] for i in range(n)]
+
+
+def package_data(name: str) -> Path:
+    """A file shipped in `ragcache_core/data/`."""
+    return Path(str(resources.files("ragcache_core") / "data" / name))
+
+
+def chunk_articles(
+    paragraphs: Iterable[dict[str, Any]],
+    count_tokens: Callable[[str], int],
+    target: int = CHUNK_TOKENS,
+) -> list[dict[str, Any]]:
+    """Join consecutive paragraphs of one article until a chunk reaches about `target` tokens.
+
+    A chunk closes as soon as it holds >= `target` tokens or would pass 1.5 x `target` with the
+    next paragraph; the article's remainder is kept as a shorter chunk. Each chunk is
+    `{"doc_id", "title", "text", "paragraph_ids", "tokens"}`, in article then paragraph order.
+    """
+    articles: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in paragraphs:
+        articles[str(record["title"])].append(record)
+    chunks: list[dict[str, Any]] = []
+    for title, group in articles.items():
+        group.sort(key=lambda r: int(r["paragraph_index"]))
+        current: list[dict[str, Any]] = []
+        tokens = 0
+        for paragraph in group:
+            size = count_tokens(str(paragraph["context"]))
+            if current and tokens + size > 1.5 * target:
+                chunks.append(_chunk(title, current, tokens))
+                current, tokens = [], 0
+            current.append(paragraph)
+            tokens += size
+            if tokens >= target:
+                chunks.append(_chunk(title, current, tokens))
+                current, tokens = [], 0
+        if current:
+            chunks.append(_chunk(title, current, tokens))
+    return chunks
+
+
+def _chunk(title: str, paragraphs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    first = int(paragraphs[0]["paragraph_index"])
+    return {
+        "doc_id": f"{title}::{first}",
+        "title": title.replace("_", " "),
+        "text": "\n".join(str(p["context"]) for p in paragraphs),
+        "paragraph_ids": [str(p["paragraph_id"]) for p in paragraphs],
+        "tokens": tokens,
+    }
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSON Lines file."""
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _as_document(chunk: dict[str, Any]) -> Document:
+    return Document(chunk["doc_id"], chunk["text"], {"title": chunk["title"]})
+
+
+def _require_shared(data_dir: Path) -> None:
+    if not (data_dir / "squad_v1.1_dev_paragraphs.jsonl").is_file():
+        raise InputError(f"benchmark data folder {data_dir} is absent (see ../shared/data)")
+
+
+def load_workload(
+    name: str,
+    count_tokens: Callable[[str], int],
+    *,
+    seed: int = 0,
+    top_k: int | None = None,
+    data_dir: Path = DATA_DIR,
+) -> Workload:
+    """Build a named workload (see the module docstring). Raises `InputError` for an unknown
+    name or when `../shared/data` is needed and absent."""
+    if name not in WORKLOADS:
+        raise InputError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
+    if name in SHARED_WORKLOADS:
+        _require_shared(data_dir)
+    if name == "short":
+        return _short(data_dir, seed, top_k or 2)
+    if name == "demo-short":
+        return _demo_short(seed, top_k or 2)
+    if name == "demo":
+        chunks = read_jsonl(package_data("demo_long_corpus.jsonl"))
+        questions = read_jsonl(package_data("demo_long_questions.jsonl"))
+        return _long(name, chunks, questions, "shuffled", seed, top_k or 1, "shipped sample")
+    chunks = chunk_articles(
+        read_jsonl(data_dir / "squad_v1.1_dev_paragraphs.jsonl"), count_tokens, CHUNK_TOKENS
+    )
+    questions = read_jsonl(data_dir / "squad_v1.1_dev_questions.jsonl")
+    if name == "noreuse":
+        return _noreuse(chunks, questions, seed)
+    order = "dataset" if name == "long" else "shuffled"
+    return _long(name, chunks, questions, order, seed, top_k or 1, "all 48 SQuAD dev articles")
+
+
+def _short(data_dir: Path, seed: int, top_k: int) -> Workload:
+    files = [
+        data_dir / "vital_articles_en_corpus.jsonl",
+        data_dir / "squad_v1.1_dev_paragraphs.jsonl",
+    ]
+    documents = load_corpus(files, text_fields="text,context", id_fields="doc_id,paragraph_id")
+    nq = load_questions(data_dir / "NQ-open.dev.jsonl", question_fields="question")
+    mmlu = load_questions(data_dir / "mmlu_val.jsonl", question_fields="input")
+    pool = [q.text for q in (*nq, *mmlu)]
+    random.Random(seed).shuffle(pool)  # NQ and MMLU interleaved; MMLU is grouped by subject
+    return Workload(
+        "short",
+        f"{len(documents):,} documents (vital-article leads + SQuAD dev paragraphs, ~120-170 "
+        f"tokens), NQ-open dev + MMLU val questions shuffled (seed {seed}), top-{top_k}",
+        documents,
+        tuple(Request(q) for q in pool),
+        top_k,
+    )
+
+
+def _demo_short(seed: int, top_k: int) -> Workload:
+    documents = load_corpus([package_data("demo_corpus.jsonl")])
+    pool = [q.text for q in load_questions(package_data("demo_questions.jsonl"))]
+    random.Random(seed).shuffle(pool)
+    return Workload(
+        "demo-short",
+        f"the shipped 300-document sample (~200 tokens each), its 200 NQ-open + MMLU "
+        f"questions shuffled (seed {seed}), top-{top_k}",
+        documents,
+        tuple(Request(q) for q in pool),
+        top_k,
+    )
+
+
+def _long(
+    name: str,
+    chunks: Sequence[dict[str, Any]],
+    questions: Sequence[dict[str, Any]],
+    order: str,
+    seed: int,
+    top_k: int,
+    what: str,
+) -> Workload:
+    covered = {pid for c in chunks for pid in c["paragraph_ids"]}
+    pool = [str(q["question"]) for q in questions if q["paragraph_id"] in covered]
+    if order == "shuffled":
+        random.Random(seed).shuffle(pool)
+    mean = sum(int(c["tokens"]) for c in chunks) / max(1, len(chunks))
+    return Workload(
+        name,
+        f"{len(chunks)} chunks of {what} (~{CHUNK_TOKENS:,}-token targets, mean {mean:.0f} "
+        f"tokens), {len(pool):,} SQuAD dev questions in {order} order"
+        + (f" (seed {seed})" if order == "shuffled" else " (grouped by article)")
+        + f", top-{top_k}",
+        tuple(_as_document(c) for c in chunks),
+        tuple(Request(q) for q in pool),
+        top_k,
+    )
+
+
+def _noreuse(
+    chunks: Sequence[dict[str, Any]], questions: Sequence[dict[str, Any]], seed: int
+) -> Workload:
+    """Each request brings the chunk holding its question's gold paragraph, and no chunk serves
+    two requests: nothing but the system prompt can ever be reused."""
+    chunk_of = {pid: c for c in chunks for pid in c["paragraph_ids"]}
+    shuffled = list(questions)
+    random.Random(seed).shuffle(shuffled)
+    used: set[str] = set()
+    requests: list[Request] = []
+    for q in shuffled:
+        chunk = chunk_of.get(str(q["paragraph_id"]))
+        if chunk is None or chunk["doc_id"] in used:
+            continue
+        used.add(chunk["doc_id"])
+        requests.append(Request(str(q["question"]), (_as_document(chunk),)))
+    return Workload(
+        "noreuse",
+        f"{len(requests)} requests, each bringing its own ~{CHUNK_TOKENS:,}-token SQuAD chunk "
+        "(the one holding its question's gold paragraph; no chunk twice, no search), top-1",
+        tuple(_as_document(c) for c in chunks),
+        tuple(requests),
+        1,
+    )
+
+
+def file_workload(
+    corpus: Sequence[Path],
+    questions: Path,
+    *,
+    text_fields: str = "text,context",
+    id_fields: str = "doc_id,paragraph_id,id",
+    question_fields: str = "question,input",
+    seed: int = 0,
+    top_k: int = 2,
+) -> Workload:
+    """A retrieving workload from the caller's JSONL files, questions shuffled (seeded)."""
+    documents = load_corpus(corpus, text_fields=text_fields, id_fields=id_fields)
+    pool = [q.text for q in load_questions(questions, question_fields=question_fields)]
+    random.Random(seed).shuffle(pool)
+    return Workload(
+        "files",
+        f"{len(documents):,} documents from {', '.join(p.name for p in corpus)}, "
+        f"{len(pool):,} questions from {questions.name} shuffled (seed {seed}), top-{top_k}",
+        documents,
+        tuple(Request(q) for q in pool),
+        top_k,
+    )

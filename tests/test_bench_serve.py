@@ -1,0 +1,158 @@
+"""`ragcache bench serve --smoke`: the real engines (tiny model), three systems, a few requests
+each on the shipped long-chunk sample; the JSON schema, every request answered, the same answer
+tokens from every system. Plus the workloads and the argument checks (no engine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ragcache_core.bench.sweep import compare, sustained
+from ragcache_core.bench.workloads import chunk_articles, load_workload
+
+SYSTEMS = ("vllm", "vllm-apc", "ragcache")
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def test_chunks_join_paragraphs_of_one_article_up_to_the_target() -> None:
+    paragraphs = [
+        {"title": "A", "paragraph_index": i, "paragraph_id": f"A::{i}", "context": "w " * 40}
+        for i in range(5)
+    ] + [{"title": "B", "paragraph_index": 0, "paragraph_id": "B::0", "context": "w " * 10}]
+    chunks = chunk_articles(paragraphs, _words, target=100)
+    assert [c["paragraph_ids"] for c in chunks] == [
+        ["A::0", "A::1", "A::2"],
+        ["A::3", "A::4"],
+        ["B::0"],
+    ]
+    assert [c["tokens"] for c in chunks] == [120, 80, 10]
+
+
+def test_shipped_long_sample_is_small_and_attributed() -> None:
+    workload = load_workload("demo", _words)
+    data = Path(__file__).resolve().parents[1] / "ragcache_core" / "data"
+    size = sum(
+        (data / f).stat().st_size for f in ("demo_long_corpus.jsonl", "demo_long_questions.jsonl")
+    )
+    assert size < 1_000_000
+    assert 40 <= len(workload.documents) <= 80 and len(workload.requests) > 300
+    assert "demo_long_corpus.jsonl" in (data / "ATTRIBUTION.md").read_text()
+
+
+def test_noreuse_never_repeats_a_document(shared_data: Path) -> None:
+    workload = load_workload("noreuse", _words, data_dir=shared_data)
+    ids = [r.documents[0].id for r in workload.requests if r.documents]
+    assert len(ids) == len(workload.requests) == len(set(ids)) > 100
+
+
+def test_sustained_rate_and_claims_need_apart_spreads() -> None:
+    def point(system: str, rate: float, mean: float, p95: float) -> dict[str, float | str]:
+        return {
+            "system": system,
+            "rate_rps": rate,
+            "ttft_mean_s": mean,
+            "ttft_p95_s": p95,
+            "throughput_rps": rate,
+        }
+
+    points = [
+        point("vllm", 1.0, 0.20, 0.4),
+        point("vllm", 1.0, 0.22, 0.5),
+        point("vllm", 2.0, 0.90, 2.0),
+        point("ragcache", 1.0, 0.21, 0.3),
+        point("ragcache", 1.0, 0.23, 0.3),
+        point("ragcache", 2.0, 0.30, 0.6),
+        point("ragcache", 2.0, 0.32, 0.6),
+        point("vllm", 2.0, 0.95, 2.5),
+        point("vllm", 3.0, 0.30, 0.6),  # below the SLO again, after a miss: does not count
+        point("ragcache", 3.0, 0.10, 0.2),  # one run each: no claim however far apart
+    ]
+    assert sustained(points, slo_s=1.0) == {
+        "vllm": {"rate_rps": 1.0, "throughput_rps": 1.0},
+        "ragcache": {"rate_rps": 3.0, "throughput_rps": 3.0},
+    }
+    rows = {r["rate_rps"]: r for r in compare(points)}
+    assert not rows[1.0]["spreads_apart"] and rows[2.0]["spreads_apart"]
+    assert not rows[3.0]["spreads_apart"]
+    assert rows[2.0]["ratio_ttft_mean"] == pytest.approx(0.925 / 0.31)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ragcache_core", "bench", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--systems", "nope"), "unknown system"),
+        (("--workloads", "nope"), "unknown workload"),
+        (("--requests", "0"), "--requests must be positive"),
+        (("--model", "/no/such/model"), "does not exist"),
+    ],
+)
+def test_bad_arguments_are_one_line_exit_2(args: tuple[str, ...], message: str) -> None:
+    result = _cli("--smoke", *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.vllm
+def test_smoke_serves_every_request_with_identical_answers(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    result = _cli(
+        "--smoke",
+        "--model",
+        str(tiny_model),
+        "--systems",
+        ",".join(SYSTEMS),
+        "--out",
+        str(tmp_path),
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(result.stdout)
+    assert document == json.loads((tmp_path / "serve.json").read_text())
+    assert document["schema"] == "ragcache-bench-serve/1"
+    assert {"git_commit", "model", "mode", "systems", "wall_s"} <= set(document["settings"])
+    (workload,) = document["workloads"]
+    assert {
+        "name",
+        "description",
+        "retriever",
+        "points",
+        "answers",
+        "sustained",
+        "comparisons",
+    } <= set(workload)
+    mode = document["settings"]["mode"]
+    assert sorted(p["system"] for p in workload["points"]) == sorted(SYSTEMS)
+    for point in workload["points"]:
+        assert point["requests"] == mode["requests"] == len(point["ttfts_s"])
+        assert all(t > 0 for t in point["ttfts_s"])
+        assert 0.0 <= point["token_hit_rate"] <= 1.0
+    ragcache = next(p for p in workload["points"] if p["system"] == "ragcache")
+    assert {"doc_hit_rate", "gpu_doc_hit_rate", "host_doc_hit_rate"} <= set(ragcache)
+    (answers,) = workload["answers"]
+    total = mode["warmup"] + mode["requests"]
+    assert answers == {
+        "rate_rps": answers["rate_rps"],
+        "repeat": 0,
+        "identical": total,
+        "requests": total,
+    }
+    for name in ("ttft_vs_rate.png", "ttft_cdf.png", "throughput_slo.png", "hit_rates.png"):
+        assert (tmp_path / name).stat().st_size > 1000
