@@ -95,7 +95,7 @@ def _output(
 def test_scheduler_side_sends_copies_once_and_store_when_prompt_completes() -> None:
     side = SchedulerSide(CONFIG, BLOCK)
     req = _request("a", 30, PLAN)
-    assert side.num_new_matched_tokens("a", req.kv_transfer_params, 30, 0) == 16
+    assert side.track_and_count_loads("a", req.kv_transfer_params, 30, 0) == 16
     side.after_alloc("a", 16)
     # Chunked prefill: this step computes 16..24 only (prompt not complete: no store).
     step = side.build_step(_output([("a", [0, 1, 2], 16)], {"a": 8}))
@@ -119,7 +119,7 @@ def test_scheduler_side_sends_copies_once_and_store_when_prompt_completes() -> N
 
 def test_a_scheduled_store_the_worker_never_reported_is_not_stored() -> None:
     side = SchedulerSide(CONFIG, BLOCK)
-    side.num_new_matched_tokens("s", {PLAN_KEY: PLAN.to_json()}, 30, 0)
+    side.track_and_count_loads("s", {PLAN_KEY: PLAN.to_json()}, 30, 0)
     side.after_alloc("s", 16)
     (ops,) = side.build_step(_output([("s", [0, 1, 2, 3], 16)], {"s": 14})).requests
     assert ops.store == PLAN.store
@@ -139,12 +139,12 @@ def test_worker_reports_merge_across_workers() -> None:
 def test_scheduler_side_never_loads_all_prompt_tokens() -> None:
     side = SchedulerSide(CONFIG, BLOCK)
     plan = Plan(PAGE, load=(LoadSpan(Tier.GPU, (0, 1, 2), 0, 12),))
-    assert side.num_new_matched_tokens("b", {PLAN_KEY: plan.to_json()}, 12, 0) == 11
+    assert side.track_and_count_loads("b", {PLAN_KEY: plan.to_json()}, 12, 0) == 11
 
 
 def test_load_failure_resends_store_and_reports_recomputed_tokens() -> None:
     side = SchedulerSide(CONFIG, BLOCK)
-    side.num_new_matched_tokens("c", {PLAN_KEY: PLAN.to_json()}, 30, 0)
+    side.track_and_count_loads("c", {PLAN_KEY: PLAN.to_json()}, 30, 0)
     side.after_alloc("c", 16)
     (ops,) = side.build_step(_output([("c", [0, 1, 2, 3], 16)], {"c": 14})).requests
     assert ops.store == PLAN.store
@@ -162,7 +162,7 @@ def test_load_failure_resends_store_and_reports_recomputed_tokens() -> None:
 def test_rejected_plan_runs_nothing_and_says_why() -> None:
     side = SchedulerSide(CONFIG, BLOCK)
     bad = Plan(PAGE, load=(LoadSpan(Tier.GPU, (99, 1), 0, 6),))
-    assert side.num_new_matched_tokens("d", {PLAN_KEY: bad.to_json()}, 30, 0) == 0
+    assert side.track_and_count_loads("d", {PLAN_KEY: bad.to_json()}, 30, 0) == 0
     assert side.build_step(_output([("d", [0], 0)], {"d": 30})).requests == []
     result = ConnectorResult.from_transfer_params(side.finished("d"))
     assert result.rejected and "outside the pool" in result.rejected[0]
@@ -170,6 +170,6 @@ def test_rejected_plan_runs_nothing_and_says_why() -> None:
 
 def test_requests_without_plan_are_ignored() -> None:
     side = SchedulerSide(CONFIG, BLOCK)
-    assert side.num_new_matched_tokens("e", None, 30, 0) == 0
+    assert side.track_and_count_loads("e", None, 30, 0) == 0
     assert side.build_step(_output([("e", [0], 0)], {"e": 30})).requests == []
     assert side.finished("e") is None

@@ -25,7 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ragcache_core.engine.connector.spans import SpanRef
 
 PAGE_SIZES = (1, 4, 16, 64, 256)
 
@@ -52,11 +55,10 @@ def measure(
     """Run the benchmark; returns the `--json` document (medians of `repeats`)."""
     import torch
 
-    from ragcache_core.engine.connector.spans import SpanRef, step_index
+    from ragcache_core.engine.connector.spans import step_index
     from ragcache_core.engine.settings import default_dtype, detect_device
     from ragcache_core.storage.copy_ops import copy_ops_for
     from ragcache_core.storage.layout import layout_for_model
-    from ragcache_core.tree.capacity import slots_for_tokens
 
     device_info = detect_device()
     device = torch.device("cuda" if device_info.is_cuda else "cpu")
@@ -74,22 +76,8 @@ def measure(
     results = []
     for page in page_sizes:
         layout = base.__class__(layers, heads, head_size, dtype_name, page)
-        refs: list[SpanRef] = []
-        slots_needed, start = 0, 7  # spans start off block boundaries
-        while sum(r.num_tokens for r in refs) < tokens:
-            n = min(span, tokens - sum(r.num_tokens for r in refs))
-            pages = slots_for_tokens(n, page)
-            refs.append(
-                SpanRef(range(slots_needed, slots_needed + pages), start, n, 0, 1 << 62, ())
-            )
-            slots_needed += pages
-            start += n
-        order = list(range(slots_needed))
-        rng.shuffle(order)  # pool slots are wherever the allocator put them
-        refs = [
-            SpanRef([order[s] for s in r.slots], r.token_start, r.num_tokens, 0, 1 << 62, block_ids)
-            for r in refs
-        ]
+        refs = _step_spans(tokens, span, page, block_ids, rng)
+        slots_needed = sum(len(r.slots) for r in refs)
         index = step_index(refs, block_size=block_size, page_size=page, device=device)
         pool = torch.randn(layout.pool_shape(slots_needed), device=device).to(dtype)
         load = _median_s(partial(ops.load, pool, index, paged), ops.synchronize, repeats)
@@ -123,6 +111,30 @@ def measure(
         "ceiling_copy_gbps": nbytes / ceiling / 1e9,
         "results": [asdict(r) for r in results],
     }
+
+
+def _step_spans(
+    tokens: int, span: int, page: int, block_ids: list[int], rng: random.Random
+) -> list[SpanRef]:
+    """`tokens` tokens in spans of `span` that start off block boundaries, on shuffled pool
+    slots (wherever the allocator put them), over the request's scattered `block_ids`."""
+    from ragcache_core.engine.connector.spans import SpanRef
+    from ragcache_core.tree.capacity import slots_for_tokens
+
+    refs: list[SpanRef] = []
+    slots_needed, start = 0, 7
+    while sum(r.num_tokens for r in refs) < tokens:
+        n = min(span, tokens - sum(r.num_tokens for r in refs))
+        pages = slots_for_tokens(n, page)
+        refs.append(SpanRef(range(slots_needed, slots_needed + pages), start, n, 0, 1 << 62, ()))
+        slots_needed += pages
+        start += n
+    order = list(range(slots_needed))
+    rng.shuffle(order)
+    return [
+        SpanRef([order[s] for s in r.slots], r.token_start, r.num_tokens, 0, 1 << 62, block_ids)
+        for r in refs
+    ]
 
 
 def _paged_cache(

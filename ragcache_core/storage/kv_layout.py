@@ -119,13 +119,9 @@ def describe_paged_cache(
             f"strides {strides}, dtype {first.dtype}: {why}"
         )
 
-    for i, cache in enumerate(caches[1:], start=1):
-        if tuple(cache.shape) != first.shape or tuple(cache.stride()) != first.stride():
-            raise refuse(
-                f"layer {i} has shape {tuple(cache.shape)} strides {tuple(cache.stride())}"
-            )
-        if cache.dtype != first.dtype or cache.device != first.device:
-            raise refuse(f"layer {i} has dtype {cache.dtype} on {cache.device}")
+    mismatch = _first_mismatch(caches)
+    if mismatch:
+        raise refuse(mismatch)
     if first.dim() == 4:
         blocks, heads, tokens, content = shape
         s_block, s_head, s_token, s_content = strides
@@ -167,6 +163,17 @@ def describe_paged_cache(
         dim_stride=dim_stride,
         layer_stride=_layer_stride(caches),
     )
+
+
+def _first_mismatch(caches: Sequence[torch.Tensor]) -> str:
+    """How the first layer that differs from layer 0 differs ("" when none does)."""
+    first = caches[0]
+    for i, cache in enumerate(caches[1:], start=1):
+        if tuple(cache.shape) != first.shape or tuple(cache.stride()) != first.stride():
+            return f"layer {i} has shape {tuple(cache.shape)} strides {tuple(cache.stride())}"
+        if cache.dtype != first.dtype or cache.device != first.device:
+            return f"layer {i} has dtype {cache.dtype} on {cache.device}"
+    return ""
 
 
 def _non_overlapping(dims_and_strides: list[tuple[int, int]]) -> bool:

@@ -90,7 +90,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        count = self._scheduler_side().num_new_matched_tokens(
+        count = self._scheduler_side().track_and_count_loads(
             request.request_id,
             request.kv_transfer_params,
             int(request.num_prompt_tokens),

@@ -61,12 +61,14 @@ class SchedulerSide:
         self.block_size = block_size
         self._tracked: dict[str, _Tracked] = {}
 
-    def num_new_matched_tokens(
+    def track_and_count_loads(
         self, req_id: str, params: dict[str, Any] | None, prompt_len: int, num_computed: int
     ) -> int:
-        """Tokens past `num_computed` the worker will load. Side-effect free apart from parsing
-        the plan once. Zero once the prompt was completed (a preempted request that already
-        produced a token recomputes: its plan's pins may be gone)."""
+        """vLLM's `get_num_new_matched_tokens`: tokens past `num_computed` the worker will load.
+        Mutates: parses, checks and tracks the request's plan on first sight, and records
+        `num_computed` as where this scheduling's loads start (read by `after_alloc`). Zero once
+        the prompt was completed (a preempted request that already produced a token
+        recomputes: its plan's pins may be gone)."""
         tracked = self._track(req_id, params, prompt_len)
         if tracked is None or tracked.problems or tracked.store_sent:
             return 0
