@@ -297,6 +297,7 @@ class RAGCache:
         }
         data["queue_waiting"] = self.admission.waiting
         data["in_prefill"] = self.admission.in_prefill
+        data["deferrals"] = self.admission.deferrals
         return data
 
     def _release_resources(self) -> None:

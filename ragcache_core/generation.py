@@ -113,6 +113,11 @@ class Generator:
         cached = self._tree.match(prompt.doc_specs).cached_tokens
         return cached, prompt.num_tokens - cached
 
+    def blocked(self, prompt: BuiltPrompt) -> bool:
+        """Whether the next document of the prompt's readable prefix is being written by a
+        request in prefill (admission defers the prompt until it is readable)."""
+        return self._tree.match(prompt.doc_specs).in_flight > 0
+
     # ------------------------------------------------------------------ requests
 
     async def answer(
@@ -218,7 +223,7 @@ class Generator:
     ) -> Generation:
         """One attempt through the lifecycle (module docstring). Whatever happens, the prefill
         slot is released and a handle left open is aborted (its copies dropped)."""
-        ticket = Ticket(score=lambda: self.score(prompt))
+        ticket = Ticket(score=lambda: self.score(prompt), blocked=lambda: self.blocked(prompt))
         if slot is None:
             slot = await self._admission.acquire(ticket)
         else:
@@ -246,9 +251,11 @@ class Generator:
                     await asyncio.shield(self._engines.engine.abort(request_id))
             raise
         finally:
-            slot.release()
+            # Abort before releasing: the requests admission wakes must see the tree
+            # without this request's copies.
             if handle is not None and handle.is_open:
                 self._tree.abort(handle)
+            slot.release()
 
     async def _stream(
         self,
@@ -280,8 +287,10 @@ class Generator:
                 if event.token_ids and not progress.first_token_at:
                     progress.first_token_at = time.perf_counter()
                     timings["engine_first_token"] = progress.first_token_at - submitted
-                    slot.release()
+                    # Confirm before releasing: the requests admission wakes (deferred on
+                    # this request's documents) must see them readable.
                     first_token(self._tree, handle)
+                    slot.release()
                 if event.text != progress.text:
                     delta = event.text[len(progress.text) :]
                     if delta and emit is not None:

@@ -126,13 +126,15 @@ class SpeculativeQuery:
     def _start(
         self, question: str, documents: tuple[Document, ...], sampling: SamplingConfig
     ) -> _Run | None:
-        """Start a speculative generation only if prefill has room for it now and nobody waits
-        (Algorithm 2: wrong guesses use only idle capacity). Its text is buffered until
-        adopted."""
+        """Start a speculative generation only if prefill has room for it now, nobody waits
+        (Algorithm 2: wrong guesses use only idle capacity) and no request is computing its
+        documents already. Its text is buffered until adopted."""
         try:
             prompt = self._generator.build(question, documents, sampling)
         except InputError:
             return None  # e.g. an intermediate top-k too long for the context: wait for the final
+        if self._generator.blocked(prompt):
+            return None  # another request is computing these documents: never twice
         slot = self._admission.try_acquire(self._generator.score(prompt)[1])
         if slot is None:
             return None

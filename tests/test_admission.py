@@ -124,3 +124,80 @@ def test_token_budget_admits_what_fits_and_a_large_request_alone() -> None:
         return seen
 
     assert asyncio.run(main()) == [("big", 1, 5000), ("after", 2, 800), ("end", 0, 0)]
+
+
+def test_a_request_waiting_on_a_document_in_flight_is_deferred_then_queued() -> None:
+    """A request whose next document another request in prefill is computing waits for it
+    (even with room in prefill), and is admitted once that request's first token makes the
+    document readable."""
+
+    async def main() -> list[str]:
+        admission = Admission(capacity=4, queue="cache_aware", window=4)
+        in_flight = {"doc": True}
+        events: list[str] = []
+        writer = await admission.acquire(Ticket(score=lambda: (0, 100)))
+        reader = asyncio.ensure_future(
+            admission.acquire(
+                Ticket(
+                    score=lambda: (100 if not in_flight["doc"] else 0, 10),
+                    blocked=lambda: in_flight["doc"],
+                )
+            )
+        )
+        other = asyncio.ensure_future(admission.acquire(Ticket(score=lambda: (0, 50))))
+        await asyncio.sleep(0)
+        events.append(f"deferred={admission.deferrals} waiting={admission.waiting}")
+        assert not reader.done() and other.done()  # the unblocked one is not held back
+        other.result().release()
+        await asyncio.sleep(0)
+        assert not reader.done()  # still blocked: the writer has not confirmed yet
+        in_flight["doc"] = False  # the writer's first token: its document is readable
+        writer.release()
+        await asyncio.sleep(0)
+        events.append(f"reader admitted={reader.done()} in_prefill={admission.in_prefill}")
+        reader.result().release()
+        events.append(f"end in_prefill={admission.in_prefill} waiting={admission.waiting}")
+        return events
+
+    assert asyncio.run(main()) == [
+        "deferred=1 waiting=1",
+        "reader admitted=True in_prefill=1",
+        "end in_prefill=0 waiting=0",
+    ]
+
+
+def test_a_deferred_request_never_waits_on_an_empty_prefill() -> None:
+    """Nothing in prefill means nobody will unblock it: a blocked request is admitted at
+    once, and one deferred earlier is released when prefill empties."""
+
+    async def main() -> tuple[bool, bool, int]:
+        admission = Admission(capacity=4, queue="fcfs", window=0)
+        alone = await admission.acquire(Ticket(score=lambda: (0, 1), blocked=lambda: True))
+        deferred = asyncio.ensure_future(
+            admission.acquire(Ticket(score=lambda: (0, 1), blocked=lambda: True))
+        )
+        await asyncio.sleep(0)
+        was_deferred = not deferred.done()
+        alone.release()  # prefill empties: the deferred one must go
+        await asyncio.sleep(0)
+        admitted = deferred.done()
+        deferred.result().release()
+        return was_deferred, admitted, admission.in_prefill
+
+    assert asyncio.run(main()) == (True, True, 0)
+
+
+def test_a_cancelled_deferred_request_leaves_nothing_behind() -> None:
+    async def main() -> tuple[int, int]:
+        admission = Admission(capacity=2, queue="fcfs", window=0)
+        holder = await admission.acquire(Ticket(score=lambda: (0, 1)))
+        waiter = asyncio.ensure_future(
+            admission.acquire(Ticket(score=lambda: (0, 1), blocked=lambda: True))
+        )
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        holder.release()
+        return admission.in_prefill, admission.waiting
+
+    assert asyncio.run(main()) == (0, 0)

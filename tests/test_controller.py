@@ -335,6 +335,27 @@ def test_stores_are_readable_from_the_first_token(cache: RAGCache) -> None:
     assert first.timings["store_copy"] > 0  # the worker reported the store it ran
 
 
+def test_a_concurrent_request_waits_for_documents_in_flight(cache: RAGCache) -> None:
+    """Two requests for the same new documents at once: the second waits for the first's
+    first token (its documents in flight) and reads them, instead of computing them again
+    beside it."""
+    cache.clear()
+    docs = [DOCS[3], DOCS[4]]
+    deferred_before = cache.stats()["deferrals"]
+
+    async def main() -> list:
+        return await asyncio.gather(
+            cache.agenerate("What is Madrid?", docs), cache.agenerate("What is Vienna?", docs)
+        )
+
+    first, second = asyncio.run(main())
+    assert first.hits.hit_docs == 0
+    assert second.hits.gpu_docs == 2
+    assert cache.stats()["deferrals"] == deferred_before + 1
+    assert second.token_ids == reference(cache, "What is Vienna?", docs)
+    assert cache.stats()["in_prefill"] == 0 and cache.stats()["queue_waiting"] == 0
+
+
 METRICS = [
     ("ragcache_doc_hits_total", {"tier": "gpu"}),
     ("ragcache_doc_hits_total", {"tier": "host"}),

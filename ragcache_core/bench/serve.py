@@ -370,26 +370,49 @@ async def run_point(
     warmup: int,
     tag: str,
     progress: Progress | None = None,
+    *,
+    warmup_concurrency: int = 0,
 ) -> PointRun:
     """Empty the system's cache, then send request i at `arrivals[i]` (seconds from now), all
-    concurrently. The first `warmup` requests fill the cache and are not measured."""
+    concurrently. The first `warmup` requests fill the cache and are not measured.
+
+    With `warmup_concurrency` > 0 the warm-up requests are sent in order, that many at a time
+    (a closed loop: each starts when one before it ends), and the measured ones follow at
+    their arrival offsets counted from the end of the warm-up: the cache reaches its steady
+    state in the time the system needs for it, not in the stream's time."""
     await system.reset()
     outcomes: list[Outcome | None] = [None] * len(requests)
+    sent = [0.0] * len(requests)
     done = 0
+    start = time.perf_counter()
 
-    async def one(i: int, start: float) -> None:
+    async def one(i: int) -> None:
         nonlocal done
-        await _at(arrivals[i], start)
+        sent[i] = time.perf_counter() - start
         outcomes[i] = await system.serve(requests[i], f"{system.name}-{tag}-{i}")
         done += 1
         if progress:
             progress(done)
 
-    start = time.perf_counter()
-    await asyncio.gather(*(one(i, start) for i in range(len(requests))))
+    async def at(i: int, offset: float) -> None:
+        await _at(offset, start)
+        await one(i)
+
+    first = 0
+    if warmup and warmup_concurrency > 0:
+        order = iter(range(warmup))
+
+        async def closed_loop() -> None:
+            for i in order:  # one iterator shared by the loops: each takes the next request
+                await one(i)
+
+        await asyncio.gather(*(closed_loop() for _ in range(min(warmup_concurrency, warmup))))
+        first = warmup
+    shift = (time.perf_counter() - start - arrivals[first]) if first else 0.0
+    await asyncio.gather(*(at(i, arrivals[i] + shift) for i in range(first, len(requests))))
     counters = system.counters() if isinstance(system, RAGCacheSystem) else {}
     complete = tuple(o for o in outcomes if o is not None)
-    return PointRun(system.name, rate, tuple(arrivals), complete, warmup, counters)
+    return PointRun(system.name, rate, tuple(sent), complete, warmup, counters)
 
 
 async def light_load(

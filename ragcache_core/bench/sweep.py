@@ -70,6 +70,9 @@ class Mode:
     systems: tuple[str, ...]
     ablations: tuple[str, ...]
     slo_factor: float = 5.0
+    warmup_concurrency: int = 4
+    """Warm-up requests are sent this many at a time (a closed loop), then the measured ones
+    as a Poisson stream (`run_point`); 0 sends the warm-up in the stream too."""
 
 
 MODES = {
@@ -280,6 +283,7 @@ def _rounds(
                     mode.warmup,
                     tag,
                     bar(label, len(requests)),
+                    warmup_concurrency=mode.warmup_concurrency,
                 )
             )
             summary = run.summary() | {"repeat": repeat, "position": position}

