@@ -4,15 +4,18 @@ tokens from every system. Plus the workloads and the argument checks (no engine)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from ragcache_core.bench.serve import Outcome, run_point
 from ragcache_core.bench.sweep import compare, sustained
-from ragcache_core.bench.workloads import chunk_articles, load_workload
+from ragcache_core.bench.workloads import Request, chunk_articles, load_workload
 
 SYSTEMS = ("vllm", "vllm-apc", "ragcache")
 
@@ -82,6 +85,57 @@ def test_sustained_rate_and_claims_need_apart_spreads() -> None:
     assert not rows[1.0]["spreads_apart"] and rows[2.0]["spreads_apart"]
     assert not rows[3.0]["spreads_apart"]
     assert rows[2.0]["ratio_ttft_mean"] == pytest.approx(0.925 / 0.31)
+
+
+class _Recorder:
+    """A served system that only records when requests start and end (isolates the replay
+    logic of `run_point`; the real engines run in the smoke test below)."""
+
+    name = "fake"
+    start_s = 0.0
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int, float]] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    def use(self, source: object, top_k: int) -> None:
+        pass
+
+    async def serve(self, request: Request, request_id: str) -> Outcome:
+        index = int(request_id.rsplit("-", 1)[1])
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        self.log.append(("start", index, time.perf_counter()))
+        await asyncio.sleep(0.01)
+        self.log.append(("end", index, time.perf_counter()))
+        self.in_flight -= 1
+        return Outcome(0.01, 0.01, (index,), 10, 0)
+
+    async def reset(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_warm_up_runs_closed_loop_before_the_measured_stream() -> None:
+    """Warm-up requests go in order, `warmup_concurrency` at a time; the measured ones start
+    only after the last warm-up request ended, at their arrival offsets from then."""
+    system = _Recorder()
+    requests = [Request(f"q{i}") for i in range(14)]
+    arrivals = [0.05 * i for i in range(14)]
+    run = asyncio.run(
+        run_point(system, requests, arrivals, 20.0, 10, "t", warmup_concurrency=3)  # type: ignore[arg-type]
+    )
+    starts = [i for kind, i, _ in system.log if kind == "start"]
+    assert starts[:10] == list(range(10)) and sorted(starts[10:]) == [10, 11, 12, 13]
+    warm_end = max(t for kind, i, t in system.log if kind == "end" and i < 10)
+    first_measured = min(t for kind, i, t in system.log if kind == "start" and i >= 10)
+    assert first_measured >= warm_end
+    assert system.most_in_flight == 3
+    assert len(run.measured) == 4 and run.arrivals[10] < run.arrivals[13]
+    assert run.arrivals[13] - run.arrivals[10] == pytest.approx(0.15, abs=0.05)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

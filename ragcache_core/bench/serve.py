@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
@@ -400,13 +400,7 @@ async def run_point(
 
     first = 0
     if warmup and warmup_concurrency > 0:
-        order = iter(range(warmup))
-
-        async def closed_loop() -> None:
-            for i in order:  # one iterator shared by the loops: each takes the next request
-                await one(i)
-
-        await asyncio.gather(*(closed_loop() for _ in range(min(warmup_concurrency, warmup))))
+        await closed_loop(one, range(warmup), warmup_concurrency)
         first = warmup
     shift = (time.perf_counter() - start - arrivals[first]) if first else 0.0
     await asyncio.gather(*(at(i, arrivals[i] + shift) for i in range(first, len(requests))))
@@ -415,18 +409,46 @@ async def run_point(
     return PointRun(system.name, rate, tuple(sent), complete, warmup, counters)
 
 
+async def closed_loop(
+    serve: Callable[[int], Coroutine[Any, Any, None]], indices: Iterable[int], concurrency: int
+) -> None:
+    """`serve(i)` for every index in order, `concurrency` at a time (each starts when one
+    before it ends)."""
+    order = iter(indices)
+
+    async def loop() -> None:
+        for i in order:  # one iterator shared by the loops: each takes the next index
+            await serve(i)
+
+    await asyncio.gather(*(loop() for _ in range(max(1, concurrency))))
+
+
 async def light_load(
-    system: ServedSystem, requests: Sequence[Request], warmup: int, tag: str
+    system: ServedSystem,
+    requests: Sequence[Request],
+    warmup: int,
+    tag: str,
+    *,
+    warmup_concurrency: int = 0,
 ) -> PointRun:
-    """One request at a time (no queueing): the system's light-load TTFT and service time."""
+    """One request at a time (no queueing): the system's light-load TTFT and service time.
+    The first `warmup` requests (not measured) go `warmup_concurrency` at a time when it is
+    above 1 (as in `run_point`)."""
     await system.reset()
-    outcomes, arrivals, now = [], [], 0.0
-    for i, request in enumerate(requests):
-        outcome = await system.serve(request, f"{system.name}-{tag}-light-{i}")
+    outcomes: list[Outcome | None] = [None] * len(requests)
+
+    async def one(i: int) -> None:
+        outcomes[i] = await system.serve(requests[i], f"{system.name}-{tag}-light-{i}")
+
+    await closed_loop(one, range(warmup), warmup_concurrency)
+    await closed_loop(one, range(warmup, len(requests)), 1)
+    done = tuple(o for o in outcomes if o is not None)
+    arrivals = [0.0] * warmup
+    now = 0.0
+    for outcome in done[warmup:]:
         arrivals.append(now)
         now += outcome.latency_s
-        outcomes.append(outcome)
-    return PointRun(system.name, 0.0, tuple(arrivals), tuple(outcomes), warmup)
+    return PointRun(system.name, 0.0, tuple(arrivals), done, warmup)
 
 
 def identical_answers(runs: Sequence[PointRun]) -> tuple[int, int]:

@@ -80,12 +80,13 @@ MODES = {
     "smoke": Mode(
         "smoke", 1, 3, 1, 0, 1.0, 1, 0.0, ("demo",), ("vllm", "vllm-apc", "ragcache"), ()
     ),
-    # Real figures in under 10 minutes: the demo's stream (documents dominate the prompt, the
-    # working set is larger than vLLM-APC's "GPU" KV), four systems, two rates, 2 repeats.
+    # Real figures in about 10 minutes: the demo's stream (documents dominate the prompt, the
+    # working set is larger than vLLM-APC's "GPU" KV), four systems, two rates, 2 repeats;
+    # each point first warms the caches with 80 requests (4 at a time, not measured).
     "quick": Mode(
         "quick",
-        14,
-        18,
+        80,
+        24,
         2,
         3,
         2.0,
@@ -95,17 +96,17 @@ MODES = {
         ("vllm", "vllm-apc", "vllm-apc-total", "ragcache"),
         (),
     ),
-    # About 1.5 hours (estimated, not run yet): five workloads, four systems, up to four rates,
-    # 3 repeats; the ablations on the first workload.
+    # About 1.7 hours (estimated, not run yet): five workloads, four systems, up to three
+    # rates, 3 repeats; the ablations on the first workload.
     "full": Mode(
         "full",
-        12,
-        36,
+        80,
+        24,
         3,
-        6,
-        1.5,
         4,
-        0.4,
+        2.0,
+        3,
+        0.5,
         ("demo", "long", "long-shuffled", "short", "noreuse"),
         ("vllm", "vllm-apc", "vllm-apc-total", "ragcache"),
         (
@@ -246,7 +247,15 @@ def sweep_workload(
 
 def _light(engines: Engines, name: str, workload: Workload, mode: Mode) -> PointRun:
     requests = workload.stream(mode.warmup + mode.light)
-    return engines.run(light_load(engines.systems[name], requests, mode.warmup, "light"))
+    return engines.run(
+        light_load(
+            engines.systems[name],
+            requests,
+            mode.warmup,
+            "light",
+            warmup_concurrency=mode.warmup_concurrency,
+        )
+    )
 
 
 def _rounds(
