@@ -61,17 +61,14 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 def prepare(
     workload_name: str, model: Path, args: argparse.Namespace
 ) -> tuple[Workload, SearchSource | None]:
-    """Load a workload and, when its requests retrieve, build its index."""
-    from ragcache_core.retrieval.index_store import IndexSettings, build_index
+    """Load a workload and, when its requests retrieve, build its index (`--retriever`)."""
+    from ragcache_core.bench.workloads import index_source
     from ragcache_core.retrieval.trace import tokenizer_counter
 
     workload = load_workload(
         workload_name, tokenizer_counter(str(model)), seed=args.seed, top_k=args.top_k
     )
-    if not workload.retrieves:
-        return workload, None
-    index = build_index(workload.documents, IndexSettings(kind="ivf"), progress=True)
-    return workload, index.source()
+    return index_source(workload, args.retriever)
 
 
 def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ragcache_core.bench.serve import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
-from ragcache_core.bench.workloads import WORKLOADS
+from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS
 
 
 def register(bench_subparsers: Any) -> None:
@@ -42,6 +42,12 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--max-points", type=int, default=None, help="rates in the ladder at most")
     p.add_argument("--rate", type=float, default=None, help="first rate (default: calibrated)")
     p.add_argument("--top-k", type=int, default=None, help="override each workload's top-k")
+    p.add_argument(
+        "--retriever",
+        choices=tuple(RETRIEVERS),
+        default="tfidf",
+        help="tfidf: the offline default; minilm: all-MiniLM-L6-v2 (the 'embed' extra)",
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="answer tokens (fixed length)")
     p.add_argument("--vllm-kv-gib", type=float, default=0.25, help="vLLM's own KV of every system")
     p.add_argument("--gpu-pool-tokens", type=int, default=8192)

@@ -40,7 +40,7 @@ from ragcache_core.bench.serve import (
     run_point,
     start_system,
 )
-from ragcache_core.bench.workloads import RETRIEVER, Workload
+from ragcache_core.bench.workloads import Workload
 from ragcache_core.config import CacheConfig
 from ragcache_core.retrieval.source import SearchSource
 from ragcache_core.retrieval.trace import poisson_arrivals
@@ -180,7 +180,7 @@ class WorkloadResult:
         return {
             "name": self.workload.name,
             "description": self.workload.description,
-            "retriever": RETRIEVER
+            "retriever": self.workload.retriever
             if self.workload.retrieves
             else "none (requests bring documents)",
             "documents": len(self.workload.documents),

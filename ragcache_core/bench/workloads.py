@@ -32,11 +32,18 @@ from typing import Any
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.retrieval.corpus import load_corpus, load_questions
+from ragcache_core.retrieval.source import SearchSource
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 """`../shared/data` next to the checkout (see its README.md)."""
 
 RETRIEVER = "offline TF-IDF + SVD embedder, IVF index (ragcache_core.retrieval)"
+RETRIEVERS = {
+    "tfidf": RETRIEVER,
+    "minilm": "all-MiniLM-L6-v2 sentence embedder (retrieval.sentence), IVF index",
+}
+"""`--retriever` choices: the offline default, and a real sentence embedder (the `embed`
+extra), which pulls fewer questions onto the same "hub" documents."""
 CHUNK_TOKENS = 1024
 WORKLOADS = ("short", "long", "long-shuffled", "noreuse", "demo", "demo-short")
 SHARED_WORKLOADS = frozenset({"short", "long", "long-shuffled", "noreuse"})
@@ -59,6 +66,8 @@ class Workload:
     documents: tuple[Document, ...]
     requests: tuple[Request, ...]
     top_k: int
+    retriever: str = RETRIEVER
+    """What finds the documents of a retrieving request (a `RETRIEVERS` description)."""
 
     @property
     def retrieves(self) -> bool:
@@ -276,3 +285,28 @@ def file_workload(
         tuple(Request(q) for q in pool),
         top_k,
     )
+
+
+def index_source(
+    workload: Workload, retriever: str = "tfidf", *, progress: bool = True
+) -> tuple[Workload, SearchSource | None]:
+    """The workload (its `retriever` set) and a staged search over its documents, built with
+    the named retriever (`RETRIEVERS`); no source when its requests bring their documents.
+    Raises `InputError` for an unknown retriever, `ConfigError` when its package is missing."""
+    from dataclasses import replace
+
+    from ragcache_core.retrieval.index_store import IndexSettings, build_index
+
+    if retriever not in RETRIEVERS:
+        raise InputError(f"unknown retriever {retriever!r}: choose from {', '.join(RETRIEVERS)}")
+    if not workload.retrieves:
+        return workload, None
+    embedder = None
+    if retriever == "minilm":
+        from ragcache_core.retrieval.sentence import SentenceEmbedder
+
+        embedder = SentenceEmbedder.from_package()
+    index = build_index(
+        workload.documents, IndexSettings(kind="ivf"), progress=progress, embedder=embedder
+    )
+    return replace(workload, retriever=RETRIEVERS[retriever]), index.source()

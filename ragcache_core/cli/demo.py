@@ -68,6 +68,12 @@ def register(subparsers: Any) -> None:
         help="rate x vLLM's one-at-a-time service time",
     )
     p.add_argument("--top-k", type=int, default=None, help="default: 1 (long), 2 (short)")
+    p.add_argument(
+        "--retriever",
+        choices=("tfidf", "minilm"),
+        default="tfidf",
+        help="tfidf: the offline default; minilm: all-MiniLM-L6-v2 (the 'embed' extra)",
+    )
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])
     p.add_argument("--systems", default="vllm,vllm-apc,ragcache", help=",".join(DEMO_SYSTEMS))
     p.add_argument(
@@ -157,15 +163,13 @@ def _run(args: argparse.Namespace, model: Path, systems: list[str]) -> dict[str,
     from ragcache_core.bench.report import tqdm_recorder
     from ragcache_core.bench.serve import default_sampling, identical_answers, run_point
     from ragcache_core.bench.sweep import COOL_DOWN_S, Engines
+    from ragcache_core.bench.workloads import index_source
     from ragcache_core.config import CacheConfig
-    from ragcache_core.retrieval.index_store import IndexSettings, build_index
     from ragcache_core.retrieval.trace import poisson_arrivals
 
     log = sys.stderr
     workload = _workload(args, model)
-    source = None
-    if workload.retrieves:
-        source = build_index(workload.documents, IndexSettings(kind="ivf"), progress=True).source()
+    workload, source = index_source(workload, args.retriever)
     config = CacheConfig(
         top_k=workload.top_k,
         sampling=default_sampling(args.max_tokens),
@@ -248,14 +252,15 @@ def _settings(
     rate: float,
 ) -> dict[str, Any]:
     from ragcache_core.bench.sweep import describe_systems, git_commit
-    from ragcache_core.bench.workloads import RETRIEVER
 
     return {
         "model": str(model),
         "git_commit": git_commit(),
         "workload": workload.name,
         "stream": workload.description,
-        "retriever": RETRIEVER if workload.retrieves else "none (requests bring documents)",
+        "retriever": workload.retriever
+        if workload.retrieves
+        else "none (requests bring documents)",
         "systems": describe_systems(systems),
         "requests": args.requests,
         "warmup": args.warmup,

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,23 @@ import numpy.typing as npt
 from ragcache_core.errors import ConfigError, InputError
 
 _FORMAT = "ragcache-tfidf-svd/1"
+
+
+class Embedder(Protocol):
+    """Texts to unit-norm float32 vectors (inner product = cosine). Implementations: this
+    module's `TfidfSvdEmbedder` (the default, fit on the corpus) and
+    `retrieval.sentence.SentenceEmbedder` (all-MiniLM-L6-v2, for benchmarks)."""
+
+    @property
+    def dimension(self) -> int: ...
+
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        """[len(texts), dimension] (pure)."""
+        ...
+
+    def embed_query(self, text: str) -> npt.NDArray[np.float32]:
+        """[dimension] (pure)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy.typing as npt
 from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.retrieval.base import StagedSearch
-from ragcache_core.retrieval.embedder import EmbedderConfig, TfidfSvdEmbedder
+from ragcache_core.retrieval.embedder import Embedder, EmbedderConfig, TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import staged_search_for
 from ragcache_core.retrieval.ivf import ListsPerStage, StagePlan, default_nlist
 from ragcache_core.retrieval.source import StagedSource
@@ -84,7 +84,7 @@ class LocalIndex:
     def __init__(
         self,
         documents: Sequence[Document],
-        embedder: TfidfSvdEmbedder,
+        embedder: Embedder,
         faiss_index: Any,
         settings: IndexSettings,
         times: BuildTimes,
@@ -138,6 +138,11 @@ class LocalIndex:
         """Write the index folder (created if needed; existing files are replaced)."""
         import faiss
 
+        if not isinstance(self.embedder, TfidfSvdEmbedder):
+            raise NotImplementedError(
+                f"saving an index embedded by {type(self.embedder).__name__} is not supported "
+                "yet (only the offline TF-IDF + SVD embedder is saved with an index)"
+            )
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         faiss.write_index(self.faiss_index, str(folder / "index.faiss"))
@@ -199,8 +204,10 @@ def build_index(
     settings: IndexSettings = IndexSettings(),
     *,
     progress: bool = False,
+    embedder: Embedder | None = None,
 ) -> LocalIndex:
-    """Fit the embedder on `documents`, embed them and build the Faiss index (pure w.r.t. input).
+    """Fit the embedder on `documents` (or use `embedder`, already built), embed them and
+    build the Faiss index (pure w.r.t. input).
 
     `progress` shows tqdm bars on stderr. Raises `InputError` for an empty corpus or duplicate ids.
     """
@@ -214,7 +221,8 @@ def build_index(
         raise InputError(f"duplicate document id {dup!r}")
     texts = [embedding_text(d) for d in documents]
     t0 = time.perf_counter()
-    embedder = TfidfSvdEmbedder.fit(texts, settings.embedder)
+    if embedder is None:
+        embedder = TfidfSvdEmbedder.fit(texts, settings.embedder)
     t1 = time.perf_counter()
     chunks: list[npt.NDArray[np.float32]] = []
     with tqdm(total=len(texts), desc="embed", unit="doc", disable=not progress) as bar:
