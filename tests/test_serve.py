@@ -255,6 +255,7 @@ def test_another_system_prompt_is_served_uncached_and_says_so(
     ).to_dict()
     assert response["ragcache"]["cached"] is False
     assert response["ragcache"]["uncached_reason"] == "system_prompt_differs"
+    assert response["ragcache"]["documents"] == [d.id for d in docs]
     assert tuple(response["choices"][0]["token_ids"]) == references["other_system_plain"]
     # The server's own system prompt, sent explicitly, is the cached root.
     same = _chat_with_system(oai, CONFIG.prompt.system_prompt, question, docs)
@@ -610,3 +611,21 @@ def test_a_second_server_on_the_same_port_is_refused(
     )
     assert done.returncode != 0
     assert "another ragcache serve process already serves" in done.stdout + done.stderr
+
+
+def test_every_serve_metric_moved(server: ServerProcess) -> None:
+    """Runs last: the module's requests moved every collector of the server's registry."""
+    samples = {}
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    chat = 'route="/v1/chat/completions"'
+    assert samples[f'ragcache_serve_requests_total{{{chat},status="200"}}'] > 0
+    assert samples[f'ragcache_serve_requests_total{{{chat},status="499"}}'] >= 2
+    assert samples['ragcache_serve_uncached_total{reason="no_documents"}'] > 0
+    assert samples['ragcache_serve_uncached_total{reason="system_prompt_differs"}'] > 0
+    assert samples[f"ragcache_serve_disconnects_total{{{chat}}}"] >= 2
+    assert samples[f"ragcache_serve_request_seconds_count{{{chat}}}"] > 0
+    assert samples["ragcache_serve_in_flight"] == 0 and samples["ragcache_serve_waiting"] == 0
+    assert samples['ragcache_doc_hits_total{tier="gpu"}'] > 0

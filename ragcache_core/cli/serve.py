@@ -7,9 +7,12 @@ import argparse
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragcache_core.cli import CliError
+
+if TYPE_CHECKING:
+    from ragcache_core.serve.settings import ServeSettings
 
 API_KEY_ENV = "RAGCACHE_API_KEY"
 
@@ -77,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(args: argparse.Namespace, model: str) -> Any:
+def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
     import dataclasses
 
     from ragcache_core.config import CacheConfig

@@ -13,6 +13,7 @@ context for chat.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,11 +40,17 @@ class CachedJob:
     documents: tuple[Document, ...]
     prompt_tokens: int
 
+    @property
+    def doc_ids(self) -> tuple[str, ...]:
+        return tuple(d.id for d in self.documents)
+
 
 @dataclass(frozen=True)
 class UncachedJob:
     prompt_ids: tuple[int, ...]
     reason: UncachedReason
+    doc_ids: tuple[str, ...] = ()
+    """The request's documents (in the prompt, but not cached)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -90,7 +97,8 @@ def chat_job(request: ChatRequest, renderer: PromptRenderer) -> Job:
     system_prompt = "\n\n".join(system) if system else renderer.system_prompt
     if system_prompt != renderer.system_prompt:
         build = partial(renderer.with_system, system_prompt, question, documents)
-        return _uncached(build, "system_prompt_differs", "messages")
+        job = _uncached(build, "system_prompt_differs", "messages")
+        return dataclasses.replace(job, doc_ids=tuple(d.id for d in documents))
     return _cached(renderer, question, documents, "messages")
 
 

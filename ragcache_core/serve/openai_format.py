@@ -102,11 +102,10 @@ def usage(result: QueryResult) -> dict[str, int]:
 
 
 def cache_report(job: Job, result: QueryResult) -> dict[str, Any]:
-    cached = isinstance(job, CachedJob)
     return {
-        "cached": cached,
+        "cached": isinstance(job, CachedJob),
         "uncached_reason": None if isinstance(job, CachedJob) else job.reason,
-        "documents": [d.id for d in job.documents] if isinstance(job, CachedJob) else [],
+        "documents": list(job.doc_ids),
         "cache_hits": dataclasses.asdict(result.hits),
         "ttft_s": result.ttft_s,
         "queue_wait_s": result.queue_wait_s,

@@ -53,11 +53,11 @@ async def _serve(
 ) -> Response:
     route, param = (CHAT, "messages") if kind == "chat" else (COMPLETIONS, "prompt")
     sampling = sampling_for(body, job, state.defaults, state.settings.config.max_model_len)
+    reply = Reply(kind, state.settings.model_name, job, token_ids=body.return_token_ids)
+    chunks = open_stream(state.cache, job, sampling)  # nothing runs until it is iterated
     place = state.enter(route)
     if not isinstance(job, CachedJob):
         state.metrics.uncached.labels(job.reason).inc()
-    reply = Reply(kind, state.settings.model_name, job, token_ids=body.return_token_ids)
-    chunks = open_stream(state.cache, job, sampling)
     if body.stream:
         events = _events(reply, chunks, body.include_usage)
         return respond.streamed(state, route, place, events, param)

@@ -50,8 +50,8 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     sampling = body.sampling.over(cache.config.sampling) if body.sampling else None
     if documents is not None:
         _check_length(state, body.question, documents, sampling or cache.config.sampling)
-    place = state.enter(QUERY)
     chunks = cache.astream(body.question, documents=documents, top_k=body.top_k, sampling=sampling)
+    place = state.enter(QUERY)
     if body.stream:
         return respond.streamed(state, QUERY, place, _events(chunks), "question")
     return await respond.whole(

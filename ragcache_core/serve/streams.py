@@ -6,7 +6,8 @@
   vLLM and the tree; see bridges.astream_from).
 - `until_disconnect`: a non-streamed request cancelled when its client disconnects (the
   pattern of vLLM's `with_cancellation`): its work is cancelled the same way.
-- `results`: a cache stream's chunks, closed (and so aborted) if the consumer stops early.
+- `final_result`: the `QueryResult` at a cache stream's end (the stream closed, and so its
+  request aborted, on every path).
 """
 
 from __future__ import annotations
