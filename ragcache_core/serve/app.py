@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from ragcache_core.serve import routes_openai, routes_ops, routes_rag
 from ragcache_core.serve.auth import ApiKeyMiddleware
 from ragcache_core.serve.errors import install_handlers
 from ragcache_core.serve.jobs import GenerationDefaults
@@ -23,9 +24,6 @@ from ragcache_core.serve.metrics import ServeMetrics
 from ragcache_core.serve.owner import sole_owner
 from ragcache_core.serve.prompts import PromptRenderer
 from ragcache_core.serve.queue import BoundedQueue
-from ragcache_core.serve.routes_openai import router as openai_router
-from ragcache_core.serve.routes_ops import router as ops_router
-from ragcache_core.serve.routes_rag import router as rag_router
 from ragcache_core.serve.settings import ServeSettings
 from ragcache_core.serve.state import CacheFactory, ServableCache, ServeState
 
@@ -53,8 +51,8 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     install_handlers(app)
-    for router in (ops_router, openai_router, rag_router):
-        app.include_router(router)
+    for routes in (routes_ops, routes_openai, routes_rag):
+        app.include_router(routes.router())
     return app
 
 

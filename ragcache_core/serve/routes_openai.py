@@ -24,20 +24,16 @@ from ragcache_core.serve.schemas import ChatRequest, CompletionRequest
 from ragcache_core.serve.state import ServableCache, ServeState, state_of
 from ragcache_core.serve.streams import event, final_result
 
-router = APIRouter()
-
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-@router.post(CHAT)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state = state_of(request)
     state.check_model(body.model)
     return await _serve(state, request, "chat", body, chat_job(body, state.renderer))
 
 
-@router.post(COMPLETIONS)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = state_of(request)
     state.check_model(body.model)
@@ -90,3 +86,11 @@ async def _events(
                 yield event(reply.last(chunk.result))
                 if include_usage:
                     yield event(reply.usage_chunk(chunk.result))
+
+
+def router() -> APIRouter:
+    """This module's routes (a new router per app: nothing is shared between apps)."""
+    routes = APIRouter()
+    routes.add_api_route(CHAT, chat_completions, methods=["POST"])
+    routes.add_api_route(COMPLETIONS, completions, methods=["POST"])
+    return routes

@@ -11,10 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ragcache_core.serve.state import state_of
 
-router = APIRouter()
 
-
-@router.get("/health")
 async def health(request: Request) -> Response:
     """200 while serving; 503 while starting or shutting down."""
     state = state_of(request)
@@ -23,14 +20,12 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = state_of(request)
     text = generate_latest(state.cache.metrics.registry) + generate_latest(state.metrics.registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     state = state_of(request)
     card = {
@@ -42,3 +37,12 @@ async def models(request: Request) -> dict[str, Any]:
         "max_model_len": state.settings.config.max_model_len,
     }
     return {"object": "list", "data": [card]}
+
+
+def router() -> APIRouter:
+    """This module's routes (a new router per app: nothing is shared between apps)."""
+    routes = APIRouter()
+    routes.add_api_route("/health", health, methods=["GET"])
+    routes.add_api_route("/metrics", metrics, methods=["GET"])
+    routes.add_api_route("/v1/models", models, methods=["GET"])
+    return routes

@@ -33,12 +33,9 @@ from ragcache_core.serve.streams import event, final_result
 from ragcache_core.serve.wire import config_to_json, result_to_json
 from ragcache_core.tree import IntegrityError
 
-router = APIRouter()
-
 QUERY = "/v1/rag/query"
 
 
-@router.post(QUERY)
 async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     state = state_of(request)
     cache = state.cache
@@ -59,7 +56,6 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     )
 
 
-@router.get("/v1/rag/config")
 async def rag_config(request: Request) -> dict[str, Any]:
     state = state_of(request)
     return {
@@ -69,7 +65,6 @@ async def rag_config(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/v1/cache/stats")
 async def cache_stats(request: Request) -> dict[str, Any]:
     state = state_of(request)
     stats = await asyncio.to_thread(state.cache.stats)
@@ -83,14 +78,12 @@ async def cache_stats(request: Request) -> dict[str, Any]:
     return stats
 
 
-@router.post("/v1/cache/invalidate")
 async def cache_invalidate(body: InvalidateRequest, request: Request) -> dict[str, Any]:
     state = state_of(request)
     removed = await asyncio.to_thread(state.cache.invalidate, body.doc_id)
     return {"doc_id": body.doc_id, "removed": removed}
 
 
-@router.get("/v1/cache/integrity")
 async def cache_integrity(request: Request) -> Response:
     state = state_of(request)
     try:
@@ -128,3 +121,14 @@ def _chunk_json(delta: str, result: QueryResult | None) -> dict[str, Any]:
     if result is not None:
         data["result"] = result_to_json(result)
     return data
+
+
+def router() -> APIRouter:
+    """This module's routes (a new router per app: nothing is shared between apps)."""
+    routes = APIRouter()
+    routes.add_api_route(QUERY, rag_query, methods=["POST"])
+    routes.add_api_route("/v1/rag/config", rag_config, methods=["GET"])
+    routes.add_api_route("/v1/cache/stats", cache_stats, methods=["GET"])
+    routes.add_api_route("/v1/cache/invalidate", cache_invalidate, methods=["POST"])
+    routes.add_api_route("/v1/cache/integrity", cache_integrity, methods=["GET"])
+    return routes
