@@ -18,6 +18,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0
+API_KEY_ENV = "RAGCACHE_API_KEY"
 
 
 def free_port() -> int:
@@ -91,9 +92,6 @@ class ServerProcess:
             response.raise_for_status()
             data: dict[str, Any] = response.json()
             return data
-
-
-API_KEY_ENV = "RAGCACHE_API_KEY"
 
 
 def started(
