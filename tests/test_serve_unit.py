@@ -53,6 +53,7 @@ from ragcache_core.serve.wire import (
     result_from_json,
     result_to_json,
 )
+from ragcache_core.storage.host_pool import shm_folder
 
 DOCS = (Document("a", "Paris is in France.", {"title": "Paris"}), Document("b", "Rome."))
 
@@ -346,6 +347,7 @@ def test_one_process_owns_a_port() -> None:
         pass
     with sole_owner("127.0.0.1", port):  # released when the owner ended
         pass
+    assert not list(shm_folder().glob(f"ragcache-serve-127.0.0.1-{port}.lock"))  # removed
 
 
 def test_the_cli_refuses_more_than_one_worker(tiny_model: Path) -> None:
