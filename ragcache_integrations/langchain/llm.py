@@ -38,10 +38,11 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables import Runnable, RunnableLambda
 from pydantic import ConfigDict, Field, PrivateAttr
 
+from ragcache_core.api import RAGCacheAPI
 from ragcache_core.config import SamplingConfig
-from ragcache_core.controller import QueryResult, RAGCache
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
+from ragcache_core.results import QueryResult
 from ragcache_integrations.langchain.documents import to_ragcache
 
 logger = logging.getLogger(__name__)
@@ -126,13 +127,14 @@ class DocumentMemory(BaseCallbackHandler):
 
 
 class RAGCacheLLM(LLM):
-    """A LangChain LLM answering through a `RAGCache` (`ragcache=`: LangChain's own `cache`
-    field means something else). Documents found in the prompt by `memory` are cached; see
-    the module docstring. `generation_info` carries TTFT, cache hits and token ids."""
+    """A LangChain LLM answering through a `RAGCache` or a `RAGCacheClient` (`ragcache=`:
+    LangChain's own `cache` field means something else). Documents found in the prompt by
+    `memory` are cached; see the module docstring. `generation_info` carries TTFT, cache
+    hits and token ids."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    ragcache: RAGCache
+    ragcache: RAGCacheAPI
     sampling: SamplingConfig | None = None
     memory: DocumentMemory = Field(default_factory=DocumentMemory)
     _warned_uncached: bool = PrivateAttr(default=False)

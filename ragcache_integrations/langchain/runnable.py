@@ -35,10 +35,11 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
+from ragcache_core.api import RAGCacheAPI
 from ragcache_core.config import SamplingConfig
-from ragcache_core.controller import QueryResult, RAGCache
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
+from ragcache_core.results import QueryResult
 from ragcache_core.retrieval.source import SearchSource
 from ragcache_integrations.langchain.adapters import search_source
 from ragcache_integrations.langchain.documents import (
@@ -54,7 +55,9 @@ RunnableInput = dict[str, Any] | str
 
 
 class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
-    """Answers `{"context": documents, "question": question}` through a `RAGCache`.
+    """Answers `{"context": documents, "question": question}` through a `RAGCache` or a
+    `RAGCacheClient` (any `RAGCacheAPI`; with a client, `from_vectorstore`'s search runs here
+    and its final documents go to the server).
 
     `search` (set by `from_vectorstore`) lets the input be the question alone; `k` wins over
     the cache's `CacheConfig.top_k` for that search. Holds no per-call state: share it across
@@ -64,7 +67,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    cache: RAGCache
+    cache: RAGCacheAPI
     search: Any = Field(default=None, description="a ragcache_core SearchSource, or None")
     k: int | None = None
     sampling: SamplingConfig | None = None
@@ -82,7 +85,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         cls,
         vectorstore: VectorStore,
         *,
-        cache: RAGCache,
+        cache: RAGCacheAPI,
         k: int | None = None,
         sampling: SamplingConfig | None = None,
         **search_options: Any,

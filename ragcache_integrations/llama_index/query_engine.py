@@ -40,10 +40,11 @@ from llama_index.core.query_engine.custom import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType, TextNode
 from pydantic import Field, PrivateAttr, field_validator
 
+from ragcache_core.api import RAGCacheAPI
 from ragcache_core.config import PromptConfig, SamplingConfig
-from ragcache_core.controller import QueryResult, RAGCache, StreamChunk
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
+from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.retrieval.source import CallableSource, SearchSource
 from ragcache_integrations.llama_index.adapters import node_to_document, search_source
 from ragcache_integrations.llama_index.prompt import check_prompt, prompt_config
@@ -54,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 
 class RAGCacheQueryEngine(CustomQueryEngine):
-    """A query engine answering through a `RAGCache` (sync, async, streaming).
+    """A query engine answering through a `RAGCache`, or a `RAGCacheClient` of a
+    `ragcache serve` process (any `RAGCacheAPI`; sync, async, streaming). With a client the
+    search runs here and its final documents go to the server (no speculation over HTTP).
 
     `search` is where documents come from (built from an index by `from_index`);
     `similarity_top_k` wins over the cache's `CacheConfig.top_k` (None uses the cache's).
@@ -63,7 +66,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     many concurrent queries.
     """
 
-    cache: RAGCache
+    cache: RAGCacheAPI
     search: Any = Field(description="a ragcache_core SearchSource")
     similarity_top_k: int | None = None
     sampling: SamplingConfig | None = None
@@ -83,7 +86,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         cls,
         index: VectorStoreIndex,
         *,
-        cache: RAGCache,
+        cache: RAGCacheAPI,
         similarity_top_k: int | None = None,
         prompt: BasePromptTemplate | str | PromptConfig | None = None,
         sampling: SamplingConfig | None = None,
@@ -120,7 +123,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         cls,
         retriever: BaseRetriever,
         *,
-        cache: RAGCache,
+        cache: RAGCacheAPI,
         sampling: SamplingConfig | None = None,
         streaming: bool = False,
     ) -> RAGCacheQueryEngine:
@@ -272,7 +275,7 @@ def _chain(first: StreamChunk, rest: Iterator[StreamChunk]) -> Iterator[StreamCh
 def as_query_engine(
     index: VectorStoreIndex,
     *,
-    cache: RAGCache,
+    cache: RAGCacheAPI,
     similarity_top_k: int | None = None,
     prompt: BasePromptTemplate | str | PromptConfig | None = None,
     sampling: SamplingConfig | None = None,

@@ -1,0 +1,111 @@
+"""RAGCache's typed objects as JSON and back: what `/v1/rag/...` sends and `RAGCacheClient`
+reads. Pure functions (no HTTP, no FastAPI), so the client needs only `httpx`.
+
+    Document      {"id", "text", "metadata"}
+    QueryResult   {"answer", "token_ids", "sources", "scores", "ttft_s", "retrieval_s",
+                   "queue_wait_s", "cache_hits", "prompt_tokens", "finish_reason",
+                   "speculative", "retries", "timings"}
+    CacheConfig   dataclasses.asdict, tuples as lists
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
+from ragcache_core.documents import Document, DocumentTemplate
+from ragcache_core.errors import InputError
+from ragcache_core.results import CacheHits, QueryResult
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with tuples as lists and anything JSON cannot hold as its `str`."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return str(value)
+
+
+def document_to_json(doc: Document) -> dict[str, Any]:
+    return {"id": doc.id, "text": doc.text, "metadata": jsonable(dict(doc.metadata))}
+
+
+def document_from_json(data: Mapping[str, Any]) -> Document:
+    return Document(str(data["id"]), str(data["text"]), dict(data.get("metadata") or {}))
+
+
+def result_to_json(result: QueryResult) -> dict[str, Any]:
+    return {
+        "answer": result.answer,
+        "token_ids": list(result.token_ids),
+        "sources": [document_to_json(d) for d in result.sources],
+        "scores": list(result.scores),
+        "ttft_s": result.ttft_s,
+        "retrieval_s": result.retrieval_s,
+        "queue_wait_s": result.queue_wait_s,
+        "cache_hits": dataclasses.asdict(result.hits),
+        "prompt_tokens": result.prompt_tokens,
+        "finish_reason": result.finish_reason,
+        "speculative": result.speculative,
+        "retries": result.retries,
+        "timings": dict(result.timings),
+    }
+
+
+def result_from_json(data: Mapping[str, Any]) -> QueryResult:
+    return QueryResult(
+        answer=str(data["answer"]),
+        token_ids=tuple(int(t) for t in data["token_ids"]),
+        sources=tuple(document_from_json(d) for d in data["sources"]),
+        ttft_s=float(data["ttft_s"]),
+        retrieval_s=float(data["retrieval_s"]),
+        queue_wait_s=float(data["queue_wait_s"]),
+        hits=CacheHits(**data["cache_hits"]),
+        prompt_tokens=int(data["prompt_tokens"]),
+        finish_reason=data.get("finish_reason"),
+        speculative=bool(data.get("speculative", False)),
+        retries=int(data.get("retries", 0)),
+        scores=tuple(float(s) for s in data.get("scores", ())),
+        timings={str(k): float(v) for k, v in (data.get("timings") or {}).items()},
+    )
+
+
+def sampling_to_json(sampling: SamplingConfig) -> dict[str, Any]:
+    return {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "stop": list(sampling.stop),
+        "seed": sampling.seed,
+        "ignore_eos": sampling.ignore_eos,
+    }
+
+
+def sampling_from_json(data: Mapping[str, Any]) -> SamplingConfig:
+    return SamplingConfig(**{**data, "stop": tuple(data.get("stop") or ())})
+
+
+def config_to_json(config: CacheConfig) -> dict[str, Any]:
+    data: dict[str, Any] = jsonable(dataclasses.asdict(config))
+    return data
+
+
+def config_from_json(data: Mapping[str, Any]) -> CacheConfig:
+    """The server's `CacheConfig` (what an integration reads: prompt, sampling, top-k)."""
+    try:
+        prompt = dict(data["prompt"])
+        prompt["document"] = DocumentTemplate(**prompt["document"])
+        fields = {f.name for f in dataclasses.fields(CacheConfig)}
+        rest = {k: v for k, v in data.items() if k in fields and k not in ("prompt", "sampling")}
+        return CacheConfig(
+            **rest,
+            prompt=PromptConfig(**prompt),
+            sampling=sampling_from_json(data["sampling"]),
+        )
+    except (KeyError, TypeError) as exc:
+        raise InputError(f"the server sent a configuration this client cannot read: {exc}") from exc

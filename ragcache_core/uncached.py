@@ -1,0 +1,84 @@
+"""Plain vLLM on given token ids, on RAGCache's engine: the cache is neither read nor written.
+
+What `ragcache serve` answers for a request it cannot cache (no documents, or a system prompt
+other than the tree's root), exactly as `vllm serve` would: the ids go to the engine with no
+plan, and vLLM's own prefix caching is off in a RAGCache engine. Runs on RAGCache's loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+
+from ragcache_core.bridges import Emit
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.engine.async_engine import EngineDied
+from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.faults import EngineSupervisor
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+
+
+class UncachedRunner:
+    """Runs requests straight on the engine (no admission, no plan, no retry: text already
+    streamed cannot be taken back, and a retry would not be what vLLM does)."""
+
+    def __init__(self, config: CacheConfig, engines: EngineSupervisor) -> None:
+        self._config = config
+        self._engines = engines
+        self._ids = itertools.count()
+
+    async def run(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, emit: Emit | None
+    ) -> QueryResult:
+        """Generate for `prompt_ids`; `InputError` (before anything runs) when they do not fit
+        the context with the answer; `RAGCacheError` on a timeout or an engine death (the
+        engine is replaced, the request is not retried)."""
+        ids = _checked_ids(prompt_ids, sampling, self._config.max_model_len)
+        started = time.perf_counter()
+        generation = self._engines.generation
+        text, finish, first_at = "", None, 0.0
+        tokens: tuple[int, ...] = ()
+        timeout = self._config.request_timeout_s
+        loop = asyncio.get_running_loop()
+        stream = self._engines.engine.stream(f"uncached-{next(self._ids)}", ids, sampling)
+        try:
+            async with asyncio.timeout(timeout) as deadline:
+                async for event in stream:  # leaving early aborts the request in vLLM
+                    deadline.reschedule(loop.time() + timeout)
+                    if event.token_ids and not first_at:
+                        first_at = time.perf_counter()
+                    if emit is not None and len(event.text) > len(text):
+                        emit(StreamChunk(event.text[len(text) :]))
+                    text, tokens, finish = event.text, event.token_ids, event.finish_reason
+        except TimeoutError:
+            raise RAGCacheError(f"the request timed out after {timeout} s") from None
+        except EngineDied as exc:
+            await self._engines.restart(generation)
+            raise RAGCacheError("the request lost its engine (restarted; not retried)") from exc
+        return QueryResult(
+            answer=text,
+            token_ids=tokens,
+            sources=(),
+            ttft_s=(first_at or time.perf_counter()) - started,
+            retrieval_s=0.0,
+            queue_wait_s=0.0,
+            hits=CacheHits(computed_tokens=len(ids)),
+            prompt_tokens=len(ids),
+            finish_reason=finish,
+        )
+
+
+def _checked_ids(prompt_ids: Sequence[int], sampling: SamplingConfig, max_len: int) -> list[int]:
+    ids = list(prompt_ids)
+    if not ids:
+        raise InputError("the prompt is empty")
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise InputError("prompt token ids must be non-negative integers")
+    if len(ids) + sampling.max_tokens > max_len:
+        raise InputError(
+            f"the prompt has {len(ids)} tokens but at most {max_len - sampling.max_tokens} fit "
+            f"(max_model_len {max_len} - max_tokens {sampling.max_tokens})"
+        )
+    return ids

@@ -1,0 +1,144 @@
+"""A real `ragcache serve` process for tests: started from this checkout on a free port of
+127.0.0.1, waited for (`/health`), stopped with SIGTERM (the graceful drain), its log kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 240.0
+API_KEY_ENV = "RAGCACHE_API_KEY"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """`python -m ragcache_core serve --model MODEL --port P ARGS...` as a child process."""
+
+    def __init__(self, model: Path, args: Sequence[str], log: Path, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = log
+        command = [sys.executable, "-m", "ragcache_core", "serve", "--model", str(model)]
+        command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        if api_key is not None:
+            command += ["--api-key", api_key]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env.pop(API_KEY_ENV, None)
+        self._log_file = log.open("w")
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.process.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server did not start in {START_TIMEOUT_S} s:\n{self.tail()}")
+
+    def stop(self, timeout_s: float = 120.0) -> int:
+        """SIGTERM (drain), then wait; SIGKILL if it hangs. Returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+        self._log_file.close()
+        return int(self.process.returncode)
+
+    def tail(self, lines: int = 40) -> str:
+        self._log_file.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+    def stats(self) -> dict[str, Any]:
+        with self.client() as http:
+            response = http.get("/v1/cache/stats")
+            response.raise_for_status()
+            data: dict[str, Any] = response.json()
+            return data
+
+
+def started(
+    model: Path, args: Sequence[str], log: Path, api_key: str | None = None
+) -> Iterator[ServerProcess]:
+    """A started server for a fixture (stopped and its log shown on failure)."""
+    server = ServerProcess(model, args, log, api_key)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+        if code not in (0, -signal.SIGTERM):
+            print(f"server exit code {code}:\n{server.tail()}", file=sys.stderr)
+
+
+def sse_data(lines: Iterator[str]) -> Iterator[Any]:
+    """The JSON payloads of a server-sent event stream, up to `[DONE]`."""
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: ") :]
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
+def assert_idle(server: ServerProcess, timeout_s: float = 15.0) -> dict[str, Any]:
+    """Wait until nothing is in flight anywhere (server queue, admission, tree pins, open
+    handles, vLLM's own requests); then the tree's integrity check must pass."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.stats()
+        busy = {
+            "in_flight": stats["serve"]["in_flight"],
+            "in_prefill": stats["in_prefill"],
+            "queue_waiting": stats["queue_waiting"],
+            "pinned_nodes": stats["tree"]["pinned_nodes"],
+            "open_requests": stats["tree"]["open_requests"],
+            "engine_requests": stats["engine_requests"],
+        }
+        if not any(busy.values()):
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still busy after {timeout_s} s: {busy}")
+        time.sleep(0.2)
+    with server.client() as http:
+        check = http.get("/v1/cache/integrity")
+    assert check.status_code == 200, check.text
+    return stats

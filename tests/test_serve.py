@@ -1,0 +1,631 @@
+"""`ragcache serve` end to end: a real server process (tiny model, real vLLM engine, real HTTP on
+127.0.0.1) driven by the OpenAI Python client and httpx.
+
+The references come first, from an in-process `RAGCache` with the same settings (closed before
+the server starts: one engine at a time on this machine): the server's answers must equal the
+in-process cache's for the same documents, and its uncached answers must equal plain vLLM's
+(the engine with no plan) on the same token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from _integration_helpers import corpus, questions
+from _serve_helpers import ServerProcess, assert_idle, sse_data, started
+
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.documents import Document
+
+pytestmark = pytest.mark.vllm
+
+KEY = "test-key"
+SAMPLING = SamplingConfig(max_tokens=8)
+# Pools big enough that nothing this module caches is evicted (hits are asserted per tier).
+CONFIG = CacheConfig(gpu_pool_tokens=8192, host_pool_tokens=8192, top_k=2, sampling=SAMPLING)
+SERVER_ARGS = ["--gpu-pool-tokens", "8192", "--host-pool-tokens", "8192", "--top-k", "2"]
+SERVER_ARGS += ["--max-tokens", "8"]
+OTHER_SYSTEM = "You answer in one word."
+DOCS = corpus(40)
+QUESTIONS = questions(8)
+
+# (question, documents) per test, disjoint so the tests' cache hits do not depend on order.
+CASES: dict[str, tuple[str, tuple[Document, ...]]] = {
+    "chat": (QUESTIONS[0], (DOCS[0], DOCS[1])),
+    "completion": (QUESTIONS[1], (DOCS[2], DOCS[3])),
+    "stream": (QUESTIONS[2], (DOCS[4], DOCS[5])),
+    "other_system": (QUESTIONS[3], (DOCS[6], DOCS[7])),
+    "harmless": (QUESTIONS[4], (DOCS[8], DOCS[9])),
+    "invalidate": (QUESTIONS[5], (DOCS[10], DOCS[11])),
+}
+PLAIN_PROMPT = "The capital of France is"
+PLAIN_CHAT = [{"role": "user", "content": "Say something."}]
+RAG_QUESTION = QUESTIONS[6]
+
+
+def _docs_json(docs: tuple[Document, ...]) -> list[dict[str, Any]]:
+    return [{"id": d.id, "text": d.text, "title": d.title} for d in docs]
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ragcache_core.retrieval.index_store import IndexSettings, build_index
+
+    folder = tmp_path_factory.mktemp("serve-index")
+    settings = IndexSettings(kind="ivf", nlist=8, nprobe=4, lists_per_stage=2)
+    build_index(list(DOCS), settings, progress=False).save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model: Path, index_dir: Path, engine_pool: Any) -> dict[str, Any]:
+    """Token ids from an in-process RAGCache (cached) and plain vLLM (no plan), closed after."""
+    from ragcache_core.controller import RAGCache
+    from ragcache_core.pipeline.prompt import PromptBuilder
+    from ragcache_core.retrieval.index_store import LocalIndex
+
+    engine_pool.close()  # one engine at a time
+    refs: dict[str, Any] = {}
+    with RAGCache(tiny_model, CONFIG) as cache:
+        greedy = dataclasses.replace(SAMPLING, temperature=0.0)
+        for name, (question, docs) in CASES.items():
+            refs[name] = cache.generate(question, docs, sampling=greedy).token_ids
+        refs["chat_plain_vllm"] = _plain(cache, cache.prompts.build(*CASES["chat"]).token_ids)
+        tokenizer = cache.engine.tokenizer()
+        refs["completion_plain"] = _plain(cache, tokenizer.encode(PLAIN_PROMPT))
+        text = tokenizer.apply_chat_template(PLAIN_CHAT, tokenize=False, add_generation_prompt=True)
+        refs["chat_plain"] = _plain(cache, tokenizer.encode(text, add_special_tokens=False))
+        other = dataclasses.replace(CONFIG.prompt, system_prompt=OTHER_SYSTEM)
+        builder = PromptBuilder(tokenizer, other, str(tiny_model), cache.config.dtype or "")
+        refs["other_system_plain"] = _plain(cache, builder.build(*CASES["other_system"]).token_ids)
+        rag = cache.query(RAG_QUESTION, search=LocalIndex.load(index_dir).source(), sampling=greedy)
+        refs["rag"] = (rag.token_ids, [d.id for d in rag.sources])
+    return refs
+
+
+def _plain(cache: Any, ids: list[int]) -> tuple[int, ...]:
+    """Plain vLLM on `ids` (the engine with no plan: no cache involved)."""
+    greedy = dataclasses.replace(SAMPLING, temperature=0.0)
+
+    async def run() -> tuple[int, ...]:
+        tokens: tuple[int, ...] = ()
+        async for event in cache.engine.stream(f"plain-{time.monotonic_ns()}", ids, greedy):
+            tokens = event.token_ids
+        return tokens
+
+    return cache._loop.run(run())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model: Path, index_dir: Path, references: dict[str, Any], tmp_path_factory: Any
+) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    args = [*SERVER_ARGS, "--index", str(index_dir)]
+    yield from started(tiny_model, args, log, api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def oai(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(autouse=True)
+def nothing_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test that used the server: nothing in flight, the tree consistent."""
+    yield
+    if "server" in request.fixturenames:
+        assert_idle(request.getfixturevalue("server"))
+
+
+def _chat(oai: openai.OpenAI, name: str, **extra: Any) -> dict[str, Any]:
+    question, docs = CASES[name]
+    body = {"documents": _docs_json(docs), "return_token_ids": True, **extra}
+    response = oai.chat.completions.create(
+        model=_model(oai),
+        messages=[{"role": "user", "content": question}],
+        max_tokens=8,
+        temperature=0,
+        extra_body=body,
+    )
+    return response.to_dict()
+
+
+def _model(oai: openai.OpenAI) -> str:
+    return oai.models.list().data[0].id
+
+
+# ---------------------------------------------------------------------- surface
+
+
+def test_health_metrics_open_models_and_v1_guarded(server: ServerProcess, oai: Any) -> None:
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "ragcache_doc_hits_total" in metrics and "ragcache_serve_in_flight" in metrics
+    models = oai.models.list().data
+    assert [m.id for m in models] == [str(server_model(server))]
+
+
+def server_model(server: ServerProcess) -> str:
+    with server.client() as http:
+        return str(http.get("/v1/models").json()["data"][0]["id"])
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}],
+    ids=["missing", "wrong", "not-bearer"],
+)
+def test_without_the_key_every_v1_route_is_401(server: ServerProcess, headers: Any) -> None:
+    for method, path in [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/rag/query"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/cache/stats"),
+        ("POST", "/v1/cache/invalidate"),
+    ]:
+        response = httpx.request(method, f"{server.url}{path}", headers=headers, json={})
+        assert response.status_code == 401, (path, response.text)
+        assert "API key" in response.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- answers
+
+
+def test_chat_with_documents_equals_in_process_and_repeat_hits(
+    oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    first = _chat(oai, "chat")
+    assert tuple(first["choices"][0]["token_ids"]) == references["chat"]
+    assert references["chat"] == references["chat_plain_vllm"]  # the cache changes nothing
+    report = first["ragcache"]
+    assert report["cached"] and report["uncached_reason"] is None
+    assert report["documents"] == [d.id for d in CASES["chat"][1]]
+    assert report["cache_hits"]["computed_docs"] == 2 and report["ttft_s"] > 0
+    again = _chat(oai, "chat")
+    assert again["ragcache"]["cache_hits"]["gpu_docs"] == 2
+    assert again["ragcache"]["cache_hits"]["cached_tokens"] > 0
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert again["usage"]["completion_tokens"] == 8
+
+
+def test_completions_with_documents_take_the_prompt_as_question(
+    oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    question, docs = CASES["completion"]
+    for _ in range(2):
+        response = oai.completions.create(
+            model=_model(oai),
+            prompt=question,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"documents": _docs_json(docs), "return_token_ids": True},
+        ).to_dict()
+        assert tuple(response["choices"][0]["token_ids"]) == references["completion"]
+    assert response["ragcache"]["cache_hits"]["gpu_docs"] == 2
+
+
+def test_without_documents_it_is_plain_vllm(
+    server: ServerProcess, oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    before = server.stats()["requests"]
+    completion = oai.completions.create(
+        model=_model(oai),
+        prompt=PLAIN_PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    ).to_dict()
+    assert tuple(completion["choices"][0]["token_ids"]) == references["completion_plain"]
+    assert completion["ragcache"]["cached"] is False
+    assert completion["ragcache"]["uncached_reason"] == "no_documents"
+    chat = oai.chat.completions.create(
+        model=_model(oai),
+        messages=PLAIN_CHAT,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    ).to_dict()
+    assert tuple(chat["choices"][0]["token_ids"]) == references["chat_plain"]
+    assert server.stats()["requests"] == before  # the cache was not involved
+
+
+def test_another_system_prompt_is_served_uncached_and_says_so(
+    oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    question, docs = CASES["other_system"]
+    response = oai.chat.completions.create(
+        model=_model(oai),
+        messages=[
+            {"role": "system", "content": OTHER_SYSTEM},
+            {"role": "user", "content": question},
+        ],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"documents": _docs_json(docs), "return_token_ids": True},
+    ).to_dict()
+    assert response["ragcache"]["cached"] is False
+    assert response["ragcache"]["uncached_reason"] == "system_prompt_differs"
+    assert response["ragcache"]["documents"] == [d.id for d in docs]
+    assert tuple(response["choices"][0]["token_ids"]) == references["other_system_plain"]
+    # The server's own system prompt, sent explicitly, is the cached root.
+    same = _chat_with_system(oai, CONFIG.prompt.system_prompt, question, docs)
+    assert same["ragcache"]["cached"] is True
+    assert tuple(same["choices"][0]["token_ids"]) == references["other_system"]
+
+
+def _chat_with_system(oai: Any, system: str, question: str, docs: Any) -> dict[str, Any]:
+    return oai.chat.completions.create(  # type: ignore[no-any-return]
+        model=_model(oai),
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"documents": _docs_json(docs), "return_token_ids": True},
+    ).to_dict()
+
+
+def test_streaming_chat_and_completion(oai: openai.OpenAI, references: dict[str, Any]) -> None:
+    question, docs = CASES["stream"]
+    whole = _chat(oai, "stream")
+    chunks = list(
+        oai.chat.completions.create(
+            model=_model(oai),
+            messages=[{"role": "user", "content": question}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"documents": _docs_json(docs), "return_token_ids": True},
+        )
+    )
+    dicts = [c.to_dict() for c in chunks]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in dicts if c["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    last = [c for c in dicts if c["choices"]][-1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert tuple(last["choices"][0]["token_ids"]) == references["stream"]
+    assert last["ragcache"]["cache_hits"]["gpu_docs"] == 2
+    assert dicts[-1]["usage"]["completion_tokens"] == 8  # include_usage: the last chunk
+    pieces = oai.completions.create(
+        model=_model(oai), prompt=PLAIN_PROMPT, max_tokens=8, temperature=0, stream=True
+    )
+    streamed = "".join(p.choices[0].text for p in pieces)
+    plain = oai.completions.create(
+        model=_model(oai), prompt=PLAIN_PROMPT, max_tokens=8, temperature=0
+    )
+    assert streamed == plain.choices[0].text
+
+
+def test_rag_query_searches_the_index_server_side(
+    server: ServerProcess, references: dict[str, Any]
+) -> None:
+    tokens, source_ids = references["rag"]
+    body = {"question": RAG_QUESTION, "sampling": {"temperature": 0}}
+    with server.client() as http:
+        first = http.post("/v1/rag/query", json=body).json()
+        assert [s["id"] for s in first["sources"]] == source_ids
+        assert tuple(first["token_ids"]) == tokens
+        assert first["retrieval_s"] > 0 and first["ttft_s"] >= first["retrieval_s"]
+        assert len(first["scores"]) == 2
+        with http.stream("POST", "/v1/rag/query", json={**body, "stream": True}) as response:
+            events = list(sse_data(response.iter_lines()))
+    text = "".join(e["delta"] for e in events)
+    final = events[-1]["result"]
+    assert text == final["answer"] == first["answer"]
+    assert tuple(final["token_ids"]) == tokens
+    assert final["cache_hits"]["gpu_docs"] == 2  # the second time: hits
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def _ids(name: str) -> list[dict[str, Any]]:
+    return _docs_json(CASES[name][1])
+
+
+BAD = [
+    # (route, body or raw text, status, param, words in the message)
+    ("/v1/chat/completions", "{not json", 400, "body", "JSON"),
+    ("/v1/chat/completions", {}, 400, "messages", "required"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+        "",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "q"}], "documents": "d1"},
+        400,
+        "documents",
+        "list",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "q"}], "documents": [{"id": "d1"}]},
+        400,
+        "documents.0.text",
+        "required",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "q"}], "documents": [{"id": "", "text": "t"}]},
+        400,
+        "documents.0.id",
+        "at least 1",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "q"}], "documents": [{"id": 7, "text": "t"}]},
+        400,
+        "documents.0.id",
+        "string",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "q"}],
+            "documents": [{"id": "a", "txt": "t", "text": "t"}],
+        },
+        400,
+        "documents.0.txt",
+        "Extra",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "q"}],
+            "documents": [{"id": "a", "text": "word " * 5000}],
+        },
+        400,
+        "messages",
+        "maximum context length",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "q"}],
+            "documents": [{"id": "a", "text": "t"}],
+            "max_tokens": 5000,
+        },
+        400,
+        "messages",
+        "maximum context length",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "q"},
+            ],
+            "documents": [{"id": "a", "text": "t"}],
+        },
+        400,
+        "messages",
+        "earlier turns",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages.0.content",
+        "text",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "gpt-4", "messages": [{"role": "user", "content": "q"}]},
+        404,
+        "model",
+        "does not exist",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "q"}], "n": 2},
+        400,
+        "n",
+        "n=1",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "q"}], "temperature": -1},
+        400,
+        "temperature",
+        "",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x" * 30000, "max_tokens": 4},
+        400,
+        "prompt",
+        "maximum context length",
+    ),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt", "vocabulary"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+    (
+        "/v1/completions",
+        {"prompt": [1, 2], "documents": [{"id": "a", "text": "t"}]},
+        400,
+        "prompt",
+        "question",
+    ),
+    ("/v1/rag/query", {"question": "  "}, 400, "question", "empty"),
+    ("/v1/rag/query", {"question": "q", "top_k": 0}, 400, "top_k", ""),
+    (
+        "/v1/rag/query",
+        {"question": "q", "sampling": {"max_tokens": 0}},
+        400,
+        "sampling.max_tokens",
+        "",
+    ),
+    (
+        "/v1/rag/query",
+        {"question": "q", "documents": [{"id": "a", "text": "word " * 5000}]},
+        400,
+        "documents",
+        "fit",
+    ),
+    ("/v1/rag/query", {"question": "q", "colour": "red"}, 400, "colour", "Extra"),
+    ("/v1/cache/invalidate", {}, 400, "doc_id", "required"),
+]
+
+
+def _post(http: httpx.Client, route: str, body: Any) -> httpx.Response:
+    if isinstance(body, str):  # a raw (malformed) body
+        return http.post(route, content=body, headers={"content-type": "application/json"})
+    return http.post(route, json=body)
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param", "words"), BAD)
+def test_bad_input_gets_its_status_and_names_the_field(
+    server: ServerProcess, route: str, body: Any, status: int, param: str, words: str
+) -> None:
+    with server.client() as http:
+        response = _post(http, route, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["param"] == param, error
+    assert words in error["message"], error
+
+
+def test_bad_input_harms_nothing_cached_or_in_flight(
+    server: ServerProcess, oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    _chat(oai, "harmless")  # cached now
+    question, docs = CASES["harmless"]
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "documents": _docs_json(docs),
+        "max_tokens": 400,
+        "temperature": 0,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    events: list[Any] = []
+
+    def long_stream() -> None:
+        with server.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+            events.extend(sse_data(r.iter_lines()))
+
+    worker = threading.Thread(target=long_stream)
+    worker.start()
+    with server.client() as http:
+        for route, bad, status, _, _ in BAD:
+            assert _post(http, route, bad).status_code == status
+    worker.join(120)
+    last = events[-1]
+    assert tuple(last["choices"][0]["token_ids"][:8]) == references["harmless"]
+    assert len(last["choices"][0]["token_ids"]) == 400
+    again = _chat(oai, "harmless")
+    assert again["ragcache"]["cache_hits"]["gpu_docs"] == 2  # still cached
+    assert tuple(again["choices"][0]["token_ids"]) == references["harmless"]
+
+
+# ---------------------------------------------------------------------- disconnects, invalidation
+
+
+def _disconnects(server: ServerProcess, route: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(f'ragcache_serve_disconnects_total{{route="{route}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_gone_mid_stream_aborts_its_request(server: ServerProcess) -> None:
+    question, docs = CASES["chat"]
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "documents": _docs_json(docs),
+        "max_tokens": 3000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    before = server.stats()["requests"]
+    gone = _disconnects(server, "/v1/chat/completions")
+    with server.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = [next(lines) for _ in range(4)]  # the role chunk and a delta (with blanks)
+    assert any('"content"' in line for line in first)
+    stats = assert_idle(server)  # vLLM, the tree and the queue let go of it
+    assert stats["requests"] == before  # never answered: aborted, not run to its end
+    assert _disconnects(server, "/v1/chat/completions") == gone + 1
+
+
+def test_a_client_gone_before_a_whole_answer_aborts_its_request(server: ServerProcess) -> None:
+    question, docs = CASES["chat"]
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "documents": _docs_json(docs),
+        "max_tokens": 3000,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    before = server.stats()["requests"]
+    with server.client(timeout=1.0) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json=body)
+    stats = assert_idle(server)
+    assert stats["requests"] == before
+
+
+def test_invalidate_drops_a_document(server: ServerProcess, oai: openai.OpenAI) -> None:
+    _chat(oai, "invalidate")
+    doc = CASES["invalidate"][1][1].id  # the second document (its node is under the first)
+    with server.client() as http:
+        removed = http.post("/v1/cache/invalidate", json={"doc_id": doc}).json()
+        assert removed == {"doc_id": doc, "removed": 1}
+        assert http.post("/v1/cache/invalidate", json={"doc_id": doc}).json()["removed"] == 0
+    hits = _chat(oai, "invalidate")["ragcache"]["cache_hits"]
+    assert hits["gpu_docs"] == 1 and hits["computed_docs"] == 1
+
+
+def test_a_second_server_on_the_same_port_is_refused(
+    server: ServerProcess, tiny_model: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from _serve_helpers import REPO
+
+    command = [sys.executable, "-m", "ragcache_core", "serve", "--model", str(tiny_model)]
+    command += ["--port", str(server.port)]
+    done = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    assert done.returncode != 0
+    assert "another ragcache serve process already serves" in done.stdout + done.stderr
+
+
+def test_every_serve_metric_moved(server: ServerProcess) -> None:
+    """Runs last: the module's requests moved every collector of the server's registry."""
+    samples = {}
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    chat = 'route="/v1/chat/completions"'
+    assert samples[f'ragcache_serve_requests_total{{{chat},status="200"}}'] > 0
+    assert samples[f'ragcache_serve_requests_total{{{chat},status="499"}}'] >= 2
+    assert samples['ragcache_serve_uncached_total{reason="no_documents"}'] > 0
+    assert samples['ragcache_serve_uncached_total{reason="system_prompt_differs"}'] > 0
+    assert samples[f"ragcache_serve_disconnects_total{{{chat}}}"] >= 2
+    assert samples[f"ragcache_serve_request_seconds_count{{{chat}}}"] > 0
+    assert samples["ragcache_serve_in_flight"] == 0 and samples["ragcache_serve_waiting"] == 0
+    assert samples['ragcache_doc_hits_total{tier="gpu"}'] > 0
