@@ -14,8 +14,7 @@ same protocol.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -223,29 +222,18 @@ class TorchCopyOps:
     ) -> None:
         check_slots("source", src_slots, src.shape[0])
         check_slots("destination", dst_slots, dst.shape[0])
-        with self._threads():
-            for s, d, n in contiguous_runs(src_slots, dst_slots):
-                dst[d : d + n].copy_(src[s : s + n], non_blocking=self._cuda)
+        for s, d, n in contiguous_runs(src_slots, dst_slots):
+            dst[d : d + n].copy_(src[s : s + n], non_blocking=self._cuda)
 
     def load(self, pool: torch.Tensor, index: TokenIndex, paged: PagedKV) -> None:
         if index.num_tokens == 0:
             return
-        with self._threads():
-            self._load(pool, index, paged)
+        self._load(pool, index, paged)
 
     def store(self, paged: PagedKV, index: TokenIndex, pool: torch.Tensor) -> None:
         if index.num_tokens == 0:
             return
-        with self._threads():
-            self._store(paged, index, pool)
-
-    def _threads(self) -> contextlib.AbstractContextManager[None]:
-        """One torch thread for the copies on CPU. vLLM's CPU worker computes with every
-        core, and the engine core and the app share them: with two threads, every copy op's
-        parallel region waited at its barrier for a thread the OS had given away (the store
-        of a 4,096-token step: 232-257 ms with two threads against 40-42 ms with one, while
-        other processes ran, `ragcache bench copies`). Setting the count costs < 1 us."""
-        return contextlib.nullcontext() if self._cuda else one_torch_thread()
+        self._store(paged, index, pool)
 
     def _load(self, pool: torch.Tensor, index: TokenIndex, paged: PagedKV) -> None:
         import torch
@@ -305,21 +293,6 @@ def copy_ops_for(device: torch.device) -> CopyOps:
         else:
             return TritonCopyOps(device)
     return TorchCopyOps(device)
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Run the body with one torch (OpenMP) thread, then restore the caller's count."""
-    import torch
-
-    before = torch.get_num_threads()
-    if before != 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if before != 1:
-            torch.set_num_threads(before)
 
 
 def check_slots(what: str, slots: Sequence[int], capacity: int) -> None:
