@@ -121,7 +121,7 @@ class RAGCache:
             tree=self.tree,
             metrics=self.metrics,
         )
-        self._uncached = UncachedRunner(config, self._engines)
+        self._uncached = UncachedRunner(config, self._engines, self.admission)
 
     @property
     def engine(self) -> AsyncEngine:

@@ -2,8 +2,8 @@
 
     generate ── attempt ──► admission (a prefill slot; speculation brings its own)
         ▲          ├─► lifecycle.open_request: plan in the tree, checked as the connector will
-        │          ├─► engine.stream(prompt, plan) ─► first token: release the prefill slot,
-        │          │                                  lifecycle.first_token (confirm)
+        │          ├─► engine.stream(prompt, plan) ─► first token: lifecycle.first_token
+        │          │                                  (confirm), then release the prefill slot
         │          └─► finished: lifecycle.settle + served_hits on the connector's report
         └── on a timeout or an engine death (engine restarted once): retry, unless text was
             streamed already (it cannot be taken back) or `max_retries` is spent
@@ -252,10 +252,12 @@ class Generator:
             raise
         finally:
             # Abort before releasing: the requests admission wakes must see the tree
-            # without this request's copies.
-            if handle is not None and handle.is_open:
-                self._tree.abort(handle)
-            slot.release()
+            # without this request's copies. The room goes back even if the abort raises.
+            try:
+                if handle is not None and handle.is_open:
+                    self._tree.abort(handle)
+            finally:
+                slot.release()
 
     async def _stream(
         self,

@@ -2,12 +2,15 @@
 
 What `ragcache serve` answers for a request it cannot cache (no documents, or a system prompt
 other than the tree's root), exactly as `vllm serve` would: the ids go to the engine with no
-plan, and vLLM's own prefix caching is off in a RAGCache engine. Runs on RAGCache's loop only.
+plan, and vLLM's own prefix caching is off in a RAGCache engine. It waits for prefill room in
+RAGCache's admission like every request (nothing cached to reorder it by). Runs on RAGCache's
+loop only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -17,16 +20,21 @@ from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.engine.async_engine import EngineDied
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.faults import EngineSupervisor
+from ragcache_core.pipeline.admission import Admission, Ticket
 from ragcache_core.results import CacheHits, QueryResult, StreamChunk
 
 
 class UncachedRunner:
-    """Runs requests straight on the engine (no admission, no plan, no retry: text already
-    streamed cannot be taken back, and a retry would not be what vLLM does)."""
+    """Runs requests straight on the engine: no plan, no retry (text already streamed cannot
+    be taken back, and a retry would not be what vLLM does), but through RAGCache's admission
+    like every request, so uncached traffic counts in the prefill budget."""
 
-    def __init__(self, config: CacheConfig, engines: EngineSupervisor) -> None:
+    def __init__(
+        self, config: CacheConfig, engines: EngineSupervisor, admission: Admission
+    ) -> None:
         self._config = config
         self._engines = engines
+        self._admission = admission
         self._ids = itertools.count()
 
     async def run(
@@ -37,37 +45,54 @@ class UncachedRunner:
         engine is replaced, the request is not retried)."""
         ids = _checked_ids(prompt_ids, sampling, self._config.max_model_len)
         started = time.perf_counter()
+        ticket = Ticket(score=lambda: (0, len(ids)))
+        slot = await self._admission.acquire(ticket)
+        request_id = f"uncached-{next(self._ids)}"
         generation = self._engines.generation
         text, finish, first_at = "", None, 0.0
         tokens: tuple[int, ...] = ()
         timeout = self._config.request_timeout_s
         loop = asyncio.get_running_loop()
-        stream = self._engines.engine.stream(f"uncached-{next(self._ids)}", ids, sampling)
         try:
-            async with asyncio.timeout(timeout) as deadline:
-                async for event in stream:  # leaving early aborts the request in vLLM
+            stream = self._engines.engine.stream(request_id, ids, sampling)
+            async with contextlib.aclosing(stream), asyncio.timeout(timeout) as deadline:  # type: ignore[type-var]
+                async for event in stream:
                     deadline.reschedule(loop.time() + timeout)
                     if event.token_ids and not first_at:
                         first_at = time.perf_counter()
+                        slot.release()
                     if emit is not None and len(event.text) > len(text):
                         emit(StreamChunk(event.text[len(text) :]))
                     text, tokens, finish = event.text, event.token_ids, event.finish_reason
         except TimeoutError:
+            await self._abort(request_id, generation)
             raise RAGCacheError(f"the request timed out after {timeout} s") from None
         except EngineDied as exc:
             await self._engines.restart(generation)
             raise RAGCacheError("the request lost its engine (restarted; not retried)") from exc
+        except BaseException:
+            await self._abort(request_id, generation)
+            raise
+        finally:
+            slot.release()
         return QueryResult(
             answer=text,
             token_ids=tokens,
             sources=(),
             ttft_s=(first_at or time.perf_counter()) - started,
             retrieval_s=0.0,
-            queue_wait_s=0.0,
+            queue_wait_s=ticket.wait_s,
             hits=CacheHits(computed_tokens=len(ids)),
             prompt_tokens=len(ids),
             finish_reason=finish,
         )
+
+    async def _abort(self, request_id: str, generation: int) -> None:
+        """Abort the request in vLLM (if its engine still runs); never hides the caller's
+        error."""
+        if generation == self._engines.generation and not self._engines.engine.is_dead:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._engines.engine.abort(request_id))
 
 
 def _checked_ids(prompt_ids: Sequence[int], sampling: SamplingConfig, max_len: int) -> list[int]:

@@ -345,9 +345,11 @@ def test_one_process_owns_a_port() -> None:
     refused = pytest.raises(ConfigError, match="one process owns the engine")
     with sole_owner("127.0.0.1", port), refused, sole_owner("127.0.0.1", port):
         pass
+    with sole_owner("127.0.0.1", port), refused, sole_owner("0.0.0.0", port):
+        pass  # another address, the same port: it could not bind either
     with sole_owner("127.0.0.1", port):  # released when the owner ended
         pass
-    assert not list(shm_folder().glob(f"ragcache-serve-127.0.0.1-{port}.lock"))  # removed
+    assert not list(shm_folder().glob(f"ragcache-serve-port-{port}.lock"))  # removed
 
 
 def test_the_cli_refuses_more_than_one_worker(tiny_model: Path) -> None:

@@ -183,3 +183,34 @@ def test_staging_reuses_its_memory_and_grows_when_needed() -> None:
     assert larger.shape == (4, 4) and larger.is_contiguous()
     other = staging.get("store", (2, 3), torch.float32, torch.device("cpu"))
     assert other.data_ptr() != larger.data_ptr()  # one buffer per purpose
+
+
+def test_copies_in_layer_groups_equal_copies_of_every_layer_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a staging cap smaller than one step, loads and stores go a layer group at a time
+    and copy exactly what one all-layer pass copies."""
+    from ragcache_core.storage import copy_ops
+
+    layout = PoolLayout(num_layers=5, num_kv_heads=2, head_size=8, dtype="float32", page_size=4)
+    index = _index([1, 1, 1, 2, 2, 2], [1, 2, 3, 0, 1, 2], [13, 14, 15, 16, 17, 18])
+    pool = torch.randn(layout.pool_shape(4))
+
+    def round_trip() -> tuple[list[torch.Tensor], torch.Tensor]:
+        caches = [torch.zeros(2, 3, 8, 2, 8) for _ in range(layout.num_layers)]
+        paged = strided_paged_kv(caches, block_size=8, num_kv_heads=2, head_size=8)
+        ops = TorchCopyOps(torch.device("cpu"))
+        ops.load(pool, index, paged)
+        back = torch.zeros_like(pool)
+        ops.store(paged, index, back)
+        return caches, back
+
+    whole_caches, whole_back = round_trip()
+    per_layer = 2 * 6 * 2 * 8 * 4  # K and V of 6 tokens, 2 heads x 8, float32
+    monkeypatch.setattr(copy_ops, "STAGING_BYTES", 2 * per_layer)  # groups of 2 layers
+    assert copy_ops.layer_groups(5, per_layer) == [range(0, 2), range(2, 4), range(4, 5)]
+    grouped_caches, grouped_back = round_trip()
+    assert all(torch.equal(a, b) for a, b in zip(whole_caches, grouped_caches, strict=True))
+    assert torch.equal(whole_back, grouped_back)
+    rows = (index.pool_slots, slice(None), slice(None), index.pool_rows)
+    assert torch.equal(grouped_back[rows], pool[rows])

@@ -317,7 +317,12 @@ class PointRun:
         measured = self.measured
         ttfts = sorted(o.ttft_s for o in measured)
         finish = max(
-            (a + o.latency_s for a, o in zip(self.arrivals, self.outcomes, strict=True)),
+            (
+                a + o.latency_s
+                for a, o in zip(
+                    self.arrivals[self.warmup :], self.outcomes[self.warmup :], strict=True
+                )
+            ),
             default=0.0,
         )
         span = finish - self.arrivals[self.warmup] if measured else 0.0
@@ -402,7 +407,7 @@ async def run_point(
     if warmup and warmup_concurrency > 0:
         await closed_loop(one, range(warmup), warmup_concurrency)
         first = warmup
-    shift = (time.perf_counter() - start - arrivals[first]) if first else 0.0
+    shift = (time.perf_counter() - start - arrivals[first]) if 0 < first < len(requests) else 0.0
     await asyncio.gather(*(at(i, arrivals[i] + shift) for i in range(first, len(requests))))
     counters = system.counters() if isinstance(system, RAGCacheSystem) else {}
     complete = tuple(o for o in outcomes if o is not None)

@@ -80,13 +80,13 @@ MODES = {
     "smoke": Mode(
         "smoke", 1, 3, 1, 0, 1.0, 1, 0.0, ("demo",), ("vllm", "vllm-apc", "ragcache"), ()
     ),
-    # Real figures in about 10 minutes: the demo's stream (documents dominate the prompt, the
+    # Real figures in under 10 minutes: the demo's stream (documents dominate the prompt, the
     # working set is larger than vLLM-APC's "GPU" KV), four systems, two rates, 2 repeats;
-    # each point first warms the caches with 80 requests (4 at a time, not measured).
+    # each point first warms the caches with 60 requests (4 at a time, not measured).
     "quick": Mode(
         "quick",
-        80,
-        24,
+        60,
+        20,
         2,
         3,
         2.0,

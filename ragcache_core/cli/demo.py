@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ragcache_core.bench.workloads import RETRIEVERS
+
 WARMUP_CONCURRENCY = 4
 """Warm-up requests in flight at once (a closed loop)."""
 DEFAULTS = {
@@ -70,7 +72,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top-k", type=int, default=None, help="default: 1 (long), 2 (short)")
     p.add_argument(
         "--retriever",
-        choices=("tfidf", "minilm"),
+        choices=tuple(RETRIEVERS),
         default="tfidf",
         help="tfidf: the offline default; minilm: all-MiniLM-L6-v2 (the 'embed' extra)",
     )

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,11 +46,19 @@ def model_folder(cache_dir: Path | None = None) -> Path:
     archive = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
     home = Path(os.environ.get("RAGCACHE_HOME", Path.home() / ".cache" / "ragcache"))
     folder = (cache_dir or home / "embedders") / MODEL_NAME
+    folder.parent.mkdir(parents=True, exist_ok=True)
     if not (folder / "model.safetensors").is_file():
-        partial = folder.with_name(folder.name + ".partial")
-        with zipfile.ZipFile(archive) as zipped:
-            zipped.extractall(partial)
-        partial.replace(folder)
+        # Unpack beside it under a unique name, then rename: a reader never sees a half
+        # folder, and two processes unpacking at once both end with a whole one.
+        partial = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=folder.parent))
+        try:
+            with zipfile.ZipFile(archive) as zipped:
+                zipped.extractall(partial)
+            if not (folder / "model.safetensors").is_file():  # nobody finished meanwhile
+                shutil.rmtree(folder, ignore_errors=True)  # a broken earlier unpack
+                partial.replace(folder)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 

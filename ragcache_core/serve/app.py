@@ -46,6 +46,7 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
             finally:
                 state.queue.close()
                 await asyncio.to_thread(state.cache.close)
+                state.renderer_thread.shutdown(wait=False)
 
     app = FastAPI(title="RAGCache", lifespan=lifespan)
     if settings.api_key is not None:

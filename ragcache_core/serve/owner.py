@@ -21,12 +21,14 @@ from ragcache_core.storage.host_pool import shm_folder
 
 @contextlib.contextmanager
 def sole_owner(host: str, port: int) -> Iterator[None]:
-    """Hold the engine lock of `host:port` for the block; `ConfigError` if another process
-    holds it. Port 0 (any free port) is never shared, so it takes no lock."""
+    """Hold the engine lock of `port` for the block; `ConfigError` if another process holds
+    it. Keyed by the port alone: 0.0.0.0:8000 and 127.0.0.1:8000 cannot both bind, and the
+    second must fail before it builds an engine. Port 0 (any free port) is never shared, so
+    it takes no lock."""
     if port == 0:
         yield
         return
-    path = shm_folder() / f"ragcache-serve-{host.replace(':', '_')}-{port}.lock"
+    path = shm_folder() / f"ragcache-serve-port-{port}.lock"
     fd = _lock(path, f"{host}:{port}")
     try:
         os.write(fd, str(os.getpid()).encode())

@@ -8,7 +8,8 @@ what it sends to the cache (to check it against the context and size a default a
     documents + the server's prompt      counted with the cache's PromptBuilder layout; the
                                          cache builds (and caches) the same ids itself
 
-Runs on the server's event loop only (`PromptBuilder` is not thread-safe).
+Runs on the server's renderer thread only (`ServeState.render`; `PromptBuilder` is not
+thread-safe).
 """
 
 from __future__ import annotations
@@ -65,9 +66,12 @@ class PromptRenderer:
         without added special tokens (the template has them), as `vllm serve` does."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise InputError("the model has no chat template: use /v1/completions")
-        text = self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # the template refused the messages (e.g. jinja's raise)
+            raise InputError(f"the chat template cannot render these messages: {exc}") from exc
         return list(self._tokenizer.encode(str(text), add_special_tokens=False))
 
     def completion(self, prompt: str | list[int]) -> list[int]:

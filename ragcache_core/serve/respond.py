@@ -58,23 +58,30 @@ def streamed(
     events: AsyncIterator[str],
     param: str | None,
 ) -> PlacedStream:
-    """`events` as SSE, a failure as the last event, then `[DONE]`."""
+    """`events` as SSE, a failure as the last event, then `[DONE]`. The outcome is counted
+    with the failure's status (the 200 already sent cannot be taken back, the metric can)."""
     started = time.perf_counter()
+    failed: list[int] = []  # the status of the failure that ended the stream, if any
 
     def ended(completed: bool) -> None:
         if not completed:
             state.metrics.disconnects.labels(route).inc()
-        state.metrics.answered(route, 200 if completed else 499, time.perf_counter() - started)
+        status = (failed[0] if failed else 200) if completed else 499
+        state.metrics.answered(route, status, time.perf_counter() - started)
 
-    return PlacedStream(_closed_by_done(events, param), place, ended)
+    return PlacedStream(_closed_by_done(events, param, failed), place, ended)
 
 
-async def _closed_by_done(events: AsyncIterator[str], param: str | None) -> AsyncIterator[str]:
+async def _closed_by_done(
+    events: AsyncIterator[str], param: str | None, failed: list[int]
+) -> AsyncIterator[str]:
     try:
         async for item in events:
             yield item
     except Exception as exc:  # the status line is out: the error is the stream's last event
-        yield event(as_serve_error(exc, param).body())
+        error = as_serve_error(exc, param)
+        failed.append(error.status)
+        yield event(error.body())
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     yield DONE

@@ -1,8 +1,9 @@
 """`POST /v1/chat/completions` and `POST /v1/completions`, OpenAI-compatible.
 
     body ─► validated (schemas.py: 400 naming the field) ─► model checked (404)
-         ─► a job (jobs.py): cached (question + documents) or uncached (token ids, and why)
-         ─► sampling, checked against the context (400) ─► a place in flight (429 / 503)
+         ─► a place in flight (429 / 503), before any work
+         ─► on the renderer thread: a job (jobs.py): cached (question + documents) or
+            uncached (token ids, and why); sampling, checked against the context (400)
          ─► the cache's stream (`astream` / `astream_uncached`) ─► whole JSON or SSE chunks
 
 The extension fields and the `ragcache` report are described in schemas.py, openai_format.py.
@@ -11,7 +12,7 @@ The extension fields and the `ragcache` report are described in schemas.py, open
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request, Response
 
@@ -31,13 +32,15 @@ COMPLETIONS = "/v1/completions"
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state = state_of(request)
     state.check_model(body.model)
-    return await _serve(state, request, "chat", body, chat_job(body, state.renderer))
+    return await _serve(state, request, "chat", body, lambda: chat_job(body, state.renderer))
 
 
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = state_of(request)
     state.check_model(body.model)
-    return await _serve(state, request, "completion", body, completion_job(body, state.renderer))
+    return await _serve(
+        state, request, "completion", body, lambda: completion_job(body, state.renderer)
+    )
 
 
 async def _serve(
@@ -45,13 +48,25 @@ async def _serve(
     request: Request,
     kind: Kind,
     body: ChatRequest | CompletionRequest,
-    job: Job,
+    make_job: Callable[[], Job],
 ) -> Response:
+    """A place first (a full server refuses before any work), then the job and its sampling
+    on the renderer thread (tokenization stays off the event loop), then the answer."""
     route, param = (CHAT, "messages") if kind == "chat" else (COMPLETIONS, "prompt")
-    sampling = sampling_for(body, job, state.defaults, state.settings.config.max_model_len)
+    place = state.enter(route)
+    max_len = state.settings.config.max_model_len
+
+    def prepare() -> tuple[Job, SamplingConfig]:
+        job = make_job()
+        return job, sampling_for(body, job, state.defaults, max_len)
+
+    try:
+        job, sampling = await state.render(prepare)
+    except BaseException:
+        place.release()
+        raise
     reply = Reply(kind, state.settings.model_name, job, token_ids=body.return_token_ids)
     chunks = open_stream(state.cache, job, sampling)  # nothing runs until it is iterated
-    place = state.enter(route)
     if not isinstance(job, CachedJob):
         state.metrics.uncached.labels(job.reason).inc()
     if body.stream:

@@ -45,10 +45,19 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     if documents is None and not state.has_index:
         raise bad_request("this server has no --index: send the documents", "documents")
     sampling = body.sampling.over(cache.config.sampling) if body.sampling else None
+    place = state.enter(QUERY)  # a full server refuses before any work
     if documents is not None:
-        _check_length(state, body.question, documents, sampling or cache.config.sampling)
+        given = documents
+        try:
+            await state.render(
+                lambda: _check_length(
+                    state, body.question, given, sampling or cache.config.sampling
+                )
+            )
+        except BaseException:
+            place.release()
+            raise
     chunks = cache.astream(body.question, documents=documents, top_k=body.top_k, sampling=sampling)
-    place = state.enter(QUERY)
     if body.stream:
         return respond.streamed(state, QUERY, place, _events(chunks), "question")
     return await respond.whole(

@@ -57,8 +57,3 @@ class ServeSettings:
     def model_name(self) -> str:
         """The name clients use in `model`."""
         return self.served_model_name or self.model
-
-    @property
-    def capacity(self) -> int:
-        """Requests in flight at most (running plus waiting)."""
-        return self.config.max_num_seqs + self.max_waiting

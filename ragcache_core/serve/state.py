@@ -5,10 +5,12 @@ integrity check, the Prometheus registry and `close`; `RAGCache` is one).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
@@ -44,6 +46,7 @@ class ServableCache(RAGCacheAPI, Protocol):
 
 
 CacheFactory = Callable[[ServeSettings], ServableCache]
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,6 +61,15 @@ class ServeState:
     metrics: ServeMetrics
     has_index: bool
     started_at: float = field(default_factory=time.time)
+    renderer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ragcache-render")
+    )
+    """Tokenization and chat templates run here, off the event loop (one thread: the
+    renderer's token caches are not thread-safe)."""
+
+    async def render(self, work: Callable[[], T]) -> T:
+        """`work()` on the renderer thread (prompt rendering and token counting)."""
+        return await asyncio.get_running_loop().run_in_executor(self.renderer_thread, work)
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve (None: the served one), as vLLM."""

