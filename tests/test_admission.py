@@ -201,3 +201,75 @@ def test_a_cancelled_deferred_request_leaves_nothing_behind() -> None:
         return admission.in_prefill, admission.waiting
 
     assert asyncio.run(main()) == (0, 0)
+
+
+def test_a_writer_that_fails_unblocks_its_deferred_readers() -> None:
+    """The writer of an in-flight document aborts (its node leaves the tree) and releases:
+    the deferred reader is admitted (it will compute the document itself)."""
+
+    async def main() -> tuple[bool, bool, int]:
+        admission = Admission(capacity=4, queue="fcfs", window=0)
+        node = {"in_flight": True}
+        writer = await admission.acquire(Ticket(score=lambda: (0, 100)))
+        other = await admission.acquire(Ticket(score=lambda: (0, 100)))  # keeps prefill busy
+        reader = asyncio.ensure_future(
+            admission.acquire(Ticket(score=lambda: (0, 100), blocked=lambda: node["in_flight"]))
+        )
+        await asyncio.sleep(0)
+        deferred = not reader.done()
+        node["in_flight"] = False  # the writer's abort removed the node ...
+        writer.release()  # ... before it released its room (generation.py's order)
+        await asyncio.sleep(0)
+        admitted = reader.done()
+        reader.result().release()
+        other.release()
+        return deferred, admitted, admission.in_prefill
+
+    assert asyncio.run(main()) == (True, True, 0)
+
+
+def test_a_release_before_the_confirm_would_leave_the_reader_waiting() -> None:
+    """Why generation.py confirms before it releases: a release seen while the document is
+    still in flight re-checks the deferred reader too early, and with another request in
+    prefill nothing wakes it when the confirm comes later."""
+
+    async def main() -> bool:
+        admission = Admission(capacity=4, queue="fcfs", window=0)
+        node = {"in_flight": True}
+        writer = await admission.acquire(Ticket(score=lambda: (0, 100)))
+        other = await admission.acquire(Ticket(score=lambda: (0, 100)))
+        reader = asyncio.ensure_future(
+            admission.acquire(Ticket(score=lambda: (0, 100), blocked=lambda: node["in_flight"]))
+        )
+        await asyncio.sleep(0)
+        writer.release()  # the wrong order: released first ...
+        node["in_flight"] = False  # ... confirmed after
+        await asyncio.sleep(0)
+        stuck = not reader.done()
+        other.release()  # the next release (or an empty prefill) finally admits it
+        await asyncio.sleep(0)
+        reader.result().release()
+        return stuck
+
+    assert asyncio.run(main()) is True
+
+
+def test_speculation_takes_no_room_while_a_request_is_deferred() -> None:
+    async def main() -> tuple[bool, bool]:
+        admission = Admission(capacity=4, queue="fcfs", window=0)
+        holder = await admission.acquire(Ticket(score=lambda: (0, 10)))
+        free_before = admission.try_acquire(10)
+        assert free_before is not None
+        free_before.release()
+        reader = asyncio.ensure_future(
+            admission.acquire(Ticket(score=lambda: (0, 10), blocked=lambda: True))
+        )
+        await asyncio.sleep(0)
+        refused = admission.try_acquire(10) is None
+        holder.release()  # prefill empties: the deferred one is admitted
+        await asyncio.sleep(0)
+        admitted = reader.done()
+        reader.result().release()
+        return refused, admitted
+
+    assert asyncio.run(main()) == (True, True)

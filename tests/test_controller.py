@@ -336,9 +336,11 @@ def test_stores_are_readable_from_the_first_token(cache: RAGCache) -> None:
 
 
 def test_a_concurrent_request_waits_for_documents_in_flight(cache: RAGCache) -> None:
-    """Two requests for the same new documents at once: the second waits for the first's
-    first token (its documents in flight) and reads them, instead of computing them again
-    beside it."""
+    """Two requests for the same new documents at once: the second is deferred while the
+    first computes them (in flight) and then reads them, instead of computing them again
+    beside it. (With two requests prefill empties at the first one's first token, which
+    admits the deferred one either way: the order confirm-then-release is checked by
+    test_admission.py's tests of the deferral itself.)"""
     cache.clear()
     docs = [DOCS[3], DOCS[4]]
     deferred_before = cache.stats()["deferrals"]

@@ -157,9 +157,11 @@ def test_cpu_block_reads_equal_the_probed_table(dtype: torch.dtype) -> None:
     assert isinstance(paged, CpuPagedKV)  # the "vec" layout was recognised
     isa = compat.cpu_attention_isa(dtype, block_size, head_size, "auto")
     everything = torch.arange(5 * block_size)
+    written = []
     for cache in caches:
         kv = torch.randn(2, len(everything), heads, head_size).to(dtype)
         compat.cpu_write_kv(kv[0], kv[1], cache, everything, isa, block_size)
+        written.append(kv)
     slots = torch.tensor([131, 5, 6, 31, 32, 70, 71, 159, 7, 100])
     where = paged.locate(slots)
     generic = LinearPagedKV.read_into  # the element-wise path through the table
@@ -170,6 +172,9 @@ def test_cpu_block_reads_equal_the_probed_table(dtype: torch.dtype) -> None:
         generic(paged, layer, where, want_key, want_value)
         assert torch.equal(key, want_key) and torch.equal(value, want_value)
         assert torch.equal(torch.stack((key, value), 1), paged.read(layer, where))
+        # ... and all of them return what vLLM's kernel was given for those slots.
+        assert torch.equal(key, written[layer][0][slots])
+        assert torch.equal(value, written[layer][1][slots])
 
 
 def test_staging_reuses_its_memory_and_grows_when_needed() -> None:

@@ -244,6 +244,7 @@ class RAGCacheSystem:
         self.cache = RAGCache(model, self.config, search=source)
         self.start_s = time.perf_counter() - started
         self.top_k = config.top_k
+        self._deferrals_at_reset = 0
 
     def use(self, source: SearchSource | None, top_k: int) -> None:
         self.source, self.top_k = source, top_k
@@ -269,13 +270,17 @@ class RAGCacheSystem:
         )
 
     def counters(self) -> dict[str, Any]:
-        """RAGCache's own counters since the last reset (warm-up requests included)."""
+        """RAGCache's own counters since the last reset (warm-up requests included):
+        speculation outcomes, and requests deferred on a document in flight."""
         stats = self.cache.stats()
         keys = ("speculation_started", "speculation_aborted", "speculation_used")
-        return {k: stats[k] for k in keys if k in stats}
+        counted = {k: stats[k] for k in keys if k in stats}
+        counted["deferrals"] = stats["deferrals"] - self._deferrals_at_reset
+        return counted
 
     async def reset(self) -> None:
         await asyncio.to_thread(self.cache.clear)
+        self._deferrals_at_reset = self.cache.stats()["deferrals"]  # never reset by clear()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.cache.close)

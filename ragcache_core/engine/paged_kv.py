@@ -101,8 +101,8 @@ class CpuPagedKV(LinearPagedKV):
           V  region [B, H, bs, D]  --index_select(blocks), permuted-->  [U, bs, H, D]
           then the tokens' rows of those U * bs rows (`Located.blocks`)
 
-    Two passes over contiguous memory instead of an int64 offset per element (measured: the
-    store of a 4,096-token step 2.8x faster, `ragcache bench copies`)."""
+    Two passes over contiguous memory instead of an int64 offset per element (the store's
+    speed: `ragcache bench copies`, docs/benchmarks.md "KV copies")."""
 
     def read_into(
         self, layer: int, where: copy_ops.Located, key: torch.Tensor, value: torch.Tensor
