@@ -28,7 +28,7 @@ from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import EngineDied, StreamEvent
 from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
-from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
 from ragcache_core.faults import EngineSupervisor
 from ragcache_core.lifecycle import first_token, open_request, served_hits, settle
 from ragcache_core.metrics import Metrics
@@ -129,12 +129,7 @@ class Generator:
         """The prompt's token ids; `InputError` (before anything is allocated) when it does not
         fit the context with the answer."""
         prompt = self._prompts.build(question, documents)
-        limit = self._config.max_model_len - sampling.max_tokens
-        if prompt.num_tokens > limit:
-            raise InputError(
-                f"the prompt has {prompt.num_tokens} tokens but at most {limit} fit "
-                f"(max_model_len {self._config.max_model_len} - max_tokens {sampling.max_tokens})"
-            )
+        check_fits_context(prompt.num_tokens, sampling.max_tokens, self._config.max_model_len)
         return prompt
 
     def score(self, prompt: BuiltPrompt) -> tuple[int, int]:

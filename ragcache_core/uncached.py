@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from ragcache_core.bridges import Emit
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.engine.async_engine import EngineDied
-from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
 from ragcache_core.faults import EngineSupervisor
 from ragcache_core.generation import follow
 from ragcache_core.pipeline.admission import Admission, Ticket
@@ -91,9 +91,5 @@ def _checked_ids(prompt_ids: Sequence[int], sampling: SamplingConfig, max_len: i
         raise InputError("the prompt is empty")
     if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
         raise InputError("prompt token ids must be non-negative integers")
-    if len(ids) + sampling.max_tokens > max_len:
-        raise InputError(
-            f"the prompt has {len(ids)} tokens but at most {max_len - sampling.max_tokens} fit "
-            f"(max_model_len {max_len} - max_tokens {sampling.max_tokens})"
-        )
+    check_fits_context(len(ids), sampling.max_tokens, max_len)
     return ids
