@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ragcache_core.bench.serve import Outcome, run_point
+from ragcache_core.bench.serve import ABLATIONS, Outcome, run_point
 from ragcache_core.bench.sweep import (
     MODES,
     ablation_groups,
@@ -95,7 +95,7 @@ def test_sustained_rate_and_claims_need_apart_spreads() -> None:
 
 
 def test_ablations_run_beside_and_against_their_parents() -> None:
-    ablations = MODES["full"].ablations
+    ablations = ABLATIONS
     groups = ablation_groups(ablations)
     assert [g for group in groups for g in group] == list(ablations)
     assert all(len(g) <= 2 for g in groups)
@@ -118,7 +118,7 @@ def test_the_full_mode_runs_only_vllm_and_ragcache_on_noreuse_unless_named() -> 
     full = MODES["full"]
     assert workload_systems(full, "noreuse", named=False) == ("vllm", "ragcache")
     assert workload_systems(full, "noreuse", named=True) == full.systems
-    assert workload_systems(full, "long", named=False) == full.systems
+    assert workload_systems(full, "long-shuffled", named=False) == full.systems
 
 
 class _Recorder:

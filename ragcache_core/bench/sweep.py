@@ -97,11 +97,12 @@ MODES = {
         ("vllm", "vllm-apc", "vllm-apc-total", "ragcache"),
         (),
     ),
-    # The sweep, sized to stay under 2 hours here: the 458-chunk streams shuffled and in
+    # The sweep, about 1.9 hours here (FULL_ESTIMATE): the 458-chunk streams shuffled and in
     # order, the short documents and the no-reuse stream (`demo`, a 46-chunk part of
-    # `long-shuffled`, is --quick's), four systems (two on `noreuse`: COMPARED), up to three
-    # rates, 3 repeats; the ablations on the first workload (shuffled: in order, the working
-    # set fits every cache and no mechanism matters).
+    # `long-shuffled`, is --quick's), four systems (fewer where they cannot differ:
+    # COMPARED), up to three rates, 3 repeats; five ablations on the first workload
+    # (shuffled: in order the working set fits every cache and no mechanism matters;
+    # `vllm-apc-noconn` only by name, it showed what `vllm-noconn` shows).
     "full": Mode(
         "full",
         80,
@@ -119,16 +120,24 @@ MODES = {
             "ragcache-noreorder",
             "ragcache-nospec",
             "vllm-noconn",
-            "vllm-apc-noconn",
         ),
     ),
 }
+FULL_ESTIMATE = (
+    "about 1.9 hours on the 2-core machine, from its parts measured there: long-shuffled 36"
+    " min, long 20, short 18, noreuse 13, ablations 23 (docs/benchmarks.md)"
+)
 
 
-COMPARED = {"noreuse": ("vllm", "ragcache")}
-"""Workloads whose question needs only some of a mode's systems: with nothing reused there is
-no prefix cache to compare, only RAGCache's cost against plain vLLM. Applied to a mode's own
-systems, never to systems the user named (`workload_systems`)."""
+COMPARED = {
+    "noreuse": ("vllm", "ragcache"),
+    "long": ("vllm", "vllm-apc", "ragcache"),
+}
+"""Workloads whose question needs only some of a mode's systems (applied to a mode's own
+systems, never to systems the user named: `workload_systems`). `noreuse`: nothing is reused,
+so no prefix cache to compare, only RAGCache's cost against plain vLLM. `long`: in dataset
+order the working set (~16 chunks per point) fits vLLM-APC's KV, so more memory changes
+nothing (measured: vllm-apc and vllm-apc-total 84% token hits both)."""
 
 
 def workload_systems(mode: Mode, workload: str, named: bool) -> tuple[str, ...]:
