@@ -9,13 +9,17 @@ from the private loop (`iterate_on`), so there is one stream body.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
+from ragcache_core.config import SamplingConfig
+from ragcache_core.documents import Document
 from ragcache_core.pipeline.loop import LoopThread
 from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.retrieval.source import SearchSource
 
 T = TypeVar("T")
 
@@ -98,3 +102,109 @@ def iterate_on(loop: LoopThread, stream: AsyncIterator[T]) -> Iterator[T]:
             yield item  # type: ignore[misc]
     finally:
         loop.run(close())
+
+
+class LoopCalls(abc.ABC):
+    """`aquery`/`query`, `agenerate`/`generate`, `astream`/`stream`, written once over two
+    async bodies that run on `self._loop` (module docstring). The sync calls block on the
+    private loop, so they also work where the caller's thread runs an event loop (notebooks)."""
+
+    _loop: LoopThread
+
+    @abc.abstractmethod
+    async def _query(
+        self,
+        question: str,
+        search: SearchSource | None,
+        top_k: int | None,
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        """Retrieve for `question` (with `search`, else the default source) and answer."""
+
+    @abc.abstractmethod
+    async def _answer(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        """Answer with the caller's `documents`."""
+
+    async def aquery(
+        self,
+        question: str,
+        *,
+        search: SearchSource | None = None,
+        top_k: int | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> QueryResult:
+        """Retrieve the top-k documents for `question` and answer with them."""
+        return await self._loop.arun(self._query(question, search, top_k, sampling, None))
+
+    def query(
+        self,
+        question: str,
+        *,
+        search: SearchSource | None = None,
+        top_k: int | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> QueryResult:
+        """Blocking `aquery`."""
+        return self._loop.run(self._query(question, search, top_k, sampling, None))
+
+    async def agenerate(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        *,
+        sampling: SamplingConfig | None = None,
+    ) -> QueryResult:
+        """Answer with documents the caller already has (no retrieval)."""
+        return await self._loop.arun(self._answer(question, documents, sampling, None))
+
+    def generate(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        *,
+        sampling: SamplingConfig | None = None,
+    ) -> QueryResult:
+        """Blocking `agenerate`."""
+        return self._loop.run(self._answer(question, documents, sampling, None))
+
+    async def astream(
+        self,
+        question: str,
+        *,
+        documents: Sequence[Document] | None = None,
+        search: SearchSource | None = None,
+        top_k: int | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """Stream the answer as text deltas; the last chunk carries the `QueryResult`.
+        With `documents` no retrieval runs. Closing the iterator early aborts the request."""
+
+        def work(emit: Emit) -> Any:
+            if documents is not None:
+                return self._answer(question, documents, sampling, emit)
+            return self._query(question, search, top_k, sampling, emit)
+
+        async for chunk in astream_from(self._loop, work):
+            yield chunk
+
+    def stream(
+        self,
+        question: str,
+        *,
+        documents: Sequence[Document] | None = None,
+        search: SearchSource | None = None,
+        top_k: int | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Blocking `astream`: an iterator of `StreamChunk`s."""
+        chunks = self.astream(
+            question, documents=documents, search=search, top_k=top_k, sampling=sampling
+        )
+        return iterate_on(self._loop, chunks)

@@ -12,7 +12,8 @@ through them):
 
 Every engine and tree operation runs on one private event loop (`LoopThread`); each public
 call has one async body there, which the async API awaits from the caller's loop and the sync
-API blocks on.
+API blocks on (`query`/`generate`/`stream` and their async forms come from
+`bridges.LoopCalls`, shared with `RAGCacheClient`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import os
 import weakref
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ragcache_core.bridges import Emit, astream_from, iterate_on
+from ragcache_core.bridges import Emit, LoopCalls, astream_from
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import AsyncEngine
@@ -42,7 +43,7 @@ from ragcache_core.uncached import UncachedRunner
 __all__ = ["CacheHits", "QueryResult", "RAGCache", "StreamChunk"]
 
 
-class RAGCache:
+class RAGCache(LoopCalls):
     """A knowledge cache over a vLLM engine.
 
     `model` is a local checkpoint folder (or a model name where a hub is reachable).
@@ -129,85 +130,8 @@ class RAGCache:
         return self._engines.engine
 
     # ------------------------------------------------------------------ public API
-
-    async def aquery(
-        self,
-        question: str,
-        *,
-        search: SearchSource | None = None,
-        top_k: int | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> QueryResult:
-        """Retrieve the top-k documents for `question` (staged, speculating on intermediate
-        results) and answer with them."""
-        return await self._loop.arun(self._query(question, search, top_k, sampling, None))
-
-    def query(
-        self,
-        question: str,
-        *,
-        search: SearchSource | None = None,
-        top_k: int | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> QueryResult:
-        """Blocking `aquery` (works inside notebooks: it runs on RAGCache's own loop)."""
-        return self._loop.run(self._query(question, search, top_k, sampling, None))
-
-    async def agenerate(
-        self,
-        question: str,
-        documents: Sequence[Document],
-        *,
-        sampling: SamplingConfig | None = None,
-    ) -> QueryResult:
-        """Answer with documents the caller already has (no retrieval)."""
-        return await self._loop.arun(self._answer(question, documents, sampling, None))
-
-    def generate(
-        self,
-        question: str,
-        documents: Sequence[Document],
-        *,
-        sampling: SamplingConfig | None = None,
-    ) -> QueryResult:
-        """Blocking `agenerate`."""
-        return self._loop.run(self._answer(question, documents, sampling, None))
-
-    async def astream(
-        self,
-        question: str,
-        *,
-        documents: Sequence[Document] | None = None,
-        search: SearchSource | None = None,
-        top_k: int | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        """Stream the answer as text deltas; the last chunk carries the `QueryResult`.
-        With `documents` no retrieval runs."""
-
-        def work(emit: Emit) -> Any:
-            if documents is not None:
-                return self._answer(question, documents, sampling, emit)
-            return self._query(question, search, top_k, sampling, emit)
-
-        async for chunk in astream_from(self._loop, work):
-            yield chunk
-
-    def stream(
-        self,
-        question: str,
-        *,
-        documents: Sequence[Document] | None = None,
-        search: SearchSource | None = None,
-        top_k: int | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> Iterator[StreamChunk]:
-        """Blocking `astream`: an iterator of `StreamChunk`s. The work runs on RAGCache's own
-        loop, so this also works where the caller's thread runs an event loop (notebooks)."""
-        chunks = self.astream(
-            question, documents=documents, search=search, top_k=top_k, sampling=sampling
-        )
-        return iterate_on(self._loop, chunks)
+    # (aquery/query, agenerate/generate, astream/stream: bridges.LoopCalls, over the
+    # bodies below)
 
     async def astream_uncached(
         self, prompt_ids: Sequence[int], *, sampling: SamplingConfig | None = None

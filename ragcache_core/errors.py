@@ -17,3 +17,14 @@ class ConfigError(RAGCacheError, ValueError):
 
 class InputError(RAGCacheError, ValueError):
     """User input (a trace, a corpus, a query) is malformed; the message names the problem."""
+
+
+def check_fits_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """`InputError`, with the numbers, when a prompt of `prompt_tokens` and an answer of
+    `max_tokens` do not fit the context (the one check, before anything runs)."""
+    limit = max_model_len - max_tokens
+    if prompt_tokens > limit:
+        raise InputError(
+            f"the prompt has {prompt_tokens} tokens but at most {limit} fit "
+            f"(max_model_len {max_model_len} - max_tokens {max_tokens})"
+        )

@@ -19,16 +19,16 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ragcache_core.bridges import Emit
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
-from ragcache_core.engine.async_engine import EngineDied
+from ragcache_core.engine.async_engine import EngineDied, StreamEvent
 from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
-from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
 from ragcache_core.faults import EngineSupervisor
 from ragcache_core.lifecycle import first_token, open_request, served_hits, settle
 from ragcache_core.metrics import Metrics
@@ -59,14 +59,43 @@ class Generation:
 
 
 @dataclass
-class _Progress:
-    """What the engine has streamed for one attempt so far."""
+class Progress:
+    """What the engine has streamed for one request so far."""
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     report: Mapping[str, Any] | None = None
     first_token_at: float = 0.0
+
+
+async def follow(
+    events: AsyncGenerator[StreamEvent, None],
+    timeout_s: float,
+    emit: Emit | None,
+    on_first_token: Callable[[float], None],
+) -> Progress:
+    """Follow one request's engine stream to its end (closing it on every path): each text
+    delta to `emit`, `on_first_token(time)` once, at the first token. `timeout_s` bounds the
+    wait for each event (the first token, then each next one), so a long healthy answer never
+    times out; a stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
+    progress = Progress()
+    loop = asyncio.get_running_loop()
+    async with contextlib.aclosing(events), asyncio.timeout(timeout_s) as deadline:
+        async for event in events:
+            deadline.reschedule(loop.time() + timeout_s)
+            if event.token_ids and not progress.first_token_at:
+                progress.first_token_at = time.perf_counter()
+                on_first_token(progress.first_token_at)
+            if emit is not None and len(event.text) > len(progress.text):
+                emit(StreamChunk(event.text[len(progress.text) :]))
+            progress.text, progress.token_ids = event.text, event.token_ids
+            progress.finish_reason = event.finish_reason
+            if event.finished:
+                progress.report = event.kv_transfer_params
+    # No token at all: finishing is the first.
+    progress.first_token_at = progress.first_token_at or time.perf_counter()
+    return progress
 
 
 class Generator:
@@ -100,12 +129,7 @@ class Generator:
         """The prompt's token ids; `InputError` (before anything is allocated) when it does not
         fit the context with the answer."""
         prompt = self._prompts.build(question, documents)
-        limit = self._config.max_model_len - sampling.max_tokens
-        if prompt.num_tokens > limit:
-            raise InputError(
-                f"the prompt has {prompt.num_tokens} tokens but at most {limit} fit "
-                f"(max_model_len {self._config.max_model_len} - max_tokens {sampling.max_tokens})"
-            )
+        check_fits_context(prompt.num_tokens, sampling.max_tokens, self._config.max_model_len)
         return prompt
 
     def score(self, prompt: BuiltPrompt) -> tuple[int, int]:
@@ -269,46 +293,30 @@ class Generator:
         slot: Slot,
         emit: Emit | None,
         timings: dict[str, float],
-    ) -> _Progress:
-        """Submit the request and follow it to the end. `request_timeout_s` bounds the wait
-        for each event (the first token, then each next one), so a long healthy answer never
-        times out; a stuck engine does.
+    ) -> Progress:
+        """Submit the request and follow it to the end (`follow`: `request_timeout_s` per
+        event).
 
         The request's copies are confirmed at its first token: the connector stores
         synchronously in the step that completes the prompt (before that step's token is
         sampled) and the plan was checked before it was sent, so the first token proves the
         stores ran. Pins and the prefill slot are released then, not at the end."""
-        progress = _Progress()
         submitted = time.perf_counter()
-        timeout = self._config.request_timeout_s
+
+        def confirm(first_token_at: float) -> None:
+            timings["engine_first_token"] = first_token_at - submitted
+            # Confirm before releasing: the requests admission wakes (deferred on this
+            # request's documents) must see them readable.
+            first_token(self._tree, handle)
+            slot.release()
+
         stream = self._engines.engine.stream(request_id, prompt.token_ids, sampling, params)
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout) as deadline:
-            async for event in stream:
-                deadline.reschedule(loop.time() + timeout)
-                if event.token_ids and not progress.first_token_at:
-                    progress.first_token_at = time.perf_counter()
-                    timings["engine_first_token"] = progress.first_token_at - submitted
-                    # Confirm before releasing: the requests admission wakes (deferred on
-                    # this request's documents) must see them readable.
-                    first_token(self._tree, handle)
-                    slot.release()
-                if event.text != progress.text:
-                    delta = event.text[len(progress.text) :]
-                    if delta and emit is not None:
-                        emit(StreamChunk(delta))
-                progress.text, progress.token_ids = event.text, event.token_ids
-                progress.finish_reason = event.finish_reason
-                if event.finished:
-                    progress.report = event.kv_transfer_params
-        # No token at all: finishing is the first.
-        progress.first_token_at = progress.first_token_at or time.perf_counter()
-        return progress
+        return await follow(stream, self._config.request_timeout_s, emit, confirm)
 
     def _settle(
         self,
         handle: RequestHandle,
-        progress: _Progress,
+        progress: Progress,
         prompt: BuiltPrompt,
         ticket: Ticket,
         timings: dict[str, float],

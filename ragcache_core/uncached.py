@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from ragcache_core.bridges import Emit
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.engine.async_engine import EngineDied
-from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
 from ragcache_core.faults import EngineSupervisor
+from ragcache_core.generation import follow
 from ragcache_core.pipeline.admission import Admission, Ticket
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.results import CacheHits, QueryResult
 
 
 class UncachedRunner:
@@ -49,21 +50,10 @@ class UncachedRunner:
         slot = await self._admission.acquire(ticket)
         request_id = f"uncached-{next(self._ids)}"
         generation = self._engines.generation
-        text, finish, first_at = "", None, 0.0
-        tokens: tuple[int, ...] = ()
         timeout = self._config.request_timeout_s
-        loop = asyncio.get_running_loop()
         try:
             stream = self._engines.engine.stream(request_id, ids, sampling)
-            async with contextlib.aclosing(stream), asyncio.timeout(timeout) as deadline:  # type: ignore[type-var]
-                async for event in stream:
-                    deadline.reschedule(loop.time() + timeout)
-                    if event.token_ids and not first_at:
-                        first_at = time.perf_counter()
-                        slot.release()
-                    if emit is not None and len(event.text) > len(text):
-                        emit(StreamChunk(event.text[len(text) :]))
-                    text, tokens, finish = event.text, event.token_ids, event.finish_reason
+            progress = await follow(stream, timeout, emit, lambda _: slot.release())
         except TimeoutError:
             await self._abort(request_id, generation)
             raise RAGCacheError(f"the request timed out after {timeout} s") from None
@@ -76,15 +66,15 @@ class UncachedRunner:
         finally:
             slot.release()
         return QueryResult(
-            answer=text,
-            token_ids=tokens,
+            answer=progress.text,
+            token_ids=progress.token_ids,
             sources=(),
-            ttft_s=(first_at or time.perf_counter()) - started,
+            ttft_s=progress.first_token_at - started,
             retrieval_s=0.0,
             queue_wait_s=ticket.wait_s,
             hits=CacheHits(computed_tokens=len(ids)),
             prompt_tokens=len(ids),
-            finish_reason=finish,
+            finish_reason=progress.finish_reason,
         )
 
     async def _abort(self, request_id: str, generation: int) -> None:
@@ -101,9 +91,5 @@ def _checked_ids(prompt_ids: Sequence[int], sampling: SamplingConfig, max_len: i
         raise InputError("the prompt is empty")
     if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
         raise InputError("prompt token ids must be non-negative integers")
-    if len(ids) + sampling.max_tokens > max_len:
-        raise InputError(
-            f"the prompt has {len(ids)} tokens but at most {max_len - sampling.max_tokens} fit "
-            f"(max_model_len {max_len} - max_tokens {sampling.max_tokens})"
-        )
+    check_fits_context(len(ids), sampling.max_tokens, max_len)
     return ids

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from ragcache_core.bench.serve import Outcome, run_point
-from ragcache_core.bench.sweep import compare, sustained
+from ragcache_core.bench.serve import ABLATIONS, Outcome, run_point
+from ragcache_core.bench.sweep import (
+    MODES,
+    ablation_groups,
+    compare,
+    compare_ablations,
+    sustained,
+    workload_systems,
+)
 from ragcache_core.bench.workloads import Request, chunk_articles, load_workload
 
 SYSTEMS = ("vllm", "vllm-apc", "ragcache")
@@ -85,6 +92,33 @@ def test_sustained_rate_and_claims_need_apart_spreads() -> None:
     assert not rows[1.0]["spreads_apart"] and rows[2.0]["spreads_apart"]
     assert not rows[3.0]["spreads_apart"]
     assert rows[2.0]["ratio_ttft_mean"] == pytest.approx(0.925 / 0.31)
+
+
+def test_ablations_run_beside_and_against_their_parents() -> None:
+    ablations = ABLATIONS
+    groups = ablation_groups(ablations)
+    assert [g for group in groups for g in group] == list(ablations)
+    assert all(len(g) <= 2 for g in groups)
+    assert ["vllm-noconn"] in groups and ["vllm-apc-noconn"] in groups  # parents differ
+
+    def point(system: str, mean: float) -> dict[str, float | str]:
+        return {"system": system, "rate_rps": 1.0, "ttft_mean_s": mean}
+
+    points = [point("ragcache", 0.20), point("ragcache", 0.22), point("vllm", 0.50)]
+    points += [point("vllm", 0.52), point("ragcache-lru", 0.40), point("ragcache-lru", 0.44)]
+    points += [point("vllm-noconn", 2.0), point("vllm-noconn", 2.2)]
+    rows = {r["system"]: r for r in compare_ablations(points)}
+    assert set(rows) == {"ragcache-lru", "vllm-noconn"}  # the parents are not compared
+    assert rows["ragcache-lru"]["against"] == "ragcache"
+    assert rows["ragcache-lru"]["ratio_ttft_mean"] == pytest.approx(0.42 / 0.21)
+    assert rows["vllm-noconn"]["against"] == "vllm" and rows["vllm-noconn"]["spreads_apart"]
+
+
+def test_the_full_mode_runs_only_vllm_and_ragcache_on_noreuse_unless_named() -> None:
+    full = MODES["full"]
+    assert workload_systems(full, "noreuse", named=False) == ("vllm", "ragcache")
+    assert workload_systems(full, "noreuse", named=True) == full.systems
+    assert workload_systems(full, "long-shuffled", named=False) == full.systems
 
 
 class _Recorder:

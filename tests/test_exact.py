@@ -264,7 +264,7 @@ def test_wrong_kv_is_detected(rig: Rig) -> None:
 def test_prompt_longer_than_context_fails_before_allocating(rig: Rig) -> None:
     cache = _new_cache(rig)
     before = cache.stats()
-    with pytest.raises(InputError, match="exceeds the model's context of 1024"):
+    with pytest.raises(InputError, match=r"at most \d+ fit \(max_model_len 1024 - max_tokens"):
         run_request(
             rig.engine,
             cache,

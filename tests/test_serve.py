@@ -543,16 +543,21 @@ def _disconnects(server: ServerProcess, route: str) -> float:
     return 0.0
 
 
-def test_a_client_gone_mid_stream_aborts_its_request(server: ServerProcess) -> None:
+def _long_chat(stream: bool) -> dict[str, Any]:
+    """A chat request whose answer runs long (3,000 tokens, EOS ignored): time to leave."""
     question, docs = CASES["chat"]
-    body = {
+    return {
         "messages": [{"role": "user", "content": question}],
         "documents": _docs_json(docs),
         "max_tokens": 3000,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
+        "stream": stream,
     }
+
+
+def test_a_client_gone_mid_stream_aborts_its_request(server: ServerProcess) -> None:
+    body = _long_chat(stream=True)
     before = server.stats()["requests"]
     gone = _disconnects(server, "/v1/chat/completions")
     with server.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -565,14 +570,7 @@ def test_a_client_gone_mid_stream_aborts_its_request(server: ServerProcess) -> N
 
 
 def test_a_client_gone_before_a_whole_answer_aborts_its_request(server: ServerProcess) -> None:
-    question, docs = CASES["chat"]
-    body = {
-        "messages": [{"role": "user", "content": question}],
-        "documents": _docs_json(docs),
-        "max_tokens": 3000,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = _long_chat(stream=False)
     before = server.stats()["requests"]
     with server.client(timeout=1.0) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/chat/completions", json=body)

@@ -16,12 +16,14 @@ from ragcache_core.bench.sweep import (
     Engines,
     Mode,
     Recorder,
+    ablation_parents,
     ablation_rate,
     describe_systems,
     git_commit,
     now_utc,
     run_ablations,
     sweep_workload,
+    workload_systems,
 )
 from ragcache_core.bench.workloads import Workload, load_workload
 from ragcache_core.config import CacheConfig
@@ -95,15 +97,15 @@ def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[
         results = []
         for name in mode.workloads:
             workload, source = prepare(name, model, args)
-            engines.start(mode.systems, source)
-            result = sweep_workload(
-                engines, workload, source, mode, mode.systems, args.seed, bar, fixed
-            )
+            systems = workload_systems(mode, name, named=args.systems is not None)
+            engines.start(systems, source)
+            result = sweep_workload(engines, workload, source, mode, systems, args.seed, bar, fixed)
             results.append((result, source))
             document["workloads"].append(result.to_json())
+            _write_json(document, args.out, started)  # what is done survives a later failure
         if mode.ablations and results:
             result, source = results[0]
-            keep = [n for n in ("ragcache", "vllm") if n in engines.systems]
+            keep = ablation_parents(mode.ablations)
             engines.stop([n for n in list(engines.systems) if n not in keep])
             rate = ablation_rate(result)
             document["ablations"] = run_ablations(
@@ -111,7 +113,7 @@ def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[
             )
     finally:
         engines.close()
-    document["settings"]["wall_s"] = time.perf_counter() - started
+    _write_json(document, args.out, started)
     _write(document, args.out)
     return document
 
@@ -143,11 +145,17 @@ def _settings(
     }
 
 
-def _write(document: dict[str, Any], out: Path) -> None:
-    from ragcache_core.bench.plots import draw_all
-
+def _write_json(document: dict[str, Any], out: Path, started: float) -> None:
+    """DIR/serve.json as the run stands (`wall_s` so far): written after every workload."""
+    document["settings"]["wall_s"] = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(document, indent=1))
+
+
+def _write(document: dict[str, Any], out: Path) -> None:
+    """The plots, then serve.json again with their paths."""
+    from ragcache_core.bench.plots import draw_all
+
     document["settings"]["plots"] = [str(p) for p in draw_all(document, out)]
     (out / "serve.json").write_text(json.dumps(document, indent=1))
 
@@ -222,6 +230,7 @@ def _ms(values: list[float]) -> str:
 def _comparison_line(c: dict[str, Any]) -> str:
     verdict = "spreads apart" if c["spreads_apart"] else "spreads overlap or one run: no claim"
     return (
-        f"  {c['rate_rps']:.2f}/s: {c['system']} / ragcache mean TTFT = {c['ratio_ttft_mean']:.2f} "
+        f"  {c['rate_rps']:.2f}/s: {c['system']} / {c['against']} mean TTFT = "
+        f"{c['ratio_ttft_mean']:.2f} "
         f"({verdict})"
     )

@@ -48,7 +48,12 @@ class SystemSpec:
     kind: SystemKind
     what: str
     changes: Mapping[str, Any] = field(default_factory=dict)
-    ablation: bool = False
+    parent: str | None = None
+    """An ablation's system: what it takes one thing away from (measured beside it)."""
+
+    @property
+    def ablation(self) -> bool:
+        return self.parent is not None
 
 
 SYSTEMS: dict[str, SystemSpec] = {
@@ -59,19 +64,37 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec("vllm-apc-total", "vllm", "vLLM prefix caching, KV = vLLM cache + both pools"),
         SystemSpec("ragcache", "ragcache", "RAGCache, all mechanisms on"),
         SystemSpec(
-            "ragcache-nohost", "ragcache", "RAGCache, host tier off", {"host_pool_tokens": 0}, True
+            "ragcache-nohost",
+            "ragcache",
+            "RAGCache, host tier off",
+            {"host_pool_tokens": 0},
+            parent="ragcache",
         ),
         SystemSpec(
-            "ragcache-lru", "ragcache", "RAGCache, LRU instead of PGDSF", {"policy": "lru"}, True
+            "ragcache-lru",
+            "ragcache",
+            "RAGCache, LRU instead of PGDSF",
+            {"policy": "lru"},
+            parent="ragcache",
         ),
         SystemSpec(
-            "ragcache-noreorder", "ragcache", "RAGCache, FCFS queue", {"reorder": False}, True
+            "ragcache-noreorder",
+            "ragcache",
+            "RAGCache, FCFS queue",
+            {"reorder": False},
+            parent="ragcache",
         ),
         SystemSpec(
-            "ragcache-nospec", "ragcache", "RAGCache, no speculation", {"speculation": False}, True
+            "ragcache-nospec",
+            "ragcache",
+            "RAGCache, no speculation",
+            {"speculation": False},
+            parent="ragcache",
         ),
-        SystemSpec("vllm-noconn", "vllm", "vLLM without any KV connector", ablation=True),
-        SystemSpec("vllm-apc-noconn", "vllm", "vLLM-APC without any KV connector", ablation=True),
+        SystemSpec("vllm-noconn", "vllm", "vLLM without any KV connector", parent="vllm"),
+        SystemSpec(
+            "vllm-apc-noconn", "vllm", "vLLM-APC without any KV connector", parent="vllm-apc"
+        ),
     )
 }
 MAIN_SYSTEMS = tuple(n for n, s in SYSTEMS.items() if not s.ablation)

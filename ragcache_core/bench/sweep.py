@@ -13,10 +13,11 @@ For each workload:
 4. each system's sustained rate: the highest rate up to which every rate's p95 met the SLO in
    every repeat.
 
-Ablations run at one rate only (the reference's sustained rate, else the ladder's first), with
-`ragcache` and `vllm` measured beside them in the same rounds. One engine per system serves
-every point (its cache emptied before each point); warm-up requests of every point are not
-measured.
+Ablations run at one rate only (the reference's sustained rate, else the ladder's first), each
+measured beside its parent (`SystemSpec.parent`: `ragcache` for the RAGCache ablations, `vllm`
+or `vllm-apc` for the connector-less baselines) in the same rounds, and compared with it.
+One engine per system serves every point (its cache emptied before each point); warm-up
+requests of every point are not measured.
 """
 
 from __future__ import annotations
@@ -96,8 +97,12 @@ MODES = {
         ("vllm", "vllm-apc", "vllm-apc-total", "ragcache"),
         (),
     ),
-    # About 1.7 hours (estimated, not run yet): five workloads, four systems, up to three
-    # rates, 3 repeats; the ablations on the first workload.
+    # The sweep, about 1.9 hours here (FULL_ESTIMATE): the 458-chunk streams shuffled and in
+    # order, the short documents and the no-reuse stream (`demo`, a 46-chunk part of
+    # `long-shuffled`, is --quick's), four systems (fewer where they cannot differ:
+    # COMPARED), up to three rates, 3 repeats; five ablations on the first workload
+    # (shuffled: in order the working set fits every cache and no mechanism matters;
+    # `vllm-apc-noconn` only by name, it showed what `vllm-noconn` shows).
     "full": Mode(
         "full",
         80,
@@ -107,7 +112,7 @@ MODES = {
         2.0,
         3,
         0.5,
-        ("demo", "long", "long-shuffled", "short", "noreuse"),
+        ("long-shuffled", "long", "short", "noreuse"),
         ("vllm", "vllm-apc", "vllm-apc-total", "ragcache"),
         (
             "ragcache-nohost",
@@ -115,10 +120,51 @@ MODES = {
             "ragcache-noreorder",
             "ragcache-nospec",
             "vllm-noconn",
-            "vllm-apc-noconn",
         ),
     ),
 }
+FULL_ESTIMATE = (
+    "about 1.9 hours on the 2-core machine, from its parts measured there: long-shuffled 36"
+    " min, long 20, short 18, noreuse 13, ablations 23 (docs/benchmarks.md)"
+)
+
+
+COMPARED = {
+    "noreuse": ("vllm", "ragcache"),
+    "long": ("vllm", "vllm-apc", "ragcache"),
+}
+"""Workloads whose question needs only some of a mode's systems (applied to a mode's own
+systems, never to systems the user named: `workload_systems`). `noreuse`: nothing is reused,
+so no prefix cache to compare, only RAGCache's cost against plain vLLM. `long`: in dataset
+order the working set (~16 chunks per point) fits vLLM-APC's KV, so more memory changes
+nothing (measured: vllm-apc and vllm-apc-total 84% token hits both)."""
+
+
+def workload_systems(mode: Mode, workload: str, named: bool) -> tuple[str, ...]:
+    """The systems that run `workload`: all of `mode.systems` when the user `named` them,
+    else those `COMPARED` keeps (all when it keeps none of them)."""
+    keep = COMPARED.get(workload)
+    if named or keep is None:
+        return mode.systems
+    return tuple(n for n in mode.systems if n in keep) or mode.systems
+
+
+def ablation_groups(ablations: Sequence[str], size: int = 2) -> list[list[str]]:
+    """The ablations in groups of at most `size` that share a parent, in the given order (each
+    group's engines are alive at once, beside its parent)."""
+    groups: list[list[str]] = []
+    for name in ablations:
+        last = groups[-1] if groups else None
+        if last and len(last) < size and SYSTEMS[last[0]].parent == SYSTEMS[name].parent:
+            last.append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+def ablation_parents(ablations: Sequence[str]) -> list[str]:
+    """The systems the ablations are measured beside, in a stable order."""
+    return list(dict.fromkeys(str(SYSTEMS[n].parent) for n in ablations))
 
 
 class Engines:
@@ -357,13 +403,18 @@ def _count(points: Sequence[dict[str, Any]], system: str, rate: float) -> int:
     return sum(1 for p in points if p["system"] == system and p["rate_rps"] == rate)
 
 
-def compare(points: Sequence[dict[str, Any]], target: str = "ragcache") -> list[dict[str, Any]]:
-    """RAGCache against every other system at every shared rate: the ratio of median TTFT means
-    (other / RAGCache; above 1 RAGCache is faster) and whether the spreads of at least 2 repeats
-    each are apart (only then is the ratio a claim)."""
+def compare(
+    points: Sequence[dict[str, Any]],
+    target: str = "ragcache",
+    others: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """`target` (RAGCache) against every other system (or `others`) at every shared rate: the
+    ratio of median TTFT means (other / target; above 1 the target is faster) and whether the
+    spreads of at least 2 repeats each are apart (only then is the ratio a claim)."""
     rows = []
     rates = sorted({p["rate_rps"] for p in points if p["system"] == target})
-    others = sorted({p["system"] for p in points} - {target})
+    if others is None:
+        others = sorted({p["system"] for p in points} - {target})
     for rate in rates:
         mine = spread(points, target, rate, "ttft_mean_s")
         for other in others:
@@ -377,9 +428,10 @@ def compare(points: Sequence[dict[str, Any]], target: str = "ragcache") -> list[
                 {
                     "rate_rps": rate,
                     "system": other,
+                    "against": target,
                     "ratio_ttft_mean": theirs[1] / mine[1],
                     "spread_other_s": [theirs[0], theirs[2]],
-                    "spread_ragcache_s": [mine[0], mine[2]],
+                    "spread_against_s": [mine[0], mine[2]],
                     "spreads_apart": apart,
                 }
             )
@@ -401,26 +453,35 @@ def run_ablations(
     rate: float,
     seed: int,
     bar: Recorder,
-    group: int = 2,
 ) -> dict[str, Any]:
-    """Each ablation at one rate, `group` ablation engines alive at a time (memory), always
-    beside `ragcache` and `vllm` in the same rounds."""
-    references = [n for n in ("ragcache", "vllm") if n in engines.systems]
+    """Each ablation at one rate, in `ablation_groups` (their engines alive at once: memory),
+    each group in the same rounds as its parent, and compared with it."""
     result = WorkloadResult(workload, {}, 0.0, "vllm", [rate], [], [])
     one_rate = Mode(**(asdict(mode) | {"max_points": 1, "light": 0}))
-    for start in range(0, len(ablations), group):
-        names = list(ablations[start : start + group])
-        engines.start(names, source)
+    for names in ablation_groups(ablations):
+        parents = ablation_parents(names)
+        engines.start([*parents, *names], source)
         engines.use(source, workload.top_k)
-        _rounds(engines, workload, one_rate, [*references, *names], rate, seed, 0, bar, result)
+        _rounds(engines, workload, one_rate, [*parents, *names], rate, seed, 0, bar, result)
         engines.stop(names)
     return {
         "workload": workload.name,
         "rate_rps": rate,
         "points": result.points,
         "answers": result.answers,
-        "comparisons": compare(result.points),
+        "comparisons": compare_ablations(result.points),
     }
+
+
+def compare_ablations(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each ablation against its parent (`compare`: ablation / parent; above 1 the ablation is
+    slower)."""
+    names = sorted({p["system"] for p in points if SYSTEMS[p["system"]].ablation})
+    rows = []
+    for parent in ablation_parents(names):
+        children = [n for n in names if SYSTEMS[n].parent == parent]
+        rows += compare(points, target=parent, others=children)
+    return rows
 
 
 def git_commit() -> str:

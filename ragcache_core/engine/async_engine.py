@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +92,7 @@ class AsyncEngine:
         prompt_ids: list[int],
         sampling: SamplingConfig,
         kv_transfer_params: Mapping[str, Any] | None = None,
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Submit one request and yield its progress. Raises `EngineDied` if the engine core
         died; cancelling the iteration aborts the request in vLLM."""
         from vllm.v1.engine.exceptions import EngineDeadError

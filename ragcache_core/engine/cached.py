@@ -26,7 +26,7 @@ from ragcache_core.engine.settings import (
     default_dtype,
     detect_device,
 )
-from ragcache_core.errors import ConfigError, InputError, RAGCacheError
+from ragcache_core.errors import ConfigError, RAGCacheError, check_fits_context
 from ragcache_core.plan import PLAN_KEY, Plan
 from ragcache_core.storage.host_pool import HostPool
 from ragcache_core.storage.layout import PoolLayout, layout_for_model
@@ -247,15 +247,6 @@ class CachedEngine:
                 available_host_bytes(),
                 "lower gpu_pool_gib / host_pool_gib / kv_cache_space_gib",
             )
-
-
-def check_fits_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
-    """Raise `InputError` (with the numbers) when prompt + generation exceed the context."""
-    if prompt_len + max_tokens > max_model_len:
-        raise InputError(
-            f"prompt of {prompt_len} tokens + {max_tokens} generated tokens exceeds the "
-            f"model's context of {max_model_len} tokens"
-        )
 
 
 def require_plan_ran(run: PlannedRun, plan: Plan) -> int:

@@ -24,9 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ragcache_core.engine.cached import CachedEngine, check_fits_context
+from ragcache_core.engine.cached import CachedEngine
 from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.sampling import GreedySampling
+from ragcache_core.errors import check_fits_context
 from ragcache_core.lifecycle import open_request, served_hits, settle
 from ragcache_core.pipeline.prompt import BuiltPrompt
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache

@@ -9,9 +9,10 @@ A `SearchSource` is Python code in this process: it cannot cross HTTP, so with `
 client runs the whole search here and sends the final documents (no speculation across the
 wire; `retrieval_s` is the local search, `ttft_s` adds it to the server's TTFT).
 
-As in `RAGCache`, each call has one async body on a private event loop (`LoopThread`, which
-also owns the HTTP connection pool): the async API awaits it, the sync API blocks on it, and
-`stream` iterates `astream` (bridges.py), so the sync calls work inside notebooks. Errors:
+As in `RAGCache`, the public calls come from `bridges.LoopCalls` over two async bodies here
+(`_query`, `_answer`) on a private event loop (`LoopThread`, which also owns the HTTP
+connection pool): the async API awaits them, the sync API blocks on them, so the sync calls
+work inside notebooks. Errors:
 400/404 raise `InputError` (the server's message, naming the field), 429 is retried after
 its Retry-After (`busy_retries` times, then `ServerBusy`), anything else `RemoteError`.
 Needs only `httpx`.
@@ -23,12 +24,12 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
-from ragcache_core.bridges import Emit, astream_from, iterate_on
+from ragcache_core.bridges import Emit, LoopCalls
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
@@ -62,7 +63,7 @@ class ServerBusy(RemoteError):
         self.retry_after_s = retry_after_s
 
 
-class RAGCacheClient:
+class RAGCacheClient(LoopCalls):
     """The same API as `RAGCache`, served by `ragcache serve` at `url` (module docstring).
 
     The constructor reads the server's configuration (`GET /v1/rag/config`), so a wrong URL
@@ -93,83 +94,6 @@ class RAGCacheClient:
         self.has_index = bool(info["has_index"])
 
     # ------------------------------------------------------------------ RAGCacheAPI
-
-    async def aquery(
-        self,
-        question: str,
-        *,
-        search: SearchSource | None = None,
-        top_k: int | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> QueryResult:
-        """Search (here with `search`, else on the server's `--index`) and answer."""
-        return await self._loop.arun(self._query(question, search, top_k, sampling, None))
-
-    def query(
-        self,
-        question: str,
-        *,
-        search: SearchSource | None = None,
-        top_k: int | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> QueryResult:
-        """Blocking `aquery`."""
-        return self._loop.run(self._query(question, search, top_k, sampling, None))
-
-    async def agenerate(
-        self,
-        question: str,
-        documents: Sequence[Document],
-        *,
-        sampling: SamplingConfig | None = None,
-    ) -> QueryResult:
-        """Answer with documents the caller already has (no retrieval)."""
-        return await self._loop.arun(self._ask(question, documents, None, sampling, None))
-
-    def generate(
-        self,
-        question: str,
-        documents: Sequence[Document],
-        *,
-        sampling: SamplingConfig | None = None,
-    ) -> QueryResult:
-        """Blocking `agenerate`."""
-        return self._loop.run(self._ask(question, documents, None, sampling, None))
-
-    async def astream(
-        self,
-        question: str,
-        *,
-        documents: Sequence[Document] | None = None,
-        search: SearchSource | None = None,
-        top_k: int | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        """Stream the answer; the last chunk carries the `QueryResult`. Closing early closes
-        the connection, which aborts the request on the server."""
-
-        def work(emit: Emit) -> Any:
-            if documents is not None:
-                return self._ask(question, documents, None, sampling, emit)
-            return self._query(question, search, top_k, sampling, emit)
-
-        async for chunk in astream_from(self._loop, work):
-            yield chunk
-
-    def stream(
-        self,
-        question: str,
-        *,
-        documents: Sequence[Document] | None = None,
-        search: SearchSource | None = None,
-        top_k: int | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> Iterator[StreamChunk]:
-        """Blocking `astream`."""
-        chunks = self.astream(
-            question, documents=documents, search=search, top_k=top_k, sampling=sampling
-        )
-        return iterate_on(self._loop, chunks)
 
     def stats(self) -> dict[str, Any]:
         """The server's `stats()`, plus its queue under `"serve"`."""
@@ -216,6 +140,15 @@ class RAGCacheClient:
         return dataclasses.replace(
             result, retrieval_s=retrieval_s, ttft_s=result.ttft_s + retrieval_s, scores=final.scores
         )
+
+    async def _answer(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        return await self._ask(question, documents, None, sampling, emit)
 
     async def _ask(
         self,

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
-from ragcache_core.errors import InputError
+from ragcache_core.errors import InputError, check_fits_context
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.serve import respond
 from ragcache_core.serve.errors import ServeError, bad_request
@@ -106,17 +106,14 @@ def _check_length(
     state: ServeState, question: str, documents: tuple[Document, ...], sampling: SamplingConfig
 ) -> None:
     """400 (before anything runs) for a prompt that does not fit the context with the answer."""
-    limit = state.settings.config.max_model_len - sampling.max_tokens
     try:
         tokens = state.renderer.cached_length(question, documents)
     except InputError as exc:
         raise bad_request(str(exc), "question") from None
-    if tokens > limit:
-        raise bad_request(
-            f"the prompt has {tokens} tokens but at most {limit} fit (max_model_len "
-            f"{state.settings.config.max_model_len} - max_tokens {sampling.max_tokens})",
-            "documents",
-        )
+    try:
+        check_fits_context(tokens, sampling.max_tokens, state.settings.config.max_model_len)
+    except InputError as exc:
+        raise bad_request(str(exc), "documents") from None
 
 
 async def _events(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[str]:
