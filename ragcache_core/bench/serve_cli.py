@@ -21,10 +21,13 @@ from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS
 
 
 def register(bench_subparsers: Any) -> None:
+    from ragcache_core.bench.sweep import FULL_ESTIMATE
+
     p = bench_subparsers.add_parser(
         "serve",
         help="TTFT and throughput vs request rate: vLLM, vLLM-APC, RAGCache and ablations",
         description=__doc__,
+        epilog=f"The full sweep (no mode): {FULL_ESTIMATE}.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     mode = p.add_mutually_exclusive_group()

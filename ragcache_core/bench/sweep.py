@@ -125,7 +125,7 @@ MODES = {
 }
 FULL_ESTIMATE = (
     "about 1.9 hours on the 2-core machine, from its parts measured there: long-shuffled 36"
-    " min, long 20, short 18, noreuse 13, ablations 23 (docs/benchmarks.md)"
+    " min, long 20, short 18, noreuse 16, ablations 23 (docs/benchmarks.md)"
 )
 
 
