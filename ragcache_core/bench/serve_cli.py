@@ -2,7 +2,7 @@
 
     ragcache bench serve --smoke            # tests: tiny model, 3 systems, a few requests
     ragcache bench serve --quick            # real figures in under 10 minutes (demo stream)
-    ragcache bench serve                    # the full sweep (~1.9 hours here, estimated by parts)
+    ragcache bench serve                    # the full sweep (~1.7 hours here, estimated by parts)
     ragcache bench serve --workloads long,noreuse --systems vllm,ragcache --repeats 3
 
 Writes DIR/serve.json (settings, git commit, every point) and PNG plots into `--out`.
