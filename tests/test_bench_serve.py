@@ -214,7 +214,7 @@ def test_smoke_serves_every_request_with_identical_answers(
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert document == json.loads((tmp_path / "serve.json").read_text())
-    assert document["schema"] == "ragcache-bench-serve/1"
+    assert document["schema"] == "ragcache-bench-serve/2"
     assert {"git_commit", "model", "mode", "systems", "wall_s"} <= set(document["settings"])
     (workload,) = document["workloads"]
     assert {

@@ -48,7 +48,9 @@ from ragcache_core.retrieval.trace import poisson_arrivals
 
 SATURATION_FACTOR = 10.0
 """A system is saturated when its TTFT p95 passes this multiple of its light-load p95."""
-SCHEMA = "ragcache-bench-serve/1"
+SCHEMA = "ragcache-bench-serve/2"
+"""/2: comparisons name what they compare against (`against`, `spread_against_s`; /1 had
+`spread_ragcache_s`), ablations are compared with their parent."""
 COOL_DOWN_S = 1.5
 """Pause before every point: a vLLM worker busy-polls for ~1 s after its last step (measured),
 which would slow the next system's first requests."""
