@@ -29,8 +29,8 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
+from ragcache_core import RAGCache
 from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
-from ragcache_core.controller import RAGCache
 from ragcache_core.retrieval.corpus import load_corpus, load_questions
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_core.testing import build_tiny_model
@@ -122,7 +122,7 @@ def main() -> None:
 
         # 3. Only the LLM node can change: `RAGCacheLLM` finds the retrieved documents in
         #    the rendered prompt (it remembers what the watched retriever returned).
-        llm = RAGCacheLLM(ragcache=cache)
+        llm = RAGCacheLLM(cache=cache)
         prompt = PromptTemplate.from_template(
             "Answer from the context.\n\n{context}\n\nQuestion: {question}\nAnswer:"
         )

@@ -23,8 +23,8 @@ from llama_index.core import StorageContext, VectorStoreIndex
 from llama_index.core.schema import TextNode
 from llama_index.vector_stores.faiss import FaissVectorStore
 
+from ragcache_core import RAGCache
 from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.controller import RAGCache
 from ragcache_core.documents import Document
 from ragcache_core.retrieval.corpus import load_corpus, load_questions
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder

@@ -1,12 +1,14 @@
 """RAGCache: a knowledge cache for retrieval-augmented generation on vLLM.
 
-The package tree follows the pipeline (see docs/architecture.md):
-`tree/`, `policy/`, `cost/`, `scheduler/` (control plane, pure Python), `storage/` and
-`engine/` (data plane on vLLM), `retrieval/` (staged vector search), `pipeline/` and
-`controller` (the RAG request lifecycle), `sim/` and `bench/` (measurement), `cli/`.
+The package tree follows the pipeline (see docs/architecture.md): shared types at the top
+(`api`, `config`, `documents`, `errors`, `plan`, `results`, `search`, `loop`, ...); `tree/`,
+`policy/`, `cost/` (control plane, pure Python); `storage/` and `engine/` (data plane on
+vLLM); `retrieval/` (staged vector search); `runtime/` (the request path: the `RAGCache`
+facade, admission, speculation, the lifecycle); `client/` (the same API over HTTP); `serve/`
+(the server); `sim/` and `bench/` (measurement); `cli/`. The design: docs/design.md.
 
 The public API is importable from here: `RAGCache`, `RAGCacheClient` (the same API over
-HTTP, `ragcache serve`), `RAGCacheAPI` (the protocol both satisfy), `CacheConfig`,
+HTTP, `ragcache serve`), `RAGCacheAPI` (the abstract base both implement), `CacheConfig`,
 `PromptConfig`, `SamplingConfig`, `Document`, `QueryResult` (loaded on first use, so
 `import ragcache_core` stays light).
 """
@@ -19,16 +21,16 @@ from ragcache_core.errors import ConfigError, InputError, ModelError, RAGCacheEr
 
 if TYPE_CHECKING:
     from ragcache_core.api import RAGCacheAPI
+    from ragcache_core.client import RAGCacheClient
     from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
-    from ragcache_core.controller import RAGCache
     from ragcache_core.documents import Document
     from ragcache_core.results import CacheHits, QueryResult, StreamChunk
-    from ragcache_core.serve.client import RAGCacheClient
+    from ragcache_core.runtime.ragcache import RAGCache
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "RAGCache": "ragcache_core.controller",
+    "RAGCache": "ragcache_core.runtime.ragcache",
     "QueryResult": "ragcache_core.results",
     "CacheHits": "ragcache_core.results",
     "StreamChunk": "ragcache_core.results",
@@ -37,7 +39,7 @@ _LAZY = {
     "SamplingConfig": "ragcache_core.config",
     "Document": "ragcache_core.documents",
     "RAGCacheAPI": "ragcache_core.api",
-    "RAGCacheClient": "ragcache_core.serve.client",
+    "RAGCacheClient": "ragcache_core.client",
 }
 
 __all__ = [

@@ -1,9 +1,14 @@
 """`RAGCacheAPI`: the one interface an application codes against, in process or over HTTP.
 
-Two classes satisfy it:
+Two classes implement it:
 
-    RAGCache          (controller.py)     the engine, the tree and the pools in this process
-    RAGCacheClient    (serve/client.py)   a `ragcache serve` process shared by many apps
+    RAGCache          (runtime/ragcache.py)   the engine, the tree and the pools in this process
+    RAGCacheClient    (client/client.py)      a `ragcache serve` process shared by many apps
+
+The public calls are written once, here: `aquery`/`query`, `agenerate`/`generate` and
+`astream`/`stream` run over two async bodies (`_query`, `_answer`) that each implementation
+provides on its private loop (`ragcache_core.loop`); the sync calls block on the same bodies,
+so they also work where the caller's thread runs an event loop (notebooks).
 
 The framework integrations (`ragcache_integrations`) accept either: they call the methods
 below and read `config` (the prompt the cache renders, the default sampling and top-k) and
@@ -14,19 +19,20 @@ wire); without `search=` the server searches its own `--index`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+import abc
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from typing import Any, Self
 
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
+from ragcache_core.loop import Emit, LoopThread, astream_from, iterate_on
 from ragcache_core.results import QueryResult, StreamChunk
-from ragcache_core.retrieval.source import SearchSource
+from ragcache_core.search import SearchSource
 
 __all__ = ["RAGCacheAPI"]
 
 
-@runtime_checkable
-class RAGCacheAPI(Protocol):
+class RAGCacheAPI(abc.ABC):
     """What `RAGCache` and `RAGCacheClient` both offer (see the module docstring).
 
     Every call raises `InputError` for bad input (an empty question, documents that are not
@@ -34,15 +40,51 @@ class RAGCacheAPI(Protocol):
     (timed out, lost its engine, or the server refused it); nothing already cached is harmed.
     """
 
-    @property
-    def config(self) -> CacheConfig:
-        """The cache's settings (the prompt it renders, default sampling and top-k)."""
-        ...
+    config: CacheConfig
+    """The cache's settings (the prompt it renders, default sampling and top-k)."""
+    model: str
+    """The model's name (a folder path in process; the served name over HTTP)."""
+    _loop: LoopThread
+    """The private loop the bodies run on."""
 
-    @property
-    def model(self) -> str:
-        """The model's name (a folder path in process; the served name over HTTP)."""
-        ...
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters (hits per tier, tokens saved, TTFT) and tree occupancy."""
+
+    @abc.abstractmethod
+    def invalidate(self, doc_id: str) -> int:
+        """Drop every cached node of `doc_id`; returns the number of nodes dropped."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine (or the connections) and the private loop. Safe to call twice."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @abc.abstractmethod
+    async def _query(
+        self,
+        question: str,
+        search: SearchSource | None,
+        top_k: int | None,
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        """Retrieve for `question` (with `search`, else the default source) and answer."""
+
+    @abc.abstractmethod
+    async def _answer(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        """Answer with the caller's `documents`."""
 
     async def aquery(
         self,
@@ -53,7 +95,7 @@ class RAGCacheAPI(Protocol):
         sampling: SamplingConfig | None = None,
     ) -> QueryResult:
         """Retrieve the top-k documents for `question` and answer with them."""
-        ...
+        return await self._loop.arun(self._query(question, search, top_k, sampling, None))
 
     def query(
         self,
@@ -64,7 +106,7 @@ class RAGCacheAPI(Protocol):
         sampling: SamplingConfig | None = None,
     ) -> QueryResult:
         """Blocking `aquery`."""
-        ...
+        return self._loop.run(self._query(question, search, top_k, sampling, None))
 
     async def agenerate(
         self,
@@ -74,7 +116,7 @@ class RAGCacheAPI(Protocol):
         sampling: SamplingConfig | None = None,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
-        ...
+        return await self._loop.arun(self._answer(question, documents, sampling, None))
 
     def generate(
         self,
@@ -84,9 +126,9 @@ class RAGCacheAPI(Protocol):
         sampling: SamplingConfig | None = None,
     ) -> QueryResult:
         """Blocking `agenerate`."""
-        ...
+        return self._loop.run(self._answer(question, documents, sampling, None))
 
-    def astream(
+    async def astream(
         self,
         question: str,
         *,
@@ -94,10 +136,17 @@ class RAGCacheAPI(Protocol):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
-    ) -> AsyncIterator[StreamChunk]:
+    ) -> AsyncGenerator[StreamChunk, None]:
         """Stream the answer as text deltas; the last chunk carries the `QueryResult`.
         With `documents` no retrieval runs. Closing the iterator early aborts the request."""
-        ...
+
+        def work(emit: Emit) -> Any:
+            if documents is not None:
+                return self._answer(question, documents, sampling, emit)
+            return self._query(question, search, top_k, sampling, emit)
+
+        async for chunk in astream_from(self._loop, work):
+            yield chunk
 
     def stream(
         self,
@@ -108,25 +157,8 @@ class RAGCacheAPI(Protocol):
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
     ) -> Iterator[StreamChunk]:
-        """Blocking `astream`."""
-        ...
-
-    def stats(self) -> dict[str, Any]:
-        """Counters (hits per tier, tokens saved, TTFT) and tree occupancy."""
-        ...
-
-    def invalidate(self, doc_id: str) -> int:
-        """Drop every cached node of `doc_id`; returns the number of nodes dropped."""
-        ...
-
-
-if TYPE_CHECKING:
-    # mypy checks here that both implementations satisfy the protocol.
-    from ragcache_core.controller import RAGCache
-    from ragcache_core.serve.client import RAGCacheClient
-
-    def _in_process(cache: RAGCache) -> RAGCacheAPI:
-        return cache
-
-    def _over_http(client: RAGCacheClient) -> RAGCacheAPI:
-        return client
+        """Blocking `astream`: an iterator of `StreamChunk`s."""
+        chunks = self.astream(
+            question, documents=documents, search=search, top_k=top_k, sampling=sampling
+        )
+        return iterate_on(self._loop, chunks)

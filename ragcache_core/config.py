@@ -20,7 +20,7 @@ DEFAULT_SYSTEM_PROMPT = (
 
 @dataclass(frozen=True)
 class PromptConfig:
-    """How a request's prompt is assembled (DESIGN.md 3.3).
+    """How a request's prompt is assembled (docs/design.md 3.3).
 
     prompt = head + system prompt (the tree's root) + each document through `document`
     (position independent) + `question` (never cached). With a chat template (`chat_template`
@@ -74,7 +74,7 @@ class CacheConfig:
     host_pool_tokens: int = 65_536
     """Capacity of the host-tier pool (shared memory) in tokens; 0 turns the host tier off."""
     page_size: int = 16
-    """Tokens per pool slot (see docs/benchmarks.md, "Page size")."""
+    """Tokens per pool slot (see docs/data-plane.md, "Page size")."""
     policy: str = "pgdsf"
     store_policy: str = "always"
     """Which computed documents are stored: "always" (the paper), "second" (only a document

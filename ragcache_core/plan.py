@@ -13,7 +13,7 @@ Token positions are positions in the request's prompt (0 = first template/system
               <---- load spans ----><- store span ->   computed
               cached (pool -> paged KV)   computed, then paged KV -> GPU pool
 
-Execution order in the worker (DESIGN.md section 3.2):
+Execution order in the worker (docs/design.md 3.2):
   1. swap_out: GPU slots -> host slots (first eviction of a node from the GPU pool),
   2. promote:  host slots -> GPU slots,
   3. load:     pool slots -> the request's token positions in vLLM's paged cache,

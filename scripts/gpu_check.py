@@ -97,7 +97,7 @@ class Run:
 
     def index(self, *, tokens: int, span: int, blocks: int, seed: int) -> Any:
         """`spans_index` on this run's device (pool pages of 16 tokens)."""
-        from ragcache_core.storage.copy_ops import TokenIndex
+        from ragcache_core.storage.copy.base import TokenIndex
 
         cpu = spans_index(
             tokens=tokens,
@@ -186,7 +186,7 @@ def spans_index(
     it (spans cross blocks), spans in disjoint cache regions."""
     import torch
 
-    from ragcache_core.storage.copy_ops import TokenIndex
+    from ragcache_core.storage.copy.base import TokenIndex
 
     gen = torch.Generator().manual_seed(seed)
     count = tokens // span
@@ -207,7 +207,7 @@ def build_cache(
     order: str, ratio: int, dtype: Any, num_blocks: int, shape: dict[str, int], device: Any
 ) -> Any:
     """vLLM-style per-layer views over one random CUDA buffer, as a `LinearPagedKV`."""
-    from ragcache_core.storage.kv_layout import strided_paged_kv, vllm_style_views
+    from ragcache_core.storage.paged_layout import strided_paged_kv, vllm_style_views
 
     numel = shape["layers"] * num_blocks * shape["block_size"] * shape["heads"] * 2
     numel *= shape["head_size"]
@@ -280,12 +280,12 @@ def step_layout(step: Step, run: Run) -> None:
     layout vLLM registers (LBNHC default, LBHNC, BLNHC), kernel blocks, bf16 and fp32."""
     import torch
 
-    from ragcache_core.storage.copy_ops import TorchCopyOps
-    from ragcache_core.storage.copy_reference import (
+    from ragcache_core.storage.copy.reference import (
         reference_gather_tokens,
         reference_scatter_tokens,
     )
-    from ragcache_core.storage.triton_ops import TritonCopyOps
+    from ragcache_core.storage.copy.torch_ops import TorchCopyOps
+    from ragcache_core.storage.copy.triton_ops import TritonCopyOps
 
     device, model = run.device, run.small()
     tokens, blocks = (64, 16) if run.dry else (256, 64)
@@ -362,12 +362,12 @@ def step_kernels(step: Step, run: Run) -> None:
     """Triton kernels on a Llama-3-8B-sized step: bit-exact, and GB/s against torch copy_."""
     import torch
 
-    from ragcache_core.storage.copy_ops import TorchCopyOps
-    from ragcache_core.storage.copy_reference import (
+    from ragcache_core.storage.copy.reference import (
         reference_gather_tokens,
         reference_scatter_tokens,
     )
-    from ragcache_core.storage.triton_copy import (
+    from ragcache_core.storage.copy.torch_ops import TorchCopyOps
+    from ragcache_core.storage.copy.triton_kernels import (
         copy_slots,
         copy_slots_torch,
         gather_tokens,
@@ -438,11 +438,11 @@ def step_pinned(step: Step, run: Run) -> None:
     fallback, bit-exact, GB/s against torch's pinned copy_; host-pool loads; unregister."""
     import torch
 
+    from ragcache_core.storage.copy.triton_kernels import copy_slots, copy_slots_torch
+    from ragcache_core.storage.copy.triton_ops import TritonCopyOps
     from ragcache_core.storage.host_pool import HostPool, shm_folder
-    from ragcache_core.storage.layout import PoolLayout
     from ragcache_core.storage.memory import free_bytes_at
-    from ragcache_core.storage.triton_copy import copy_slots, copy_slots_torch
-    from ragcache_core.storage.triton_ops import TritonCopyOps
+    from ragcache_core.storage.pool_layout import PoolLayout
 
     device, model, cuda = run.device, run.model, run.device.type == "cuda"
     layout = PoolLayout(

@@ -30,9 +30,9 @@ def summ(v):
 def main():
     from ragcache_core.bench.serve import baseline_settings, default_sampling
     from ragcache_core.config import CacheConfig
-    from ragcache_core.controller import RAGCache
     from ragcache_core.engine.async_engine import AsyncEngine
     from ragcache_core.retrieval.corpus import load_corpus
+    from ragcache_core.runtime.ragcache import RAGCache
     from ragcache_core.testing.tiny_model import build_tiny_model
 
     model = str(build_tiny_model(size="bench"))

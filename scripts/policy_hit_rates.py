@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ragcache_core.policy import POLICIES
 from ragcache_core.sim import SimConfig, simulate
-from ragcache_core.sim.trace import TraceRequest, load_trace
+from ragcache_core.trace import TraceRequest, load_trace
 
 FRACTIONS = (0.025, 0.05, 0.1, 0.2, 0.4)
 

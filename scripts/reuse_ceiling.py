@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 
 from ragcache_core.bench.workloads import index_source, load_workload
-from ragcache_core.retrieval.source import final_result
 from ragcache_core.retrieval.trace import tokenizer_counter
+from ragcache_core.search import final_result
 from ragcache_core.testing.tiny_model import build_tiny_model
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from ragcache_core.pipeline.admission import Admission, Ticket
+from ragcache_core.runtime.admission import Admission, Ticket
 
 
 def test_capacity_is_respected_and_fcfs_order() -> None:
@@ -218,7 +218,7 @@ def test_a_writer_that_fails_unblocks_its_deferred_readers() -> None:
         await asyncio.sleep(0)
         deferred = not reader.done()
         node["in_flight"] = False  # the writer's abort removed the node ...
-        writer.release()  # ... before it released its room (generation.py's order)
+        writer.release()  # ... before it released its room (runtime/generation.py's order)
         await asyncio.sleep(0)
         admitted = reader.done()
         reader.result().release()
@@ -229,7 +229,7 @@ def test_a_writer_that_fails_unblocks_its_deferred_readers() -> None:
 
 
 def test_a_release_before_the_confirm_would_leave_the_reader_waiting() -> None:
-    """Why generation.py confirms before it releases: a release seen while the document is
+    """Why runtime/generation.py confirms before it releases: a release seen while the document is
     still in flight re-checks the deferred reader too early, and with another request in
     prefill nothing wakes it when the confirm comes later."""
 

@@ -16,7 +16,7 @@ from ragcache_core.engine.connector.metadata import WorkerReport
 from ragcache_core.engine.connector.scheduler_side import SchedulerSide
 from ragcache_core.engine.connector.spans import plan_problems, span_index
 from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, SlotCopy, StoreSpan, Tier
-from ragcache_core.storage.layout import PoolLayout
+from ragcache_core.storage.pool_layout import PoolLayout
 
 PAGE, BLOCK = 4, 8
 LAYOUT = PoolLayout(num_layers=1, num_kv_heads=1, head_size=32, dtype="float32", page_size=PAGE)

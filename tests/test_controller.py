@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.controller import RAGCache
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
-from ragcache_core.retrieval.source import StageResult
+from ragcache_core.runtime.ragcache import RAGCache
+from ragcache_core.search import StageResult
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ragcache_core.engine.config import EngineSettings, check_model_folder
+from ragcache_core.engine.settings import EngineSettings, check_model_folder
 from ragcache_core.errors import ConfigError, ModelError
 
 

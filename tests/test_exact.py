@@ -19,10 +19,10 @@ from ragcache_core.engine.cached import CachedEngine, PoolSettings
 from ragcache_core.engine.connector import FAULT_KEY
 from ragcache_core.engine.llm import GreedySampling
 from ragcache_core.engine.settings import EngineSpec
-from ragcache_core.engine.single import TokenizedDocument, run_request
 from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
-from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RootKey
+from ragcache_core.runtime.sync_run import TokenizedDocument, run_request
+from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
 
 pytestmark = pytest.mark.vllm
 
@@ -46,8 +46,8 @@ def _doc(name: str, tokens: list[int]) -> TokenizedDocument:
     return TokenizedDocument(DocKey(name, f"h-{name}"), tuple(tokens))
 
 
-def _new_cache(rig: Rig) -> KnowledgeCache:
-    return KnowledgeCache(
+def _new_cache(rig: Rig) -> KnowledgeTree:
+    return KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v1", "float32"),
         gpu_slots=rig.engine.gpu_slots,
         host_slots=rig.engine.host_slots,
@@ -184,7 +184,7 @@ def test_cache_driven_swap_out_and_host_hit(rig: Rig) -> None:
     rng = random.Random(3)
     system = _tokens(rng, 33)
     docs = [_doc(f"s{i}", _tokens(rng, 70 + 7 * i)) for i in range(3)]
-    cache = KnowledgeCache(
+    cache = KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v2", "float32"),
         gpu_slots=3 + 5 + 6 + 1,  # root + one sequence's two documents, about
         host_slots=rig.engine.host_slots,
@@ -282,7 +282,7 @@ def test_pools_full_and_pinned_runs_uncached(rig: Rig) -> None:
     rng = random.Random(6)
     system = _tokens(rng, 20)
     f0, f1 = _doc("f0", _tokens(rng, 50)), _doc("f1", _tokens(rng, 50))
-    cache = KnowledgeCache(
+    cache = KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v3", "float32"),
         gpu_slots=6,
         host_slots=0,

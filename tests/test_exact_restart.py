@@ -1,5 +1,5 @@
 """The host pool outlives the engine: KV written by one vLLM engine is read, exactly, by the
-next one (DESIGN.md 2.6: upper nodes recover from host memory after a worker restart)."""
+next one (docs/design.md 2.6: upper nodes recover from host memory after a worker restart)."""
 
 from __future__ import annotations
 

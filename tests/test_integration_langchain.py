@@ -81,7 +81,7 @@ def ivf_store(embeddings: OfflineEmbeddings) -> FAISS:
 
 @pytest.fixture(scope="module")
 def cache(tiny_model: Path) -> Iterator[Any]:
-    from ragcache_core.controller import RAGCache
+    from ragcache_core.runtime.ragcache import RAGCache
 
     with RAGCache(tiny_model, CONFIG) as cache:
         yield cache
@@ -174,7 +174,7 @@ def test_from_vectorstore_retrieves_in_stages(cache: Any, ivf_store: FAISS) -> N
 
 @pytest.mark.vllm
 def test_llm_wrapper_finds_documents_in_the_prompt(cache: Any, flat_store: FAISS) -> None:
-    llm = RAGCacheLLM(ragcache=cache)
+    llm = RAGCacheLLM(cache=cache)
     retriever = flat_store.as_retriever(search_kwargs={"k": 2})
     prompt = PromptTemplate.from_template(
         "Answer from the context.\n\n{context}\n\nQuestion: {question}\nAnswer:"
@@ -205,7 +205,7 @@ def test_llm_wrapper_finds_documents_in_the_prompt(cache: Any, flat_store: FAISS
 def test_llm_wrapper_answers_uncached_when_it_finds_nothing(
     cache: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    llm = RAGCacheLLM(ragcache=cache)
+    llm = RAGCacheLLM(cache=cache)
     prompt = "Context: something no retriever returned.\nQuestion: why?\nAnswer:"
     with caplog.at_level(logging.WARNING):
         first = llm.invoke(prompt)

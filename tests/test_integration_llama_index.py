@@ -77,7 +77,7 @@ def simple_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
 
 @pytest.fixture(scope="module")
 def cache(tiny_model: Path) -> Iterator[Any]:
-    from ragcache_core.controller import RAGCache
+    from ragcache_core.runtime.ragcache import RAGCache
 
     with RAGCache(tiny_model, CONFIG) as cache:
         yield cache

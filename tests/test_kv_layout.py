@@ -1,4 +1,4 @@
-"""vLLM's paged KV layouts, read off shape and strides (storage/kv_layout.py, no vLLM needed):
+"""vLLM's paged KV layouts, read off shape and strides (storage/paged_layout.py, no vLLM needed):
 every layout vLLM builds, kernel-block splits, round trips through the copy code, refusals."""
 
 from __future__ import annotations
@@ -7,9 +7,14 @@ import pytest
 import torch
 
 from ragcache_core.errors import ConfigError
-from ragcache_core.storage.copy_ops import TokenIndex, TorchCopyOps
-from ragcache_core.storage.kv_layout import describe_paged_cache, strided_paged_kv, vllm_style_views
-from ragcache_core.storage.layout import PoolLayout
+from ragcache_core.storage.copy.base import TokenIndex
+from ragcache_core.storage.copy.torch_ops import TorchCopyOps
+from ragcache_core.storage.paged_layout import (
+    describe_paged_cache,
+    strided_paged_kv,
+    vllm_style_views,
+)
+from ragcache_core.storage.pool_layout import PoolLayout
 
 ORDERS = {  # vLLM's KVCacheLayout stride permutations of the logical [L, B, H, N, C]
     "LBNHC": (0, 1, 3, 2, 4),  # the CUDA default: not contiguous as [B, H, N, C]

@@ -8,13 +8,13 @@ from _tree_helpers import ROOT, cached_paths, doc, run
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, NodeStats, make_policy
-from ragcache_core.tree import KnowledgeCache
+from ragcache_core.tree import KnowledgeTree
 
 ALL = sorted(POLICIES)
 
 
-def make(policy: str, gpu: int, host: int = 0, page: int = 1, **kw: object) -> KnowledgeCache:
-    return KnowledgeCache(ROOT, gpu_slots=gpu, host_slots=host, page_size=page, policy=policy, **kw)  # type: ignore[arg-type]
+def make(policy: str, gpu: int, host: int = 0, page: int = 1, **kw: object) -> KnowledgeTree:
+    return KnowledgeTree(ROOT, gpu_slots=gpu, host_slots=host, page_size=page, policy=policy, **kw)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- contract
@@ -103,7 +103,7 @@ def test_swap_out_once_for_every_policy(policy: str) -> None:
 # --------------------------------------------------------------------------- exact orders
 
 
-def _evicted_in_order(cache: KnowledgeCache, names: list[str]) -> list[str]:
+def _evicted_in_order(cache: KnowledgeTree, names: list[str]) -> list[str]:
     """Insert one new 10-token document per name; return which document each one evicted."""
     order = []
     for name in names:

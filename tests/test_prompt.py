@@ -9,7 +9,7 @@ import pytest
 from ragcache_core.config import PromptConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
-from ragcache_core.pipeline.prompt import PromptBuilder
+from ragcache_core.runtime.prompt import PromptBuilder
 
 
 @pytest.fixture(scope="module")

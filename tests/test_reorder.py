@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ragcache_core.errors import ConfigError, RAGCacheError
-from ragcache_core.scheduler import CacheAwareQueue, FCFSQueue, make_queue, order_priority
+from ragcache_core.runtime.reorder import CacheAwareQueue, FCFSQueue, make_queue, order_priority
 from ragcache_core.sim import SimConfig, Simulator, TraceRequest
 
 

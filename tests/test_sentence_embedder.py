@@ -10,7 +10,7 @@ import pytest
 
 from ragcache_core.documents import Document
 from ragcache_core.retrieval.index_store import IndexSettings, build_index
-from ragcache_core.retrieval.source import final_result
+from ragcache_core.search import final_result
 
 if importlib.util.find_spec("all_minilm_l6_v2") is None:
     pytest.skip(

@@ -68,9 +68,9 @@ def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def references(tiny_model: Path, index_dir: Path, engine_pool: Any) -> dict[str, Any]:
     """Token ids from an in-process RAGCache (cached) and plain vLLM (no plan), closed after."""
-    from ragcache_core.controller import RAGCache
-    from ragcache_core.pipeline.prompt import PromptBuilder
     from ragcache_core.retrieval.index_store import LocalIndex
+    from ragcache_core.runtime.prompt import PromptBuilder
+    from ragcache_core.runtime.ragcache import RAGCache
 
     engine_pool.close()  # one engine at a time
     refs: dict[str, Any] = {}

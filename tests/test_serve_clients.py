@@ -28,12 +28,12 @@ from llama_index.core.schema import TextNode
 from llama_index.vector_stores.faiss import FaissVectorStore
 
 from ragcache_core.api import RAGCacheAPI
+from ragcache_core.client.client import RAGCacheClient, RemoteError
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
-from ragcache_core.retrieval.source import final_result
-from ragcache_core.serve.client import RAGCacheClient, RemoteError
+from ragcache_core.search import final_result
 from ragcache_integrations.langchain import OfflineEmbeddings, RAGCacheLLM, RAGCacheRunnable
 from ragcache_integrations.llama_index import OfflineEmbedding, as_query_engine, node_to_document
 
@@ -88,7 +88,7 @@ def plain(server: ServerProcess, client: RAGCacheClient, tiny_model: Path) -> An
     """question, documents -> plain vLLM's token ids for the prompt the cache would build."""
     from transformers import AutoTokenizer
 
-    from ragcache_core.pipeline.prompt import PromptBuilder
+    from ragcache_core.runtime.prompt import PromptBuilder
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     config = client.config
@@ -266,7 +266,7 @@ def test_langchain_runnable_through_the_client(
 
 
 def test_langchain_llm_through_the_client(client: RAGCacheClient, store: FAISS, plain: Any) -> None:
-    llm = RAGCacheLLM(ragcache=client, sampling=GREEDY)
+    llm = RAGCacheLLM(cache=client, sampling=GREEDY)
     retriever = store.as_retriever(search_kwargs={"k": 2})
     prompt = PromptTemplate.from_template("{context}\n\nQuestion: {question}\nAnswer:")
 

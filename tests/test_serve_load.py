@@ -263,7 +263,7 @@ def _plain_tokens(server: ServerProcess, prompt: Prompt, tiny_model: Path) -> tu
     from transformers import AutoTokenizer
 
     from ragcache_core.config import CacheConfig
-    from ragcache_core.pipeline.prompt import PromptBuilder
+    from ragcache_core.runtime.prompt import PromptBuilder
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     builder = PromptBuilder(tokenizer, CacheConfig().prompt, str(tiny_model), "float32")

@@ -26,33 +26,32 @@ import pytest
 import uvicorn
 from _serve_helpers import REPO, free_port
 
-from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.documents import Document
-from ragcache_core.errors import ConfigError
-from ragcache_core.metrics import Metrics
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
-from ragcache_core.serve.app import create_app
-from ragcache_core.serve.errors import ServeError
-from ragcache_core.serve.jobs import (
-    COMPLETION_MAX_TOKENS,
-    CachedJob,
-    GenerationDefaults,
-    UncachedJob,
-    chat_job,
-    completion_job,
-    sampling_for,
-)
-from ragcache_core.serve.owner import sole_owner
-from ragcache_core.serve.prompts import PromptRenderer
-from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
-from ragcache_core.serve.schemas import ChatRequest, CompletionRequest
-from ragcache_core.serve.settings import ServeSettings
-from ragcache_core.serve.wire import (
+from ragcache_core.client.wire import (
     config_from_json,
     config_to_json,
     result_from_json,
     result_to_json,
 )
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.documents import Document
+from ragcache_core.errors import ConfigError
+from ragcache_core.metrics import Metrics
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.serve.app import create_app, sole_owner
+from ragcache_core.serve.errors import ServeError
+from ragcache_core.serve.jobs import (
+    COMPLETION_MAX_TOKENS,
+    CachedJob,
+    GenerationDefaults,
+    PromptRenderer,
+    UncachedJob,
+    chat_job,
+    completion_job,
+    sampling_for,
+)
+from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
+from ragcache_core.serve.schemas import ChatRequest, CompletionRequest
+from ragcache_core.serve.state import ServeSettings
 from ragcache_core.storage.host_pool import shm_folder
 
 DOCS = (Document("a", "Paris is in France.", {"title": "Paris"}), Document("b", "Rome."))
@@ -136,7 +135,7 @@ def _documents() -> list[dict[str, str]]:
 
 
 def test_chat_maps_system_and_last_user_message(renderer: PromptRenderer, tokenizer: Any) -> None:
-    from ragcache_core.pipeline.prompt import PromptBuilder
+    from ragcache_core.runtime.prompt import PromptBuilder
 
     prompt = CacheConfig().prompt
     question = [{"role": "user", "content": "Where is Paris?"}]

@@ -16,7 +16,7 @@ from ragcache_core.engine.settings import (
     resolve_device_defaults,
 )
 from ragcache_core.errors import ConfigError
-from ragcache_core.storage.layout import PoolLayout
+from ragcache_core.storage.pool_layout import PoolLayout
 
 CPU = DeviceInfo(kind="cpu", name="cpu", memory_bytes=24 * GIB)
 H200 = DeviceInfo(kind="cuda", name="NVIDIA H200", memory_bytes=141 * GIB, capability=(9, 0))

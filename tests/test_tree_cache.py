@@ -1,4 +1,4 @@
-"""KnowledgeCache mechanics: matching, plans, tiers, pins, invalidation, failures."""
+"""KnowledgeTree mechanics: matching, plans, tiers, pins, invalidation, failures."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ragcache_core.tree import (
     DocKey,
     DocSpec,
     IntegrityError,
-    KnowledgeCache,
+    KnowledgeTree,
     RootKey,
     SlotAllocator,
     TreeCounters,
@@ -24,8 +24,8 @@ from ragcache_core.tree import (
 )
 
 
-def make(gpu: int = 100, host: int = 0, page: int = 4, **kw: object) -> KnowledgeCache:
-    return KnowledgeCache(ROOT, gpu_slots=gpu, host_slots=host, page_size=page, **kw)  # type: ignore[arg-type]
+def make(gpu: int = 100, host: int = 0, page: int = 4, **kw: object) -> KnowledgeTree:
+    return KnowledgeTree(ROOT, gpu_slots=gpu, host_slots=host, page_size=page, **kw)  # type: ignore[arg-type]
 
 
 def test_first_request_stores_root_then_docs_with_prompt_offsets() -> None:
@@ -286,32 +286,32 @@ def test_check_integrity_detects_hierarchy_violation() -> None:
         cache.check_integrity()
 
 
-def _drop_from_index(cache: KnowledgeCache) -> None:
-    cache._tree._doc_index.clear()  # the nodes stay in the tree, unlisted
+def _drop_from_index(cache: KnowledgeTree) -> None:
+    cache._prefixes._doc_index.clear()  # the nodes stay in the tree, unlisted
 
 
-def _break_parent_link(cache: KnowledgeCache) -> None:
+def _break_parent_link(cache: KnowledgeTree) -> None:
     child = next(n for n in cache.iter_nodes() if n.depth == 2)
-    child.parent = cache._tree.root
+    child.parent = cache._prefixes.root
 
 
-def _add_stray_pin(cache: KnowledgeCache) -> None:
+def _add_stray_pin(cache: KnowledgeTree) -> None:
     next(n for n in cache.iter_nodes() if n.parent is not None).pins += 1
 
 
-def _miscount_pinned_slots(cache: KnowledgeCache) -> None:
+def _miscount_pinned_slots(cache: KnowledgeTree) -> None:
     cache._placement.tiers[Tier.GPU].pinned_slots += 1
 
 
-def _miscount_tier_children(cache: KnowledgeCache) -> None:
-    cache._tree.root.tier_children[Tier.GPU] += 1
+def _miscount_tier_children(cache: KnowledgeTree) -> None:
+    cache._prefixes.root.tier_children[Tier.GPU] += 1
 
 
-def _unconfirm_a_copy(cache: KnowledgeCache) -> None:
+def _unconfirm_a_copy(cache: KnowledgeTree) -> None:
     next(n for n in cache.iter_nodes() if n.parent is not None).ready.clear()
 
 
-def _lower_max_depth(cache: KnowledgeCache) -> None:
+def _lower_max_depth(cache: KnowledgeTree) -> None:
     cache._planner.max_depth = 1
 
 
@@ -328,7 +328,7 @@ def _lower_max_depth(cache: KnowledgeCache) -> None:
     ],
 )
 def test_check_integrity_detects_each_parts_corruption(
-    corrupt: Callable[[KnowledgeCache], None], message: str
+    corrupt: Callable[[KnowledgeTree], None], message: str
 ) -> None:
     """Each part checks its own invariants: the structure (index, links), the placement
     (pins, counters, readiness) and the planner (max_depth)."""
@@ -340,7 +340,7 @@ def test_check_integrity_detects_each_parts_corruption(
 
 
 def test_counters_count_victims_and_swap_outs_until_clear() -> None:
-    cache = KnowledgeCache(ROOT, gpu_slots=10, host_slots=10, page_size=1, policy="lru")
+    cache = KnowledgeTree(ROOT, gpu_slots=10, host_slots=10, page_size=1, policy="lru")
     assert cache.counters == TreeCounters()
     seen = []
     for name in "abacd":
@@ -359,7 +359,7 @@ def test_counters_count_victims_and_swap_outs_until_clear() -> None:
 
 
 def test_counters_never_decrease_between_clears() -> None:
-    cache = KnowledgeCache(ROOT, gpu_slots=12, host_slots=20, page_size=2, policy="pgdsf")
+    cache = KnowledgeTree(ROOT, gpu_slots=12, host_slots=20, page_size=2, policy="pgdsf")
     previous = cache.counters
     for i in range(200):
         names = [f"d{(i * 7 + j * 3) % 11}" for j in range(1 + i % 3)]
@@ -380,7 +380,7 @@ def test_capacity_helpers() -> None:
     assert tokens_for_bytes(8 * 2**30, per_token) == 65536
     assert bytes_for_tokens(65536, per_token) == 8 * 2**30
     assert slots_for_tokens(33, 16) == 3 and slots_for_tokens(0, 16) == 0
-    cache = KnowledgeCache.from_tokens(ROOT, gpu_tokens=100, host_tokens=33, page_size=16)
+    cache = KnowledgeTree.from_tokens(ROOT, gpu_tokens=100, host_tokens=33, page_size=16)
     assert cache.stats().gpu_slots == 6 and cache.stats().host_slots == 2
     with pytest.raises(ConfigError):
         kv_bytes_per_token(num_layers=0, num_kv_heads=1, head_dim=1, dtype_bytes=1)
@@ -400,7 +400,7 @@ def test_allocator_double_free_and_exhaustion() -> None:
 def test_different_roots_never_share_kv() -> None:
     other = RootKey("model", "tokenizer", "another system prompt", "float16")
     assert other != ROOT
-    a, b = make(), KnowledgeCache(other, gpu_slots=10, host_slots=0, page_size=4)
+    a, b = make(), KnowledgeTree(other, gpu_slots=10, host_slots=0, page_size=4)
     run(a, doc("x"), root=4)
     assert b.match([doc("x")]).hits == ()
 
@@ -421,9 +421,9 @@ def test_load_and_store_spans_tile_the_prompt_prefix() -> None:
 
 def test_root_backup_keeps_a_host_copy_of_the_system_prompt() -> None:
     """Paper 2.6: the root is copied to host beside its GPU copy, so it survives a GPU loss."""
-    from ragcache_core.tree.cache import KnowledgeCache
+    from ragcache_core.tree.knowledge_tree import KnowledgeTree
 
-    cache = KnowledgeCache(
+    cache = KnowledgeTree(
         ROOT, gpu_slots=4, host_slots=4, page_size=4, policy="lru", backup_root=True
     )
     run(cache, doc("a", 4), root=4)

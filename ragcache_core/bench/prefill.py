@@ -25,14 +25,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.cli.output import stdout_to_stderr
 from ragcache_core.engine.sampling import GreedySampling
-from ragcache_core.tree.capacity import slots_for_tokens
 
 if TYPE_CHECKING:
     from ragcache_core.engine.cached import CachedEngine, PoolSettings
     from ragcache_core.engine.settings import EngineSpec
-    from ragcache_core.storage.layout import PoolLayout
+    from ragcache_core.storage.pool_layout import PoolLayout
 
 DOC_TOKENS = (512, 1024, 2048, 4096)
 QUESTION_TOKENS = 32
@@ -102,8 +102,8 @@ def _engine_setup(model: str, longest: int) -> tuple[EngineSpec, PoolSettings, P
     """One engine for every length: pools that hold the longest document once."""
     from ragcache_core.engine.cached import PoolSettings
     from ragcache_core.engine.settings import EngineSpec
-    from ragcache_core.storage.layout import layout_for_model
     from ragcache_core.storage.memory import GIB
+    from ragcache_core.storage.pool_layout import layout_for_model
 
     layout = layout_for_model(model, dtype="float32", page_size=PAGE)
     pool_gib = (slots_for_tokens(longest, PAGE) + 1) * layout.slot_bytes / GIB
@@ -216,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
 
         model = str(build_tiny_model(size="bench", attention="mha"))
     else:
-        from ragcache_core.engine.config import check_model_folder
+        from ragcache_core.engine.settings import check_model_folder
 
         model = str(check_model_folder(model))
     if args.json:

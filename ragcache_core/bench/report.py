@@ -27,7 +27,7 @@ from ragcache_core.bench.sweep import (
 )
 from ragcache_core.bench.workloads import Workload, load_workload
 from ragcache_core.config import CacheConfig
-from ragcache_core.retrieval.source import SearchSource
+from ragcache_core.search import SearchSource
 
 SMOKE_RATE = 4.0
 
@@ -123,7 +123,7 @@ def _settings(
 ) -> dict[str, Any]:
     from dataclasses import asdict
 
-    from ragcache_core.storage.layout import layout_for_model
+    from ragcache_core.storage.pool_layout import layout_for_model
 
     layout = layout_for_model(model, dtype=str(resolved(config).dtype), page_size=config.page_size)
     return {

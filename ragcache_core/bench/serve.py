@@ -1,4 +1,4 @@
-"""Serving systems side by side on one request stream (DESIGN.md section 4).
+"""Serving systems side by side on one request stream (docs/design.md 4).
 
 A `ServedSystem` holds one started engine and answers one `Request` at a time, concurrently;
 `run_point` replays a Poisson stream through it, `light_load` one request at a time. The same
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from ragcache_core.bench.workloads import Request
 from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.retrieval.source import SearchSource, final_result
+from ragcache_core.search import SearchSource, final_result
 
 if TYPE_CHECKING:
-    from ragcache_core.engine.config import EngineSettings
+    from ragcache_core.engine.settings import EngineSettings
 
 SystemKind = Literal["vllm", "ragcache"]
 
@@ -166,7 +166,7 @@ def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> Engi
         detect_device,
         resolve_device_defaults,
     )
-    from ragcache_core.storage.layout import layout_for_model
+    from ragcache_core.storage.pool_layout import layout_for_model
 
     device = detect_device()
     config = resolve_device_defaults(config, device)
@@ -208,7 +208,7 @@ class BaselineSystem:
         from transformers import AutoTokenizer
 
         from ragcache_core.engine.async_engine import AsyncEngine
-        from ragcache_core.pipeline.prompt import PromptBuilder
+        from ragcache_core.runtime.prompt import PromptBuilder
 
         self.name, self.config, self.source = name, resolved(config), source
         tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -259,7 +259,7 @@ class RAGCacheSystem:
     def __init__(
         self, name: str, model: str | Path, config: CacheConfig, source: SearchSource | None
     ) -> None:
-        from ragcache_core.controller import RAGCache
+        from ragcache_core.runtime.ragcache import RAGCache
 
         self.name, self.source = name, source
         self.config = config.with_(**SYSTEMS[name].changes)

@@ -112,7 +112,7 @@ def resolve_mode(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     from ragcache_core.bench.workloads import DATA_DIR, SHARED_WORKLOADS
     from ragcache_core.cli import CliError
-    from ragcache_core.engine.config import check_model_folder
+    from ragcache_core.engine.settings import check_model_folder
 
     mode = resolve_mode(args)
     if set(mode.workloads) & SHARED_WORKLOADS and not DATA_DIR.is_dir():

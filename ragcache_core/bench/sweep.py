@@ -43,8 +43,8 @@ from ragcache_core.bench.serve import (
 )
 from ragcache_core.bench.workloads import Workload
 from ragcache_core.config import CacheConfig
-from ragcache_core.retrieval.source import SearchSource
 from ragcache_core.retrieval.trace import poisson_arrivals
+from ragcache_core.search import SearchSource
 
 SATURATION_FACTOR = 10.0
 """A system is saturated when its TTFT p95 passes this multiple of its light-load p95."""

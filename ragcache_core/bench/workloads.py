@@ -32,7 +32,7 @@ from typing import Any
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.retrieval.corpus import load_corpus, load_questions
-from ragcache_core.retrieval.source import SearchSource
+from ragcache_core.search import SearchSource
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 """`../shared/data` next to the checkout (see its README.md)."""

@@ -136,7 +136,7 @@ def _workload(args: argparse.Namespace, model: Path) -> Any:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ragcache_core.engine.config import check_model_folder
+    from ragcache_core.engine.settings import check_model_folder
 
     systems = _check(args)
     model = check_model_folder(args.model) if args.model else None

@@ -28,7 +28,7 @@ def _step(name: str, value: str) -> None:
 
 def _doctor(args: argparse.Namespace) -> int:
     from ragcache_core.cli import CliError
-    from ragcache_core.engine.config import check_model_folder
+    from ragcache_core.engine.settings import check_model_folder
 
     # Validate input before any slow import or engine start.
     model = check_model_folder(args.model) if args.model is not None else None

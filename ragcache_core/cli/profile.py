@@ -27,8 +27,8 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ragcache_core.engine.config import check_model_folder
     from ragcache_core.engine.profiler import DEFAULT_CACHED, DEFAULT_NEW, profile_prefill
+    from ragcache_core.engine.settings import check_model_folder
 
     if args.model == "bench":
         from ragcache_core.testing.tiny_model import build_tiny_model

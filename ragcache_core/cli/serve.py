@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ragcache_core.cli import CliError
 
 if TYPE_CHECKING:
-    from ragcache_core.serve.settings import ServeSettings
+    from ragcache_core.serve.state import ServeSettings
 
 API_KEY_ENV = "RAGCACHE_API_KEY"
 
@@ -62,7 +62,7 @@ def _cache_options(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ragcache_core.engine.config import check_model_folder
+    from ragcache_core.engine.settings import check_model_folder
 
     if args.workers != 1:
         raise CliError(
@@ -74,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(f"--index {args.index}: not a ragcache index (no manifest.json)")
     settings = _settings(args, str(model))
     logging.getLogger("ragcache_core.serve").setLevel(logging.INFO)
-    from ragcache_core.serve.runner import run
+    from ragcache_core.serve.app import run
 
     run(settings)
     return 0
@@ -84,7 +84,7 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
     import dataclasses
 
     from ragcache_core.config import CacheConfig
-    from ragcache_core.serve.settings import DEFAULT_MAX_WAITING, ServeSettings
+    from ragcache_core.serve.state import DEFAULT_MAX_WAITING, ServeSettings
 
     config = CacheConfig()
     changes = {

@@ -34,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
     from ragcache_core.retrieval.corpus import load_questions
     from ragcache_core.retrieval.index_store import LocalIndex
     from ragcache_core.retrieval.trace import build_trace, tokenizer_counter
-    from ragcache_core.sim.trace import write_trace
+    from ragcache_core.trace import write_trace
 
     index = LocalIndex.load(args.index)
     questions = load_questions(

@@ -1,4 +1,4 @@
-"""Cost model: estimated prefill time T(cached, new) from a profiled grid (DESIGN.md 2.3)."""
+"""Cost model: estimated prefill time T(cached, new) from a profiled grid (docs/design.md 2.3)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Cost model: estimated prefill time T(alpha, beta) of one request.
 
 alpha = tokens of the request that are cached (system prompt included), beta = tokens it
-computes (uncached documents and the question). PGDSF uses T to value a node (DESIGN.md 2.3);
+computes (uncached documents and the question). PGDSF uses T to value a node (docs/design.md 2.3);
 the simulator and the reordering queue use it as the service time.
 """
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.config import SamplingConfig
-from ragcache_core.engine.config import EngineSettings
+from ragcache_core.engine.settings import EngineSettings
 from ragcache_core.errors import RAGCacheError
 
 

@@ -3,8 +3,8 @@
 App side of the data plane. It creates the host pool (shared memory that outlives the
 engine), checks that both pools fit before anything starts, starts vLLM with the connector,
 and runs requests with a given `Plan`, returning the connector's report. It decides no plan:
-`ragcache_core.engine.single.run_request` (or the controller) asks the `KnowledgeCache`,
-through the request lifecycle of `ragcache_core.lifecycle`.
+`ragcache_core.runtime.sync_run.run_request` (or the controller) asks the `KnowledgeTree`,
+through the request lifecycle of `ragcache_core.runtime.lifecycle`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ragcache_core.engine.config import EngineSettings
 from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.llm import Engine
 from ragcache_core.engine.sampling import GreedySampling, sampling_params, token_logprobs
 from ragcache_core.engine.settings import (
     DeviceInfo,
+    EngineSettings,
     EngineSpec,
     build_settings,
     default_dtype,
@@ -29,8 +29,8 @@ from ragcache_core.engine.settings import (
 from ragcache_core.errors import ConfigError, RAGCacheError, check_fits_context
 from ragcache_core.plan import PLAN_KEY, Plan
 from ragcache_core.storage.host_pool import HostPool
-from ragcache_core.storage.layout import PoolLayout, layout_for_model
 from ragcache_core.storage.memory import GIB, available_host_bytes, check_fits
+from ragcache_core.storage.pool_layout import PoolLayout, layout_for_model
 
 DEFAULT_PAGE_SIZE = 16
 """Tokens per pool slot; see docs/data-plane.md ("Page size") for the measurement."""

@@ -13,14 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragcache_core.engine.config import EngineSettings
 from ragcache_core.engine.sampling import GreedySampling, sampling_params, token_logprobs
+from ragcache_core.engine.settings import EngineSettings
 
-__all__ = ["Engine", "Generation", "GreedySampling"]
+__all__ = ["Completion", "Engine", "GreedySampling"]
 
 
 @dataclass(frozen=True)
-class Generation:
+class Completion:
     """One finished request."""
 
     prompt_token_ids: tuple[int, ...]
@@ -60,7 +60,7 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         sampling: GreedySampling | None = None,
         kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
-    ) -> list[Generation]:
+    ) -> list[Completion]:
         """Generate for each prompt (token ids) in one batch; results in prompt order."""
         from ragcache_core.engine.compat import first_token_latency, token_prompt
 
@@ -77,7 +77,7 @@ class Engine:
             completion = output.outputs[0]
             ttft = first_token_latency(output)
             results.append(
-                Generation(
+                Completion(
                     prompt_token_ids=tuple(prompt),
                     token_ids=tuple(completion.token_ids),
                     text=completion.text,

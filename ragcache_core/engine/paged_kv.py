@@ -7,10 +7,10 @@ but its "vec"/"vec16" write kernel does not store token rows inside a (block, he
     K: [D, bs]   (transposed: element (t, d) at d * bs + t)
     V: [bs, D]   (element (t, d) at bs * D + t * D + d)
 
-So the offset table of `LinearPagedKV` (`storage/kv_layout.py`) is *measured* at start by
+So the offset table of `LinearPagedKV` (`storage/paged_layout.py`) is *measured* at start by
 writing a probe through vLLM's own kernel, and every kernel variant (vec, vec16, amx, neon, ...)
 is handled the same way. Writes go through vLLM's kernel as well (the layout is then right by
-construction, and the kernel is fast). CUDA caches are strided: `storage/kv_layout.py` reads
+construction, and the kernel is fast). CUDA caches are strided: `storage/paged_layout.py` reads
 their layout off the strides, with no vLLM import.
 """
 
@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ragcache_core.errors import ConfigError
-from ragcache_core.storage.kv_layout import LinearPagedKV
+from ragcache_core.storage.paged_layout import LinearPagedKV
 
 if TYPE_CHECKING:
     import torch
 
-    from ragcache_core.storage import copy_ops
+    from ragcache_core.storage.copy import base as copy_ops
 
 
 def cpu_paged_kv(
@@ -99,13 +99,13 @@ class CpuPagedKV(LinearPagedKV):
         per layer, for the U distinct blocks the tokens sit in:
           K  region [B, H, D, bs]  --index_select(blocks), permuted-->  [U, bs, H, D]
           V  region [B, H, bs, D]  --index_select(blocks), permuted-->  [U, bs, H, D]
-          then the tokens' rows of those U * bs rows (`Located.blocks`)
+          then the tokens' rows of those U * bs rows (`LocatedTokens.blocks`)
 
     Two passes over contiguous memory instead of an int64 offset per element (the store's
     speed: `ragcache bench copies`, docs/benchmarks.md "KV copies")."""
 
     def read_into(
-        self, layer: int, where: copy_ops.Located, key: torch.Tensor, value: torch.Tensor
+        self, layer: int, where: copy_ops.TokenLocation, key: torch.Tensor, value: torch.Tensor
     ) -> None:
         import torch
 

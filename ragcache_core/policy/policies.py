@@ -1,4 +1,4 @@
-"""The four replacement policies of the paper's ablation (DESIGN.md 2.3)."""
+"""The four replacement policies of the paper's ablation (docs/design.md 2.3)."""
 
 from __future__ import annotations
 

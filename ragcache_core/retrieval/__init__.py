@@ -20,14 +20,8 @@ from ragcache_core.retrieval.flat import MatrixFlat, SingleStage, staged_search_
 from ragcache_core.retrieval.hnsw import StagedHNSW
 from ragcache_core.retrieval.index_store import IndexSettings, LocalIndex, build_index
 from ragcache_core.retrieval.ivf import ListsPerStage, StagedIVF, StagePlan, TargetStageTime
-from ragcache_core.retrieval.source import (
-    CallableSource,
-    SearchSource,
-    StagedSource,
-    StageResult,
-    astages,
-    final_result,
-)
+from ragcache_core.retrieval.source import CallableSource, StagedSource
+from ragcache_core.search import SearchSource, StageResult, astages, final_result
 
 __all__ = [
     "CallableSource",

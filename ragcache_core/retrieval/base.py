@@ -1,6 +1,6 @@
 """The staged-search interface: a vector search that reports its current top-k after each stage.
 
-Dynamic speculative pipelining (DESIGN.md section 2.5) needs the search to say, while it is still
+Dynamic speculative pipelining (docs/design.md 2.5) needs the search to say, while it is still
 running, which documents it would return if it stopped now. A `StagedSearch` does that for a batch
 of query vectors: `stages(query_vectors, k)` is a generator whose every item is a `Stage`, the
 top-k after one more slice of work. The last stage (`is_last=True`) is exactly what the plain

@@ -258,7 +258,7 @@ def _new_faiss_index(settings: IndexSettings, dimension: int, n: int) -> Any:
     nlist = min(settings.nlist or default_nlist(n), n)
     quantizer = faiss.IndexFlatIP(dimension)
     index = faiss.IndexIVFFlat(quantizer, dimension, nlist, ip)
-    # ~4 x sqrt(N) lists is a deliberate choice (DESIGN.md 2.8); fewer than Faiss's 39 training
+    # ~4 x sqrt(N) lists is a deliberate choice (docs/design.md 2.8); fewer than Faiss's 39 training
     # points per list is expected at our sizes, so silence its warning.
     index.cp.min_points_per_centroid = 1
     index.cp.seed = settings.embedder.seed + 1234

@@ -254,5 +254,5 @@ def _merge(
 
 
 def default_nlist(n: int) -> int:
-    """About 4 x sqrt(N) lists (DESIGN.md section 2.8), at least 1 and at most N."""
+    """About 4 x sqrt(N) lists (docs/design.md 2.8), at least 1 and at most N."""
     return max(1, min(n, round(4 * math.sqrt(n))))

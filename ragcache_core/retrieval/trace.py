@@ -1,6 +1,6 @@
 """Request traces: questions retrieved against an index, with token counts and Poisson arrivals.
 
-One JSON object per line, the format the simulator reads (`ragcache_core.sim.trace`, which
+One JSON object per line, the format the simulator reads (`ragcache_core.trace`, which
 defines `TraceRequest` and `write_trace` for both):
 `{"id": str, "arrival_s": float, "docs": [doc ids in prompt order], "doc_tokens": [int per doc],
 "question_tokens": int}`. Document tokens count the document as the prompt shows it
@@ -19,7 +19,7 @@ from ragcache_core.errors import ConfigError, InputError, ModelError
 from ragcache_core.retrieval.base import StagedSearch
 from ragcache_core.retrieval.corpus import Question
 from ragcache_core.retrieval.index_store import LocalIndex
-from ragcache_core.sim.trace import TraceRequest
+from ragcache_core.trace import TraceRequest
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> npt.NDArray[np.float64]:

@@ -1,10 +1,24 @@
-"""What an OpenAI request asks the cache to do: a `CachedJob` (question + documents under the
-server's system prompt) or an `UncachedJob` (token ids, and why they cannot be cached).
+"""What an OpenAI request asks the cache to do, and the server's own view of prompts.
 
-Chat messages map as: the system (or developer) message is the root's system prompt, the last
-user message is the question. With documents, nothing else may be in `messages` (earlier turns
-have no place in the cached layout: 400). A system prompt other than the server's is served
-uncached (same layout, that system prompt) and the response says so.
+A `CachedJob` is a question + documents under the server's system prompt; an `UncachedJob` is
+token ids, and why they cannot be cached. Chat messages map as: the system (or developer)
+message is the root's system prompt, the last user message is the question. With documents,
+nothing else may be in `messages` (earlier turns have no place in the cached layout: 400). A
+system prompt other than the server's is served uncached (same layout, that system prompt) and
+the response says so.
+
+`PromptRenderer` gives the token ids of what the server serves uncached and the length of what
+it sends to the cache (to check it against the context and size a default answer):
+
+    /v1/completions, no documents        tokenizer(prompt) with special tokens, as vLLM does
+    /v1/chat/completions, no documents   the model's chat template over every message, as vLLM
+    documents + another system prompt    RAGCache's own prompt layout with that system prompt
+                                         (PromptBuilder), served uncached
+    documents + the server's prompt      counted with the cache's PromptBuilder layout; the
+                                         cache builds (and caches) the same ids itself
+
+It runs on the server's renderer thread only (`ServeState.render`; `PromptBuilder` is not
+thread-safe).
 
 Sampling follows `vllm serve`: fields left out take the model's generation config (else
 temperature 1, top-p 1); `max_tokens` defaults to 16 for completions and to the rest of the
@@ -15,17 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from ragcache_core.config import SamplingConfig
+from ragcache_core.config import PromptConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
+from ragcache_core.runtime.prompt import PromptBuilder
 from ragcache_core.serve.errors import bad_request
-from ragcache_core.serve.prompts import PromptRenderer
 from ragcache_core.serve.schemas import ChatMessage, ChatRequest, CompletionRequest
 
 UncachedReason = Literal["no_documents", "system_prompt_differs"]
@@ -171,3 +186,65 @@ def _uncached(
         return UncachedJob(tuple(build()), reason)
     except InputError as exc:
         raise bad_request(str(exc), param) from None
+
+
+_OTHER_PROMPTS = 8
+"""Builders kept for system prompts other than the server's (least recently used dropped)."""
+
+
+class PromptRenderer:
+    """Prompt ids as the server's engine will see them (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, prompt: PromptConfig, model: str, kv_dtype: str) -> None:
+        self._tokenizer = tokenizer
+        self._prompt = prompt
+        self._model = model
+        self._kv_dtype = kv_dtype
+        self._root = PromptBuilder(tokenizer, prompt, model, kv_dtype)
+        self._others: OrderedDict[str, PromptBuilder] = OrderedDict()
+        self.vocab_size = len(tokenizer)
+
+    @property
+    def system_prompt(self) -> str:
+        """The tree root's system prompt: a request with another one is served uncached."""
+        return self._prompt.system_prompt
+
+    def cached_length(self, question: str, documents: Sequence[Document]) -> int:
+        """Tokens of the prompt the cache will build for `question` over `documents`."""
+        return self._root.build(question, documents).num_tokens
+
+    def with_system(self, system: str, question: str, documents: Sequence[Document]) -> list[int]:
+        """The cache's prompt layout with another system prompt (served uncached)."""
+        builder = self._others.get(system)
+        if builder is None:
+            prompt = dataclasses.replace(self._prompt, system_prompt=system)
+            builder = PromptBuilder(self._tokenizer, prompt, self._model, self._kv_dtype)
+            self._others[system] = builder
+            if len(self._others) > _OTHER_PROMPTS:
+                self._others.popitem(last=False)
+        self._others.move_to_end(system)
+        return builder.build(question, documents).token_ids
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The model's chat template over `messages` with the generation prompt, tokenized
+        without added special tokens (the template has them), as `vllm serve` does."""
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise InputError("the model has no chat template: use /v1/completions")
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # the template refused the messages (e.g. jinja's raise)
+            raise InputError(f"the chat template cannot render these messages: {exc}") from exc
+        return list(self._tokenizer.encode(str(text), add_special_tokens=False))
+
+    def completion(self, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's ids: a string tokenized with special tokens, ids checked."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("the prompt is empty")
+            return list(self._tokenizer.encode(prompt, add_special_tokens=True))
+        bad = [i for i in prompt if i >= self.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} is out of the vocabulary ({self.vocab_size})")
+        return list(prompt)

@@ -1,51 +1,92 @@
-"""What one server holds while it runs (`ServeState`, built at startup from `ServeSettings`),
-and what it needs of the cache (`ServableCache`: `RAGCacheAPI` plus the uncached path, the
-integrity check, the Prometheus registry and `close`; `RAGCache` is one).
+"""What one server is started with (`ServeSettings`, frozen; nothing is read from globals), what
+it holds while it runs (`ServeState`, built at startup), and its own Prometheus collectors
+(`ServeMetrics`, beside the cache's in a registry of their own; `/metrics` serves both; listed
+in docs/configuration.md, "Metrics"):
+
+| metric                              | type      | labels            |
+|-------------------------------------|-----------|-------------------|
+| ragcache_serve_requests             | counter   | route, status     |
+| ragcache_serve_uncached             | counter   | reason            |
+| ragcache_serve_disconnects          | counter   | route             |
+| ragcache_serve_request_seconds      | histogram | route             |
+| ragcache_serve_in_flight            | gauge     |                   |
+| ragcache_serve_waiting              | gauge     |                   |
+
+The server runs over a `RAGCache` (`CacheFactory` builds it; tests pass a stand-in).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 
-from ragcache_core.api import RAGCacheAPI
-from ragcache_core.config import SamplingConfig
-from ragcache_core.results import StreamChunk
+if TYPE_CHECKING:
+    from ragcache_core.runtime.ragcache import RAGCache
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ragcache_core.config import CacheConfig
+from ragcache_core.errors import ConfigError
 from ragcache_core.serve.errors import ServeError
-from ragcache_core.serve.jobs import GenerationDefaults
-from ragcache_core.serve.metrics import ServeMetrics
-from ragcache_core.serve.prompts import PromptRenderer
+from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
 from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
-from ragcache_core.serve.settings import ServeSettings
+
+DEFAULT_MAX_WAITING = 64
+"""Requests that may wait beyond the engine's `max_num_seqs` running ones before 429."""
 
 
-class _Metrics(Protocol):
+@dataclass(frozen=True)
+class ServeSettings:
+    """One server: the model, its cache settings, where it listens, how it sheds load.
+
+    - `index`: a folder written by `ragcache index`, searched by `/v1/rag/query` (None: that
+      route needs `documents`).
+    - `api_key`: when set, every `/v1/...` route wants `Authorization: Bearer <key>` (401
+      otherwise); `/health` and `/metrics` stay open for probes, as in `vllm serve`.
+    - `served_model_name`: the name in `/v1/models` and the `model` field requests must use
+      (None: `model` as given, as `vllm serve` does).
+    - `max_waiting`: in flight at most `config.max_num_seqs + max_waiting` requests (running
+      plus waiting in RAGCache's reordering queue); past it a request gets 429 with
+      Retry-After at once, so the backlog is bounded.
+    - `drain_timeout_s`: on SIGTERM/SIGINT the server stops accepting and waits this long for
+      requests in flight, then cancels the rest, then closes the engine and the shared memory.
+    """
+
+    model: str
+    config: CacheConfig = field(default_factory=CacheConfig)
+    index: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_waiting: int = DEFAULT_MAX_WAITING
+    drain_timeout_s: float = 30.0
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting cannot be negative, got {self.max_waiting}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"drain_timeout_s cannot be negative, got {self.drain_timeout_s}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0-65535, got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key cannot be empty (omit it to serve without a key)")
+
     @property
-    def registry(self) -> Any: ...
+    def model_name(self) -> str:
+        """The name clients use in `model`."""
+        return self.served_model_name or self.model
 
 
-class ServableCache(RAGCacheAPI, Protocol):
-    """The cache a server runs over (see the module docstring)."""
-
-    @property
-    def metrics(self) -> _Metrics: ...
-
-    def astream_uncached(
-        self, prompt_ids: Sequence[int], *, sampling: SamplingConfig | None = None
-    ) -> AsyncIterator[StreamChunk]: ...
-
-    def check_integrity(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-CacheFactory = Callable[[ServeSettings], ServableCache]
+CacheFactory = Callable[[ServeSettings], "RAGCache"]
+"""Builds the server's cache from its settings (tests pass a stand-in)."""
 T = TypeVar("T")
 
 
@@ -54,7 +95,7 @@ class ServeState:
     """The running server's parts. Used from the server's event loop only."""
 
     settings: ServeSettings
-    cache: ServableCache
+    cache: RAGCache
     renderer: PromptRenderer
     defaults: GenerationDefaults
     queue: BoundedQueue
@@ -104,3 +145,39 @@ def state_of(request: Request) -> ServeState:
 
 def _refusal_status(refusal: Refusal) -> int:
     return 503 if refusal.reason == "draining" else 429
+
+
+_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServeMetrics:
+    """Requests by route and status, uncached requests by reason, disconnects, request time;
+    the bounded queue's occupancy is read at scrape time."""
+
+    def __init__(self, queue: BoundedQueue) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "ragcache_serve_requests", "HTTP requests answered", ["route", "status"], registry=r
+        )
+        self.uncached = Counter(
+            "ragcache_serve_uncached", "Requests served without the cache", ["reason"], registry=r
+        )
+        self.disconnects = Counter(
+            "ragcache_serve_disconnects", "Clients gone before the end", ["route"], registry=r
+        )
+        self.seconds = Histogram(
+            "ragcache_serve_request_seconds",
+            "Time from request to the end of its response",
+            ["route"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        in_flight = Gauge("ragcache_serve_in_flight", "Requests in flight", registry=r)
+        in_flight.set_function(lambda: queue.in_flight)
+        waiting = Gauge("ragcache_serve_waiting", "In flight beyond max_num_seqs", registry=r)
+        waiting.set_function(lambda: queue.waiting)
+
+    def answered(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.seconds.labels(route).observe(seconds)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ragcache_core.sim.simulator import SimConfig, SimResult, Simulator, simulate
-from ragcache_core.sim.trace import TraceRequest, load_trace, parse_request, write_trace
+from ragcache_core.trace import TraceRequest, load_trace, parse_request, write_trace
 
 __all__ = [
     "SimConfig",

@@ -17,9 +17,9 @@ from typing import Any
 from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import Tier
-from ragcache_core.scheduler import make_queue
-from ragcache_core.sim.trace import TraceRequest
-from ragcache_core.tree import DocKey, DocSpec, KnowledgeCache, RequestHandle, RootKey
+from ragcache_core.runtime.reorder import make_queue
+from ragcache_core.trace import TraceRequest
+from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RequestHandle, RootKey
 
 SIM_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
 
@@ -78,12 +78,12 @@ def _ratio(num: float, den: float) -> float:
 
 
 class Simulator:
-    """Runs traces through one `KnowledgeCache`; the cache persists across `run` calls."""
+    """Runs traces through one `KnowledgeTree`; the cache persists across `run` calls."""
 
     def __init__(self, config: SimConfig, cost_model: CostModel | None = None) -> None:
         self.config = config
         self.cost_model: CostModel = cost_model or default_cost_model()
-        self.cache = KnowledgeCache.from_tokens(
+        self.cache = KnowledgeTree.from_tokens(
             SIM_ROOT,
             gpu_tokens=config.gpu_tokens,
             host_tokens=config.host_tokens,

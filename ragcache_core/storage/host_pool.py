@@ -3,7 +3,7 @@
 The app creates the pool (a file on a tmpfs, `/dev/shm` on Linux) and passes its name to the
 engine; the worker-side connector maps the same pages. Because the app owns the file, the
 pool and its contents survive an engine (worker) restart: the next worker maps it again
-(DESIGN.md 2.6, 3.1). A sidecar `<file>.json` records the layout, so a worker never maps a
+(docs/design.md 2.6, 3.1). A sidecar `<file>.json` records the layout, so a worker never maps a
 pool written for another model or page size.
 
     app process                          vLLM worker process
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ragcache_core.errors import ConfigError
-from ragcache_core.storage.layout import PoolLayout
 from ragcache_core.storage.memory import available_host_bytes, check_fits, free_bytes_at
+from ragcache_core.storage.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ragcache_core.engine.config import EngineSettings
+from ragcache_core.engine.settings import EngineSettings
 
 E = TypeVar("E")
 

@@ -1,6 +1,6 @@
 """Knowledge tree: prefix tree over document ids, placed over GPU and host slot tiers.
 
-`KnowledgeCache` (cache.py) is the entry point (match, begin_request -> Plan, confirm/abort,
+`KnowledgeTree` (cache.py) is the entry point (match, begin_request -> Plan, confirm/abort,
 invalidate, clear, drop_tier, counters, check_integrity), a manager over three parts: the
 prefix structure (prefix.py), the placement over tiers (placement.py, over tier_slots.py and
 allocator.py) and the planner (planner.py). Pure Python: it never touches tensors.
@@ -8,17 +8,17 @@ allocator.py) and the planner (planner.py). Pure Python: it never touches tensor
 
 from __future__ import annotations
 
-from ragcache_core.tree.allocator import SlotAllocator
-from ragcache_core.tree.cache import KnowledgeCache
-from ragcache_core.tree.capacity import (
+from ragcache_core.capacity import (
     bytes_for_tokens,
     kv_bytes_per_token,
     slots_for_tokens,
     slots_in_tokens,
     tokens_for_bytes,
 )
+from ragcache_core.tree.allocator import SlotAllocator
 from ragcache_core.tree.integrity import IntegrityError
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
+from ragcache_core.tree.knowledge_tree import KnowledgeTree
 from ragcache_core.tree.request import RequestHandle, RequestState
 from ragcache_core.tree.results import CacheStats, MatchResult, TierHit, TreeCounters
 
@@ -27,7 +27,7 @@ __all__ = [
     "DocKey",
     "DocSpec",
     "IntegrityError",
-    "KnowledgeCache",
+    "KnowledgeTree",
     "MatchResult",
     "RequestHandle",
     "RequestState",

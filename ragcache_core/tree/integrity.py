@@ -1,4 +1,4 @@
-"""What `KnowledgeCache.check_integrity` shares between the parts: the error it raises and a
+"""What `KnowledgeTree.check_integrity` shares between the parts: the error it raises and a
 summary of what the open requests hold, against which the parts check their own counters.
 
 Each part checks its own invariants (`PrefixTree.check`, `Placement.check`, `Planner.check`);

@@ -12,9 +12,9 @@ Rules it keeps (checked by `check`):
 
 from __future__ import annotations
 
+from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.plan import SlotCopy, Tier
 from ragcache_core.policy import EvictionPolicy
-from ragcache_core.tree.capacity import slots_for_tokens
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.prefix import PrefixTree
@@ -39,8 +39,8 @@ class Placement:
 
     __slots__ = (
         "_evictions",
+        "_prefixes",
         "_swap_outs",
-        "_tree",
         "detached_pinned",
         "page_size",
         "policy",
@@ -49,14 +49,14 @@ class Placement:
 
     def __init__(
         self,
-        tree: PrefixTree,
+        prefixes: PrefixTree,
         policy: EvictionPolicy,
         *,
         gpu_slots: int,
         host_slots: int,
         page_size: int,
     ) -> None:
-        self._tree = tree
+        self._prefixes = prefixes
         self.policy = policy
         self.page_size = page_size
         self.tiers = {
@@ -83,7 +83,7 @@ class Placement:
         return self.tiers[tier].allocator.num_free + held
 
     def pinned_nodes(self) -> int:
-        return sum(1 for n in self._tree.iter_nodes() if n.pins) + len(self.detached_pinned)
+        return sum(1 for n in self._prefixes.iter_nodes() if n.pins) + len(self.detached_pinned)
 
     @property
     def counters(self) -> TreeCounters:
@@ -217,7 +217,7 @@ class Placement:
         can anything below it). Unpinned copies are freed now; a pinned node keeps its slots,
         detached and unmatchable, until its last pin is released. The root object stays in
         place, emptied."""
-        if top is self._tree.root:
+        if top is self._prefixes.root:
             for child in list(top.children.values()):
                 self.remove(child)
             for tier in list(top.slots):
@@ -227,22 +227,22 @@ class Placement:
         assert parent is not None
         for tier in top.slots:
             self._child_left_tier(parent, tier)
-        for node in self._tree.detach(top):
+        for node in self._prefixes.detach(top):
             self._keep_or_free(node)
 
     def replace_root(self, now: int) -> None:
         """Detach the root and everything below it (pinned nodes are freed when unpinned) and
         start an empty tree; the policy's state is kept."""
-        for child in list(self._tree.root.children.values()):
+        for child in list(self._prefixes.root.children.values()):
             self.remove(child)
-        self._keep_or_free(self._tree.replace_root(now))
+        self._keep_or_free(self._prefixes.replace_root(now))
         for tier_slots in self.tiers.values():
             tier_slots.clear_heap()
 
     def drop_tier(self, tier: Tier) -> None:
         """Every copy in `tier` is gone: drop them; nodes left without a copy leave the tree
         with their subtrees. The caller aborts the requests that wrote or read them first."""
-        stack = [self._tree.root]
+        stack = [self._prefixes.root]
         while stack:
             node = stack.pop()
             if tier in node.slots:
@@ -259,7 +259,7 @@ class Placement:
     def compact(self) -> None:
         """Bound the candidate heaps' stale entries (call once per request)."""
         for tier_slots in self.tiers.values():
-            tier_slots.maybe_compact(self._tree.num_nodes)
+            tier_slots.maybe_compact(self._prefixes.num_nodes)
 
     # ------------------------------------------------------------------ internals
 
@@ -321,7 +321,7 @@ class Placement:
     def check(self, holdings: OpenHoldings) -> None:
         """Every node's copies, pins and the slot accounting of each tier against what the
         open requests hold. Raises `IntegrityError` naming the first violation."""
-        nodes = self._tree.all_nodes()
+        nodes = self._prefixes.all_nodes()
         for node in nodes:
             self._check_node(node, holdings)
         for node in self.detached_pinned:

@@ -1,4 +1,4 @@
-"""The planner: one request's match, pins, statistics, evictions and plan (DESIGN.md 3.2).
+"""The planner: one request's match, pins, statistics, evictions and plan (docs/design.md 3.2).
 
 begin_request(root_tokens, docs, question_tokens, final)
   1. walk root -> docs[:max_depth]; the hit prefix is the leading nodes with a confirmed
@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.cost import CostModel
 from ragcache_core.errors import InputError
 from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
 from ragcache_core.policy import NodeStats
-from ragcache_core.tree.capacity import slots_for_tokens
 from ragcache_core.tree.integrity import fail
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.node import Node
@@ -40,14 +40,14 @@ class Planner:
     the policy reads (the logical clock, final-request counts, the "second" policy's memory).
 
     Mutates the tree (new nodes), the placement (pins, copies, evictions), nodes' statistics
-    and itself. Settings are described on `KnowledgeCache`. Every node a plan reads or writes
+    and itself. Settings are described on `KnowledgeTree`. Every node a plan reads or writes
     is pinned by its request before the next `make_room`, so planning never evicts what the
     plan itself uses.
     """
 
     def __init__(
         self,
-        tree: PrefixTree,
+        prefixes: PrefixTree,
         placement: Placement,
         *,
         page_size: int,
@@ -57,7 +57,7 @@ class Planner:
         backup_root: bool,
         store_policy: str,
     ) -> None:
-        self._tree = tree
+        self._prefixes = prefixes
         self._placement = placement
         self.page_size = page_size
         self.cost_model = cost_model
@@ -138,7 +138,7 @@ class Planner:
     def check(self) -> None:
         """The planner's own invariants. Raises `IntegrityError`."""
         if self.max_depth is not None:
-            for node in self._tree.all_nodes():
+            for node in self._prefixes.all_nodes():
                 if node.depth > self.max_depth:
                     fail(f"{node!r} is deeper than max_depth={self.max_depth}")
         if len(self._seen) > SEEN_LIMIT:
@@ -153,7 +153,7 @@ class Planner:
         existing nodes along them. Does not modify anything."""
         if root_tokens < 0 or question_tokens < 0:
             raise InputError("root_tokens and question_tokens cannot be negative")
-        root = self._tree.root
+        root = self._prefixes.root
         if root.slots and root.num_tokens != root_tokens:
             raise InputError(
                 f"root has {root.num_tokens} cached tokens but the request says {root_tokens}: "
@@ -161,7 +161,7 @@ class Planner:
             )
         depth = len(docs) if self.max_depth is None else min(len(docs), self.max_depth)
         cached_docs = docs[:depth]
-        path = self._tree.walk([d.key for d in cached_docs])
+        path = self._prefixes.walk([d.key for d in cached_docs])
         for node, spec in zip(path[1:], cached_docs, strict=False):
             if node.num_tokens != spec.num_tokens:
                 raise InputError(
@@ -213,7 +213,7 @@ class Planner:
         the host pool outlives a GPU worker, so after a worker failure the most shared node
         is still cached. Copied by the plan's swap_out step; readable once this request
         confirms. Skipped when the host tier has no room."""
-        root = self._tree.root
+        root = self._prefixes.root
         if not hits or hits[0][0] is not root:
             return
         if Tier.HOST in root.slots or Tier.GPU not in root.ready or not root.num_tokens:
@@ -239,7 +239,7 @@ class Planner:
         not fit (a node's copy needs its parent's)."""
         wanted: list[tuple[DocKey | RootKey, int, int]] = []
         if not path:
-            wanted.append((self._tree.root_key, root_tokens, 0))
+            wanted.append((self._prefixes.root_key, root_tokens, 0))
         first = max(len(path) - 1, 0)
         for i in range(first, len(cached_docs)):
             wanted.append((cached_docs[i].key, cached_docs[i].num_tokens, starts[i + 1]))
@@ -274,7 +274,7 @@ class Planner:
         """Attach a node below `parent` with a GPU copy this request writes and pins (room is
         made). Returns the node and its slots."""
         standalone = self.cost_model.prefill_time(0, num_tokens) / num_tokens if num_tokens else 0.0
-        node = self._tree.attach(
+        node = self._prefixes.attach(
             key, parent, num_tokens, NodeStats(num_tokens, standalone, self.now)
         )
         slots = self._placement.write_copy(node, Tier.GPU, count, handle)

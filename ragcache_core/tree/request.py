@@ -19,7 +19,7 @@ class RequestState(StrEnum):
 @dataclass(slots=True)
 class RequestLedger:
     """What one request holds in the tree: bookkeeping of `ragcache_core.tree` only (the
-    planner and the placement append to it; `KnowledgeCache` releases it at confirm/abort).
+    planner and the placement append to it; `KnowledgeTree` releases it at confirm/abort).
 
     - `path`: the nodes it reached (hits, in-flight nodes, nodes it stores), root first;
     - `pins`: one entry per pin it holds (a node may appear twice: read and swapped out);
@@ -38,7 +38,7 @@ class RequestLedger:
 
 
 class RequestHandle:
-    """What `KnowledgeCache.begin_request` decided for one request.
+    """What `KnowledgeTree.begin_request` decided for one request.
 
     Read `plan` (for the connector), `hits`, `cached_tokens`, `computed_tokens`,
     `stored_docs`, `stored_root`. `ledger` is the tree's private bookkeeping (see

@@ -2,7 +2,7 @@
 
     chain = {"context": retriever, "question": RunnablePassthrough()} | RAGCacheRunnable(cache=c)
     chain = RAGCacheRunnable.from_vectorstore(faiss_store, cache=c)  # retrieves itself
-    llm = RAGCacheLLM(ragcache=c); chain = {...: llm.watch(retriever), ...} | prompt | llm
+    llm = RAGCacheLLM(cache=c); chain = {...: llm.watch(retriever), ...} | prompt | llm
 
 The installed langchain-core is checked first, so an unsupported version fails here with one
 clear `UnsupportedFrameworkError` instead of somewhere inside LangChain.

@@ -29,7 +29,8 @@ from ragcache_core.errors import InputError
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import staged_search_for
 from ragcache_core.retrieval.ivf import StagePlan
-from ragcache_core.retrieval.source import CallableSource, SearchSource, StagedSource
+from ragcache_core.retrieval.source import CallableSource, StagedSource
+from ragcache_core.search import SearchSource
 
 
 def to_document(doc: LCDocument, doc_id: str | None = None) -> Document:

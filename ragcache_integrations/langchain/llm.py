@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -36,7 +37,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables import Runnable, RunnableLambda
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from ragcache_core.api import RAGCacheAPI
 from ragcache_core.config import SamplingConfig
@@ -127,14 +128,39 @@ class DocumentMemory(BaseCallbackHandler):
 
 
 class RAGCacheLLM(LLM):
-    """A LangChain LLM answering through a `RAGCache` or a `RAGCacheClient` (`ragcache=`:
-    LangChain's own `cache` field means something else). Documents found in the prompt by
-    `memory` are cached; see the module docstring. `generation_info` carries TTFT, cache
-    hits and token ids."""
+    """A LangChain LLM answering through a `RAGCache` or a `RAGCacheClient`: `cache=`, as in
+    every integration. Documents found in the prompt by `memory` are cached; see the module
+    docstring. `generation_info` carries TTFT, cache hits and token ids.
+
+    LangChain's LLMs have a `cache` field of their own (an LLM response cache): a
+    `RAGCacheAPI` passed as `cache=` is taken as RAGCache's and kept in `ragcache`, anything
+    else stays LangChain's. `ragcache=` is the old keyword: it still works for this release,
+    with a `FutureWarning`."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     ragcache: RAGCacheAPI
+    """The cache this LLM answers through (given as `cache=`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _take_cache(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if isinstance(data.get("cache"), RAGCacheAPI):
+            data = dict(data)
+            if "ragcache" in data:
+                raise InputError("pass the RAGCache once, as cache= (ragcache= is the old name)")
+            data["ragcache"] = data.pop("cache")
+        elif "ragcache" in data:
+            warnings.warn(
+                "RAGCacheLLM(ragcache=...) is deprecated: pass cache=..., as to every other "
+                "RAGCache integration (ragcache= goes in the next release)",
+                FutureWarning,
+                stacklevel=4,
+            )
+        return data
+
     sampling: SamplingConfig | None = None
     memory: DocumentMemory = Field(default_factory=DocumentMemory)
     _warned_uncached: bool = PrivateAttr(default=False)

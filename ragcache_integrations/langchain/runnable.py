@@ -40,7 +40,7 @@ from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.results import QueryResult
-from ragcache_core.retrieval.source import SearchSource
+from ragcache_core.search import SearchSource
 from ragcache_integrations.langchain.adapters import search_source
 from ragcache_integrations.langchain.documents import (
     content_digest,

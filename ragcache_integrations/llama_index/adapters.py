@@ -32,7 +32,8 @@ from ragcache_core.errors import InputError
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import MatrixFlat, staged_search_for
 from ragcache_core.retrieval.ivf import StagePlan
-from ragcache_core.retrieval.source import CallableSource, SearchSource, StagedSource, StageResult
+from ragcache_core.retrieval.source import CallableSource, StagedSource
+from ragcache_core.search import SearchSource, StageResult
 
 
 def node_to_document(node: BaseNode) -> Document:

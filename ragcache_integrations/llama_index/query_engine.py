@@ -45,7 +45,8 @@ from ragcache_core.config import PromptConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.results import QueryResult, StreamChunk
-from ragcache_core.retrieval.source import CallableSource, SearchSource
+from ragcache_core.retrieval.source import CallableSource
+from ragcache_core.search import SearchSource
 from ragcache_integrations.llama_index.adapters import node_to_document, search_source
 from ragcache_integrations.llama_index.prompt import check_prompt, prompt_config
 from ragcache_integrations.llama_index.sources import RecordingSource

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ragcache_core.retrieval.source import SearchSource, StageResult
+from ragcache_core.search import SearchSource, StageResult
 
 
 class RecordingSource:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.errors import ConfigError
-from ragcache_core.storage.layout import PoolLayout
+from ragcache_core.storage.pool_layout import PoolLayout
 
 CONNECTOR_CLASS = "RAGCacheConnector"
 CONNECTOR_MODULE = "ragcache_core.engine.connector"

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 class RAGCacheConnector(KVConnectorBase_V1):
-    """Executes RAGCache plans inside vLLM; decides nothing (DESIGN.md 3.1-3.2)."""
+    """Executes RAGCache plans inside vLLM; decides nothing (docs/design.md 3.1-3.2)."""
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -2,7 +2,7 @@
 
 Built by the scheduler-side connector in `request_finished` and returned to the app inside
 `RequestOutput.kv_transfer_params[RESULT_KEY]`. The app reads it to count hits per tier and to
-decide what to confirm (see docs/data-plane.md, "Outcomes").
+decide what to confirm (see docs/data-plane.md, "Store/confirm protocol").
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.plan import Plan, Tier
-from ragcache_core.tree.capacity import slots_for_tokens
 
 if TYPE_CHECKING:
     import torch
 
-    from ragcache_core.storage.copy_ops import TokenIndex
+    from ragcache_core.storage.copy.base import TokenIndex
 
 
 def plan_problems(
@@ -112,7 +112,7 @@ def step_index(
     """
     import torch
 
-    from ragcache_core.storage.copy_ops import TokenIndex
+    from ragcache_core.storage.copy.base import TokenIndex
 
     live = [s for s in spans if s.last > s.first]
     if not live:

@@ -1,7 +1,7 @@
 """Worker-side connector logic (runs in vLLM's worker process, beside the paged KV cache).
 
 Owns the "GPU" pool (on the model's device) and maps the app's host pool. Per step, in this
-order (DESIGN.md 3.2):
+order (docs/design.md 3.2):
 
     start_load_kv   1. swap_out  GPU pool -> host pool   (all requests of the step)
                     2. promote   host pool -> GPU pool
@@ -26,15 +26,16 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerReport
 from ragcache_core.engine.connector.spans import SpanRef, step_index
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import SlotCopy, Tier
-from ragcache_core.storage.copy_ops import CopyOps, PagedKV, copy_ops_for
+from ragcache_core.storage.copy.base import CopyOps, PagedKV
+from ragcache_core.storage.copy.factory import copy_ops_for
 from ragcache_core.storage.host_pool import HostPool
 from ragcache_core.storage.memory import available_host_bytes, check_fits
-from ragcache_core.tree.capacity import slots_for_tokens
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +71,7 @@ class WorkerSide:
         import torch
 
         from ragcache_core.engine.compat import layer_order
-        from ragcache_core.storage.kv_layout import strided_paged_kv
+        from ragcache_core.storage.paged_layout import strided_paged_kv
 
         layout = self.config.layout
         caches = [kv_caches[name] for name in layer_order(list(kv_caches))]

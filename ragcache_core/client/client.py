@@ -1,0 +1,245 @@
+"""`RAGCacheClient`: `RAGCacheAPI` over HTTP, to a `ragcache serve` process many apps share.
+
+    client = RAGCacheClient("http://127.0.0.1:8000", api_key=...)
+    client.generate("Who wrote it?", [Document("d1", "...")])   # POST /v1/rag/query + documents
+    client.query("Who wrote it?")                               # the server searches --index
+    client.query("Who wrote it?", search=my_source)             # searched here, then generate
+
+A `SearchSource` is Python code in this process: it cannot cross HTTP, so with `search=` the
+client runs the whole search here and sends the final documents (no speculation across the
+wire; `retrieval_s` is the local search, `ttft_s` adds it to the server's TTFT).
+
+As in `RAGCache`, the public calls come from `RAGCacheAPI` (api.py) over two async bodies here
+(`_query`, `_answer`) on a private event loop (`LoopThread`, which also owns the HTTP
+connection pool): the async API awaits them, the sync API blocks on them, so the sync calls
+work inside notebooks. Errors:
+400/404 raise `InputError` (the server's message, naming the field), 429 is retried after
+its Retry-After (`busy_retries` times, then `ServerBusy`), anything else `RemoteError`.
+Needs only `httpx`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from ragcache_core.api import RAGCacheAPI
+from ragcache_core.client.wire import (
+    config_from_json,
+    document_to_json,
+    result_from_json,
+    sampling_to_json,
+)
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.documents import Document
+from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.loop import Emit, LoopThread
+from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.search import SearchSource, final_result
+
+QUERY = "/v1/rag/query"
+
+
+class RemoteError(RAGCacheError):
+    """The server answered with an error (`status`, and the field it names, `param`)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(f"{message} (HTTP {status})")
+        self.status = status
+        self.param = param
+
+
+class ServerBusy(RemoteError):
+    """429: the server's queue is full; try again after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(429, message)
+        self.retry_after_s = retry_after_s
+
+
+class RAGCacheClient(RAGCacheAPI):
+    """The same API as `RAGCache`, served by `ragcache serve` at `url` (module docstring).
+
+    The constructor reads the server's configuration (`GET /v1/rag/config`), so a wrong URL
+    or key fails here, at once. Close with `close()` or `with`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 600.0,
+        busy_retries: int = 2,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.busy_retries = busy_retries
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = httpx.Timeout(timeout_s, connect=10.0)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
+        self._loop = LoopThread("ragcache-client")
+        try:
+            info = self._loop.run(self._request("GET", "/v1/rag/config"))
+        except BaseException:
+            self.close()
+            raise
+        self.model: str = str(info["model"])
+        self.config: CacheConfig = config_from_json(info["config"])
+        self.has_index = bool(info["has_index"])
+
+    # ------------------------------------------------------------------ RAGCacheAPI
+
+    def stats(self) -> dict[str, Any]:
+        """The server's `stats()`, plus its queue under `"serve"`."""
+        data: dict[str, Any] = self._loop.run(self._request("GET", "/v1/cache/stats"))
+        return data
+
+    def invalidate(self, doc_id: str) -> int:
+        """Drop every cached node of `doc_id` on the server; the number dropped."""
+        body = {"doc_id": doc_id}
+        data = self._loop.run(self._request("POST", "/v1/cache/invalidate", body))
+        return int(data["removed"])
+
+    def close(self) -> None:
+        """Close the connections and the private loop. Safe to call twice."""
+        if self._loop.loop.is_closed():
+            return
+        self._loop.run(self._http.aclose())
+        self._loop.stop()
+
+    # ------------------------------------------------------------------ bodies (on the loop)
+
+    async def _query(
+        self,
+        question: str,
+        search: SearchSource | None,
+        top_k: int | None,
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        if search is None:
+            return await self._ask(question, None, top_k, sampling, emit)
+        if not isinstance(search, SearchSource):
+            raise InputError(f"search must be a SearchSource, got {type(search).__name__}")
+        started = time.perf_counter()
+        final = await asyncio.to_thread(final_result, search, question, top_k or self.config.top_k)
+        retrieval_s = time.perf_counter() - started
+        result = await self._ask(question, final.documents, None, sampling, emit)
+        return dataclasses.replace(
+            result, retrieval_s=retrieval_s, ttft_s=result.ttft_s + retrieval_s, scores=final.scores
+        )
+
+    async def _answer(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        return await self._ask(question, documents, None, sampling, emit)
+
+    async def _ask(
+        self,
+        question: str,
+        documents: Sequence[Document] | None,
+        top_k: int | None,
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        """`POST /v1/rag/query`, whole or streamed into `emit`."""
+        body: dict[str, Any] = {"question": question, "stream": emit is not None}
+        if documents is not None:
+            body["documents"] = [document_to_json(d) for d in _checked(documents)]
+        if top_k is not None:
+            body["top_k"] = top_k
+        if sampling is not None:
+            body["sampling"] = sampling_to_json(sampling)
+        if emit is None:
+            return result_from_json(await self._request("POST", QUERY, body))
+        return await self._stream(body, emit)
+
+    async def _stream(self, body: dict[str, Any], emit: Emit) -> QueryResult:
+        """A streamed `POST /v1/rag/query`; 429 retried as in `_request`."""
+        for attempt in range(self.busy_retries + 1):
+            try:
+                async with self._http.stream("POST", QUERY, json=body) as response:
+                    if response.status_code == 200:
+                        return await _read_events(response, emit)
+                    await response.aread()
+                    error = _response_error(response)
+            except httpx.HTTPError as exc:
+                raise RAGCacheError(f"cannot reach ragcache serve at {self.url}: {exc}") from exc
+            await self._wait_or_raise(error, attempt)
+        raise AssertionError("unreachable")
+
+    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+        """One JSON request, 429 retried after its Retry-After (`busy_retries` times)."""
+        for attempt in range(self.busy_retries + 1):
+            try:
+                response = await self._http.request(method, path, json=body)
+            except httpx.HTTPError as exc:
+                raise RAGCacheError(f"cannot reach ragcache serve at {self.url}: {exc}") from exc
+            if response.status_code == 200:
+                return response.json()
+            await self._wait_or_raise(_response_error(response), attempt)
+        raise AssertionError("unreachable")
+
+    async def _wait_or_raise(self, error: RAGCacheError, attempt: int) -> None:
+        if not isinstance(error, ServerBusy) or attempt >= self.busy_retries:
+            raise error
+        await asyncio.sleep(error.retry_after_s)
+
+
+async def _read_events(response: httpx.Response, emit: Emit) -> QueryResult:
+    """The deltas of a `/v1/rag/query` stream into `emit`; its final `QueryResult`."""
+    result: QueryResult | None = None
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            break
+        data = json.loads(line[len("data: ") :])
+        if "error" in data:
+            raise _error(500, data)
+        if data.get("delta"):
+            emit(StreamChunk(data["delta"]))
+        if "result" in data:
+            result = result_from_json(data["result"])
+    if result is None:
+        raise RAGCacheError("the server's stream ended without a result")
+    return result
+
+
+def _checked(documents: Sequence[Document]) -> Sequence[Document]:
+    for doc in documents:
+        if not isinstance(doc, Document):
+            raise InputError(f"documents must be ragcache_core.Document, got {type(doc).__name__}")
+    return documents
+
+
+def _response_error(response: httpx.Response) -> RAGCacheError:
+    try:
+        data = response.json()
+    except ValueError:
+        data = {"error": {"message": response.text or response.reason_phrase}}
+    if response.status_code == 429:
+        message = str(data.get("error", {}).get("message", "the server is busy"))
+        return ServerBusy(message, float(response.headers.get("retry-after", "1")))
+    return _error(response.status_code, data)
+
+
+def _error(status: int, data: Any) -> RAGCacheError:
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict):
+        return RemoteError(status, str(data))
+    status = int(error.get("code") or status)
+    message, param = str(error.get("message", "")), error.get("param")
+    if status in (400, 404):
+        return InputError(message)
+    return RemoteError(status, message, param)

@@ -1,0 +1,132 @@
+"""RAGCache's private event loop, and the bridges from it to its callers: one body per call.
+
+vLLM's `AsyncLLM` binds to the loop that first uses it and the knowledge tree is not
+thread-safe, so all of RAGCache's work runs on one private loop (`LoopThread`). A call's body
+is one coroutine on it; the async API awaits it from the caller's loop (`LoopThread.arun`), the
+sync API blocks on it (`LoopThread.run`), so the sync calls also work inside notebooks whose
+loop is already running. A streamed answer is produced on the private loop and pushed to the
+caller's loop (`astream_from`); the blocking `stream` iterates that same async stream, driven
+from the private loop (`iterate_on`), so there is one stream body.
+
+Shared by `RAGCache` (runtime/) and `RAGCacheClient` (client/): it imports nothing heavier
+than asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from ragcache_core.results import QueryResult, StreamChunk
+
+T = TypeVar("T")
+
+Emit = Callable[[StreamChunk], None]
+"""Where a generation sends the text deltas of its answer as they come."""
+
+Work = Callable[[Emit], Coroutine[Any, Any, QueryResult]]
+"""A request's body on the private loop: it emits deltas and returns the result."""
+
+_Item = StreamChunk | BaseException | None
+"""What a stream's producer hands its consumer: a chunk, the error, or None at the end."""
+
+
+class LoopThread:
+    """A daemon thread running one event loop (see the module docstring)."""
+
+    def __init__(self, name: str = "ragcache-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        self.loop.run_forever()
+
+    @property
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the loop and wait for it (never call from the loop's own thread)."""
+        if self.is_current:
+            coro.close()
+            raise RuntimeError("LoopThread.run called from its own loop: await the coroutine")
+        return self.submit(coro).result()
+
+    async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the loop from any other loop (or directly when already on it)."""
+        if self.is_current:
+            return await coro
+        return await asyncio.wrap_future(self.submit(coro))
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+async def astream_from(loop: LoopThread, work: Work) -> AsyncIterator[StreamChunk]:
+    """Run `work` on `loop` and yield its chunks on the caller's loop; the last chunk carries
+    the `QueryResult`. Closing the iterator early cancels `work`."""
+    caller = asyncio.get_running_loop()
+    items: asyncio.Queue[_Item] = asyncio.Queue()
+
+    def put(item: _Item) -> None:
+        caller.call_soon_threadsafe(items.put_nowait, item)
+
+    async def produce() -> None:
+        try:
+            put(StreamChunk("", await work(put)))
+        except BaseException as exc:  # surfaced to the consumer
+            put(exc)
+        finally:
+            put(None)
+
+    future = loop.submit(produce())
+    try:
+        while (item := await items.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        future.cancel()
+
+
+def iterate_on(loop: LoopThread, stream: AsyncIterator[T]) -> Iterator[T]:
+    """Iterate an async iterator from synchronous code: each step runs on `loop` (so this also
+    works where the caller's thread runs an event loop, as in notebooks)."""
+
+    async def step() -> tuple[bool, T | None]:
+        try:
+            return True, await anext(stream)
+        except StopAsyncIteration:
+            return False, None
+
+    async def close() -> None:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+    try:
+        while True:
+            more, item = loop.run(step())
+            if not more:
+                return
+            yield item  # type: ignore[misc]
+    finally:
+        loop.run(close())

@@ -1,0 +1,97 @@
+"""The parts of one `RAGCache`, built from its `CacheConfig`: the two KV pools and the
+connector's view of them, the knowledge tree, the admission queue, the engine settings.
+
+Pure construction (no engine is started here); `RAGCache.__init__` calls these in order.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+from ragcache_core.capacity import slots_in_tokens
+from ragcache_core.config import CacheConfig
+from ragcache_core.engine.connector import ConnectorConfig
+from ragcache_core.engine.settings import DeviceInfo, EngineSettings
+from ragcache_core.runtime.admission import Admission
+from ragcache_core.storage.host_pool import HostPool
+from ragcache_core.tree import KnowledgeTree, RootKey
+
+
+@dataclass(frozen=True)
+class Pools:
+    """Both KV pools of one cache: what the connector maps, and the host pool the app owns
+    (shared memory that outlives an engine; None when the host tier is off)."""
+
+    connector: ConnectorConfig
+    host_pool: HostPool | None
+
+    @property
+    def name(self) -> str:
+        return self.connector.host_pool_name
+
+
+def open_pools(model: str, config: CacheConfig) -> Pools:
+    """Size both pools from the config and create the host pool (a new shared-memory file
+    named after this process; the caller removes it)."""
+    from ragcache_core.storage.pool_layout import layout_for_model
+
+    assert config.dtype is not None  # resolved by `resolve_device_defaults`
+    layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
+    gpu_slots = slots_in_tokens(config.gpu_pool_tokens, config.page_size)
+    host_slots = slots_in_tokens(config.host_pool_tokens, config.page_size)
+    name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if host_slots else ""
+    host_pool = HostPool.create(name, layout, host_slots, reuse=False) if host_slots else None
+    connector = ConnectorConfig(
+        layout=layout, gpu_slots=gpu_slots, host_slots=host_slots, host_pool_name=name
+    )
+    return Pools(connector, host_pool)
+
+
+def build_tree(config: CacheConfig, root_key: RootKey, connector: ConnectorConfig) -> KnowledgeTree:
+    """The knowledge tree over both pools, with the configured policy and cost model."""
+    from ragcache_core.cost import CostProfile, InterpolatedCostModel, default_cost_model
+
+    cost_model = (
+        InterpolatedCostModel(CostProfile.load(config.cost_profile))
+        if config.cost_profile
+        else default_cost_model()
+    )
+    return KnowledgeTree(
+        root_key,
+        gpu_slots=connector.gpu_slots,
+        host_slots=connector.host_slots,
+        page_size=config.page_size,
+        policy=config.policy,
+        cost_model=cost_model,
+        max_depth=config.max_cached_depth,
+        backup_root=True,  # the system prompt survives a worker failure (paper 2.6)
+        store_policy=config.store_policy,
+    )
+
+
+def build_admission(config: CacheConfig) -> Admission:
+    """The prefill admission queue: a token budget per step, reordering when configured."""
+    assert config.max_num_batched_tokens is not None  # resolved by `resolve_device_defaults`
+    return Admission(
+        config.max_prefill_bs,
+        "cache_aware" if config.reorder else "fcfs",
+        config.reorder_window,
+        token_budget=config.max_num_batched_tokens,
+    )
+
+
+def build_engine_settings(
+    model: str, config: CacheConfig, connector: ConnectorConfig, device: DeviceInfo
+) -> EngineSettings:
+    """vLLM's settings for this cache (the one builder, `engine/settings.py`)."""
+    from ragcache_core.engine.settings import build_settings, cache_engine_spec
+
+    spec = cache_engine_spec(
+        model,
+        config,
+        connector=connector.kv_transfer_config(),
+        gpu_pool_bytes=connector.layout.pool_bytes(connector.gpu_slots),
+    )
+    return build_settings(spec, device)

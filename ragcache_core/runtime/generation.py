@@ -1,0 +1,342 @@
+"""One generation on vLLM's async engine: attempts through admission and the lifecycle, retries.
+
+    generate ─► Attempt ─► admit   a place in prefill (speculation brings its own lease)
+        ▲                ├► open    Lifecycle.open: the plan in the tree, checked as the
+        │                │          connector will check it
+        │                ├► stream  engine.stream(prompt, plan); at the first token
+        │                │          Lifecycle.first_token (confirm), then the lease goes back
+        │                └► settle  Lifecycle.settle + served_hits on the connector's report
+        └── on a timeout or an engine death (engine restarted once): a new attempt, unless text
+            was streamed already (it cannot be taken back) or `max_retries` is spent
+
+Whatever happens to an attempt, its lease is released and a handle left open is aborted
+(`_release`). `Generator.finish` turns a `Generation` into the caller's `QueryResult` and
+records it in the metrics. Runs on RAGCache's loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.documents import Document
+from ragcache_core.engine.async_engine import EngineDied, StreamEvent
+from ragcache_core.engine.connector import ConnectorResult
+from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
+from ragcache_core.loop import Emit
+from ragcache_core.metrics import Metrics
+from ragcache_core.plan import PLAN_KEY
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.runtime.admission import Admission, PrefillLease, Ticket
+from ragcache_core.runtime.attempt import Attempt, Progress
+from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
+from ragcache_core.runtime.prompt import BuiltPrompt, PromptBuilder
+from ragcache_core.runtime.supervisor import EngineSupervisor
+from ragcache_core.tree import RequestHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One finished generation (final or speculative)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    first_token_at: float
+    queue_wait_s: float
+    hits: CacheHits
+    prompt: BuiltPrompt
+    finish_reason: str | None
+    handle: RequestHandle
+    doc_hit_tokens: int
+    retries: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+async def follow(
+    events: AsyncGenerator[StreamEvent, None],
+    timeout_s: float,
+    emit: Emit | None,
+    on_first_token: Callable[[float], None],
+) -> Progress:
+    """Follow one request's engine stream to its end (closing it on every path): each text
+    delta to `emit`, `on_first_token(time)` once, at the first token. `timeout_s` bounds the
+    wait for each event (the first token, then each next one), so a long healthy answer never
+    times out; a stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
+    progress = Progress()
+    loop = asyncio.get_running_loop()
+    async with contextlib.aclosing(events), asyncio.timeout(timeout_s) as deadline:
+        async for event in events:
+            deadline.reschedule(loop.time() + timeout_s)
+            if event.token_ids and not progress.first_token_at:
+                progress.first_token_at = time.perf_counter()
+                on_first_token(progress.first_token_at)
+            if emit is not None and len(event.text) > len(progress.text):
+                emit(StreamChunk(event.text[len(progress.text) :]))
+            progress.text, progress.token_ids = event.text, event.token_ids
+            progress.finish_reason = event.finish_reason
+            if event.finished:
+                progress.report = event.kv_transfer_params
+    # No token at all: finishing is the first.
+    progress.first_token_at = progress.first_token_at or time.perf_counter()
+    return progress
+
+
+class Generator:
+    """Builds prompts and runs generations for one `RAGCache`."""
+
+    def __init__(
+        self,
+        *,
+        config: CacheConfig,
+        prompts: PromptBuilder,
+        lifecycle: Lifecycle,
+        admission: Admission,
+        engines: EngineSupervisor,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._prompts = prompts
+        self._lifecycle = lifecycle
+        self._admission = admission
+        self._engines = engines
+        self._metrics = metrics
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ prompts
+
+    def build(
+        self, question: str, documents: Sequence[Document], sampling: SamplingConfig
+    ) -> BuiltPrompt:
+        """The prompt's token ids; `InputError` (before anything is allocated) when it does not
+        fit the context with the answer."""
+        prompt = self._prompts.build(question, documents)
+        check_fits_context(prompt.num_tokens, sampling.max_tokens, self._config.max_model_len)
+        return prompt
+
+    # ------------------------------------------------------------------ requests
+
+    async def answer(
+        self,
+        question: str,
+        documents: tuple[Document, ...],
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        """Answer with documents the caller already has (no retrieval)."""
+        for doc in documents:
+            if not isinstance(doc, Document):
+                raise InputError(
+                    f"documents must be ragcache_core.Document, got {type(doc).__name__}"
+                )
+        started = time.perf_counter()
+        sampling = sampling or self._config.sampling
+        prompt = self.build(question, documents, sampling)
+        generation = await self.generate(prompt, sampling, emit, final=True)
+        return self.finish(generation, documents, started=started, search_done=started)
+
+    def finish(
+        self,
+        generation: Generation,
+        documents: tuple[Document, ...],
+        *,
+        started: float,
+        search_done: float,
+        retrieval_s: float = 0.0,
+        speculative: bool = False,
+    ) -> QueryResult:
+        """The caller's result (TTFT from the call, counting a first token that came before
+        the search ended as shown at its end); recorded in the metrics."""
+        ttft = max(generation.first_token_at, search_done) - started
+        prompt = generation.prompt
+        self._metrics.record_request(
+            generation.hits,
+            num_docs=len(prompt.doc_specs),
+            doc_tokens=sum(s.num_tokens for s in prompt.doc_specs),
+            doc_hit_tokens=generation.doc_hit_tokens,
+            queue_wait_s=generation.queue_wait_s,
+            ttft_s=ttft,
+        )
+        return QueryResult(
+            answer=generation.text,
+            token_ids=generation.token_ids,
+            sources=documents,
+            ttft_s=ttft,
+            retrieval_s=retrieval_s,
+            queue_wait_s=generation.queue_wait_s,
+            hits=generation.hits,
+            prompt_tokens=prompt.num_tokens,
+            finish_reason=generation.finish_reason,
+            speculative=speculative,
+            retries=generation.retries,
+            timings=generation.timings,
+        )
+
+    async def generate(
+        self,
+        prompt: BuiltPrompt,
+        sampling: SamplingConfig,
+        emit: Emit | None,
+        *,
+        final: bool,
+        lease: PrefillLease | None = None,
+    ) -> Generation:
+        """Run one generation, a new `Attempt` per try (retried on a timeout or an engine
+        death). `lease`: a place in prefill the caller already holds (speculation), used by
+        the first attempt and released on every path. An attempt that already streamed text
+        is not retried (the text cannot be taken back)."""
+        retries = 0
+        while True:
+            attempt = self._attempt(prompt, sampling, emit, final, lease)
+            lease = None
+            try:
+                generation = await self._run(attempt)
+                return replace(generation, retries=retries)
+            except (TimeoutError, EngineDied) as exc:
+                self._metrics.record_failure()
+                if isinstance(exc, EngineDied):
+                    await self._engines.restart(attempt.epoch)
+                what = "timed out" if isinstance(exc, TimeoutError) else "lost its engine"
+                if retries >= self._config.max_retries or attempt.streamed:
+                    raise RAGCacheError(
+                        f"the request {what} after {retries + 1} attempt(s)"
+                        + (" and had streamed text already" if attempt.streamed else "")
+                    ) from exc
+                retries += 1
+                self._metrics.record_retry()
+                logger.warning("retrying a request that %s", what)
+
+    # ------------------------------------------------------------------ one attempt
+
+    def _attempt(
+        self,
+        prompt: BuiltPrompt,
+        sampling: SamplingConfig,
+        emit: Emit | None,
+        final: bool,
+        lease: PrefillLease | None,
+    ) -> Attempt:
+        lifecycle = self._lifecycle
+        ticket = Ticket(
+            score=functools.partial(lifecycle.score, prompt),
+            blocked=functools.partial(lifecycle.blocked, prompt),
+        )
+        return Attempt(
+            prompt=prompt,
+            sampling=sampling,
+            final=final,
+            request_id=f"ragcache-{next(self._ids)}",
+            ticket=ticket,
+            caller=emit,
+            epoch=self._engines.epoch,
+            lease=lease,
+        )
+
+    async def _run(self, attempt: Attempt) -> Generation:
+        """One attempt, step by step (module docstring). Whatever happens, the lease is
+        released and a handle left open is aborted (its copies dropped)."""
+        await self._admit(attempt)
+        try:
+            self._open(attempt)
+            await self._stream(attempt)
+            return self._settle(attempt)
+        except BaseException:
+            await self._abort_in_engine(attempt)
+            raise
+        finally:
+            self._release(attempt)
+
+    async def _admit(self, attempt: Attempt) -> None:
+        """Wait for a place in prefill (unless the attempt came with one)."""
+        ticket = attempt.ticket
+        if attempt.lease is None:
+            attempt.lease = await self._admission.acquire(ticket)
+        else:
+            ticket.admitted_at = ticket.enqueued_at
+        attempt.epoch = self._engines.epoch
+
+    def _open(self, attempt: Attempt) -> None:
+        """Plan the request in the tree (`Lifecycle.open`)."""
+        started = time.perf_counter()
+        attempt.handle, attempt.plan = self._lifecycle.open(attempt.prompt, final=attempt.final)
+        self._metrics.record_tree(self._lifecycle.tree.counters)
+        attempt.timings["plan"] = time.perf_counter() - started
+
+    async def _stream(self, attempt: Attempt) -> None:
+        """Submit the request and follow it to the end (`follow`: `request_timeout_s` per
+        event).
+
+        The request's copies are confirmed at its first token: the connector stores
+        synchronously in the step that completes the prompt (before that step's token is
+        sampled) and the plan was checked before it was sent, so the first token proves the
+        stores ran. Pins and the lease are released then, not at the end."""
+        handle, lease = attempt.handle, attempt.lease
+        assert handle is not None and lease is not None  # set by _admit and _open
+        submitted = time.perf_counter()
+
+        def confirm(first_token_at: float) -> None:
+            attempt.timings["engine_first_token"] = first_token_at - submitted
+            # Confirm before releasing: the requests admission wakes (deferred on this
+            # request's documents) must see them readable.
+            self._lifecycle.first_token(handle)
+            lease.release()
+
+        plan = attempt.plan
+        params = {PLAN_KEY: plan.to_json()} if plan is not None else None
+        stream = self._engines.engine.stream(
+            attempt.request_id, attempt.prompt.token_ids, attempt.sampling, params
+        )
+        attempt.progress = await follow(
+            stream, self._config.request_timeout_s, attempt.sink, confirm
+        )
+
+    def _settle(self, attempt: Attempt) -> Generation:
+        """Apply the connector's final report (`Lifecycle.settle`) and read what was served."""
+        handle, progress, timings = attempt.handle, attempt.progress, attempt.timings
+        assert handle is not None  # set by _open
+        started = time.perf_counter()
+        report = dict(progress.report) if progress.report else None
+        result = ConnectorResult.from_transfer_params(report)
+        timings["load_copy"] = result.load_copy_s
+        timings["store_copy"] = result.store_copy_s
+        self._lifecycle.settle(handle, result)
+        hits, doc_hit_tokens = served_hits(handle, result, attempt.prompt)
+        timings["settle"] = time.perf_counter() - started
+        return Generation(
+            token_ids=progress.token_ids,
+            text=progress.text,
+            first_token_at=progress.first_token_at,
+            queue_wait_s=attempt.ticket.wait_s,
+            hits=hits,
+            prompt=attempt.prompt,
+            finish_reason=progress.finish_reason,
+            handle=handle,
+            doc_hit_tokens=doc_hit_tokens,
+            timings=timings,
+        )
+
+    async def _abort_in_engine(self, attempt: Attempt) -> None:
+        """Abort the request in vLLM if its engine still runs (never hiding the error that
+        brought us here)."""
+        if attempt.epoch == self._engines.epoch and not self._engines.engine.is_dead:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._engines.engine.abort(attempt.request_id))
+
+    def _release(self, attempt: Attempt) -> None:
+        """Abort a handle left open, then release the lease: the requests admission wakes
+        must see the tree without this request's copies. The lease goes back even if the
+        abort raises."""
+        try:
+            if attempt.handle is not None:
+                self._lifecycle.abort(attempt.handle)
+        finally:
+            if attempt.lease is not None:
+                attempt.lease.release()

@@ -1,0 +1,181 @@
+"""`Lifecycle`: the one owner of the knowledge tree in the runtime. Every change to the tree on
+the request path, and every admin change (invalidate, clear, the GPU tier lost with an
+engine), goes through it; everything else in `runtime/` only asks it.
+
+    open            KnowledgeTree.begin_request (match, pin, evict, allocate, plan), then the
+                    plan checked exactly as the connector will check it (`plan_problems`): a
+                    plan the connector would ignore is never sent
+        ▼  submit: the plan goes with the request (`kv_transfer_params`)
+    first_token     the request's stores ran (they run synchronously in the step that
+                    completes the prompt, and its plan was checked before it went out): its
+                    copies become readable and its pins go
+        ▼  finish: the connector's report (`ConnectorResult`)
+    settle          a failed load removes the node it read; a handle still open (no first
+                    token seen) is confirmed or aborted by the report
+    abort           the request died before its first token: its unconfirmed copies go
+    adopt           a speculation became the answer: it counts toward PGDSF frequency
+
+`served_hits` (what the request read, per tier) only reads a handle and a report.
+
+The async runtime (`generation.py`, over vLLM's `AsyncLLM`) runs every step and confirms at
+the first token; `sync_run.run_request` (over the synchronous `vllm.LLM`, which only returns
+finished requests) has no first token to watch, so `settle` confirms its handle at the end.
+Not thread-safe: used from RAGCache's loop (or one thread) only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ragcache_core.engine.connector.config import ConnectorConfig
+from ragcache_core.engine.connector.result import ConnectorResult
+from ragcache_core.engine.connector.spans import plan_problems
+from ragcache_core.plan import Plan, Tier
+from ragcache_core.results import CacheHits
+from ragcache_core.runtime.prompt import BuiltPrompt
+from ragcache_core.tree import KnowledgeTree, RequestHandle
+from ragcache_core.tree.request import RequestState
+
+logger = logging.getLogger(__name__)
+
+
+class Lifecycle:
+    """The knowledge tree's owner for one `RAGCache` (see the module docstring). `tree` is
+    readable by anyone (stats, counters); only the methods below change it."""
+
+    def __init__(self, tree: KnowledgeTree, connector: ConnectorConfig) -> None:
+        self.tree = tree
+        self._connector = connector
+
+    # ------------------------------------------------------------------ reads
+
+    def score(self, prompt: BuiltPrompt) -> tuple[int, int]:
+        """(cached tokens, tokens to compute): the admission queue's view of a prompt."""
+        cached = self.tree.match(prompt.doc_specs).cached_tokens
+        return cached, prompt.num_tokens - cached
+
+    def blocked(self, prompt: BuiltPrompt) -> bool:
+        """Whether the next document of the prompt's readable prefix is being written by a
+        request in prefill (admission defers the prompt until it is readable)."""
+        return self.tree.match(prompt.doc_specs).in_flight > 0
+
+    # ------------------------------------------------------------------ the request path
+
+    def open(self, prompt: BuiltPrompt, *, final: bool) -> tuple[RequestHandle, Plan | None]:
+        """Plan the request in the tree; returns its handle and the plan to send (None: run it
+        uncached, the plan is empty or was refused).
+
+        Mutates the tree (pins, allocations): the caller must end the handle (`first_token`
+        or `settle`, or `abort` on any error). A plan that `plan_problems` refuses is a bug:
+        logged, and the handle aborted here."""
+        tree, connector = self.tree, self._connector
+        handle = tree.begin_request(
+            len(prompt.root_ids), prompt.doc_specs, len(prompt.question_ids), final=final
+        )
+        if handle.plan.is_empty:
+            return handle, None
+        problems = plan_problems(
+            handle.plan,
+            prompt_len=prompt.num_tokens,
+            page_size=connector.page_size,
+            gpu_slots=connector.gpu_slots,
+            host_slots=connector.host_slots,
+        )
+        if problems:
+            logger.error("RAGCache built an invalid plan (%s); running uncached", problems)
+            tree.abort(handle)
+            return handle, None
+        return handle, handle.plan
+
+    def first_token(self, handle: RequestHandle) -> None:
+        """The request produced its first token: its stores ran, so its copies become
+        readable and its pins go. A handle aborted at planning (its plan refused) is left as
+        it is."""
+        if handle.is_open:
+            self.tree.confirm(handle)
+
+    def settle(self, handle: RequestHandle, result: ConnectorResult) -> bool:
+        """Apply the connector's final report on a request; returns whether its copies stand.
+
+        An open handle (no first token was watched) is confirmed when every copy ran (plan not
+        rejected, no load failed, stores reported run), else aborted. A handle confirmed at its
+        first token is only re-checked: a report contradicting that is a bug, logged, and the
+        request's written copies leave the tree. A handle aborted at planning sent no plan:
+        nothing to settle. Either way a failed load removes the node it read, at this prefix
+        only (`KnowledgeTree.invalidate_loads`)."""
+        tree = self.tree
+        if handle.state is RequestState.ABORTED:
+            return False
+        every_copy_ran = not result.rejected and (result.stored or not handle.plan.store)
+        if handle.is_open:
+            confirmed = every_copy_ran and not result.load_failed
+            if confirmed:
+                tree.confirm(handle)
+            else:
+                tree.abort(handle)
+        else:
+            confirmed = every_copy_ran
+            if not confirmed:
+                logger.error(
+                    "the connector did not run a confirmed plan (rejected: %s; stores ran: %s): "
+                    "dropping the request's copies",
+                    "; ".join(result.rejected) or "no",
+                    result.stored,
+                )
+                tree.invalidate_written(handle)
+        if result.load_failed:
+            tree.invalidate_loads(handle, result.failed_load_spans)
+        return confirmed
+
+    def abort(self, handle: RequestHandle) -> None:
+        """The request ended without its stores proven (an error, a cancellation, a timeout):
+        its unconfirmed copies are dropped and its pins go. A handle already ended is left
+        as it is."""
+        if handle.is_open:
+            self.tree.abort(handle)
+
+    def adopt(self, handle: RequestHandle) -> None:
+        """A speculative generation became the answer: it counts toward PGDSF frequency like
+        a final request."""
+        self.tree.mark_final(handle)
+
+    # ------------------------------------------------------------------ admin
+
+    def invalidate(self, doc_id: str) -> int:
+        """Drop every cached node of `doc_id` (and what was computed after it); the number of
+        nodes dropped. In-flight readers keep their pins; nothing stale is served."""
+        return self.tree.invalidate(doc_id)
+
+    def clear(self) -> None:
+        """Forget every cached document (the policy's clocks and frequencies restart too)."""
+        self.tree.clear()
+
+    def lose_gpu_tier(self) -> None:
+        """The engine died: every GPU copy went with its worker; confirmed host copies stay."""
+        self.tree.drop_tier(Tier.GPU)
+
+    def check_integrity(self) -> None:
+        """Verify the tree's invariants; raises `IntegrityError` naming the first violation."""
+        self.tree.check_integrity()
+
+
+def served_hits(
+    handle: RequestHandle, result: ConnectorResult, prompt: BuiltPrompt
+) -> tuple[CacheHits, int]:
+    """What the request read: hits per tier and the document tokens they cover. Nothing counts
+    as read when the plan was refused (by the app or the connector) or a load failed."""
+    served = (
+        handle.state is not RequestState.ABORTED and not result.rejected and not result.load_failed
+    )
+    doc_hits = handle.hits.doc_hits if served else ()
+    gpu = sum(1 for h in doc_hits if h.tier is Tier.GPU)
+    host = sum(1 for h in doc_hits if h.tier is Tier.HOST)
+    hits = CacheHits(
+        gpu_docs=gpu,
+        host_docs=host,
+        computed_docs=len(prompt.doc_specs) - gpu - host,
+        root_cached=served and handle.hits.root_cached,
+        cached_tokens=result.loaded_tokens,
+        computed_tokens=prompt.num_tokens - result.loaded_tokens,
+    )
+    return hits, sum(h.num_tokens for h in doc_hits)

@@ -1,0 +1,260 @@
+"""`RAGCache`: the product. Retrieval + knowledge cache + vLLM, one request at a time or many.
+
+A small facade over the modules of `runtime/` that do the work (docs/architecture.md walks one
+request through them):
+
+    assembly.py     the parts, built from the config: pools, tree, admission, engine settings
+    speculation.py  aquery: staged search, speculating on intermediate top-k (Algorithm 2)
+    generation.py   one generation: attempts through admission and the lifecycle, retries
+    lifecycle.py    the one owner of the knowledge tree (request path and admin calls)
+    supervisor.py   the engine, started off the loop, replaced once when it dies
+    uncached.py     plain vLLM on given token ids (the tree untouched)
+
+Every engine and tree operation runs on one private event loop (`ragcache_core.loop`); each
+public call has one async body there, which the async API awaits from the caller's loop and
+the sync API blocks on (`query`/`generate`/`stream` and their async forms are written once in
+`RAGCacheAPI`, api.py, shared with `RAGCacheClient`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import weakref
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ragcache_core.api import RAGCacheAPI
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.documents import Document
+from ragcache_core.engine.async_engine import AsyncEngine
+from ragcache_core.engine.settings import check_model_folder
+from ragcache_core.loop import Emit, LoopThread, astream_from
+from ragcache_core.metrics import Metrics
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.runtime.generation import Generator
+from ragcache_core.runtime.lifecycle import Lifecycle
+from ragcache_core.runtime.prompt import PromptBuilder
+from ragcache_core.runtime.speculation import SpeculativeQuery
+from ragcache_core.runtime.supervisor import EngineSupervisor
+from ragcache_core.runtime.uncached import UncachedRunner
+from ragcache_core.search import SearchSource
+from ragcache_core.tree import KnowledgeTree
+
+__all__ = ["CacheHits", "QueryResult", "RAGCache", "StreamChunk"]
+
+
+class RAGCache(RAGCacheAPI):
+    """A knowledge cache over a vLLM engine.
+
+    `model` is a local checkpoint folder (or a model name where a hub is reachable).
+    `search` is the default `SearchSource` for `query`/`aquery` (per-call `search=` wins).
+    The engine starts in the constructor (about 25 s on CPU). Close with `close()` or `with`.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        config: CacheConfig | None = None,
+        *,
+        search: SearchSource | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from ragcache_core.engine.settings import detect_device, resolve_device_defaults
+
+        self.device = detect_device()
+        self.config = config = resolve_device_defaults(config or CacheConfig(), self.device)
+        assert config.dtype is not None
+        self.model = str(model)
+        if Path(self.model).expanduser().exists() or os.sep in self.model[:2]:
+            check_model_folder(self.model)
+        self.search = search
+        self.metrics = Metrics()
+        tokenizer = AutoTokenizer.from_pretrained(self.model)
+        self.prompts = PromptBuilder(tokenizer, config.prompt, self.model, config.dtype)
+        self._closed = False
+        self._build_parts()
+        self._loop = LoopThread()
+        try:
+            self._loop.run(self._engines.start())
+        except BaseException:
+            self._loop.stop()
+            self._release_resources()
+            raise
+
+    def _build_parts(self) -> None:
+        """Pools, tree, admission, engine settings (`runtime/assembly.py`), and the modules that run
+        requests over them."""
+        from ragcache_core.runtime.assembly import (
+            build_admission,
+            build_engine_settings,
+            build_tree,
+            open_pools,
+        )
+        from ragcache_core.storage.host_pool import remove_pool
+
+        config = self.config
+        pools = open_pools(self.model, config)
+        self._host_pool = pools.host_pool
+        if pools.host_pool is not None:
+            # Remove the shared-memory file even if close() is never called.
+            self._pool_finalizer = weakref.finalize(self, remove_pool, pools.name)
+        self.connector = pools.connector
+        self.lifecycle = Lifecycle(
+            build_tree(config, self.prompts.root_key, self.connector), self.connector
+        )
+        self.admission = build_admission(config)
+        self.engine_settings = build_engine_settings(
+            self.model, config, self.connector, self.device
+        )
+        self._engines = EngineSupervisor(self.engine_settings, config, self.lifecycle, self.metrics)
+        self._generator = Generator(
+            config=config,
+            prompts=self.prompts,
+            lifecycle=self.lifecycle,
+            admission=self.admission,
+            engines=self._engines,
+            metrics=self.metrics,
+        )
+        self._queries = SpeculativeQuery(
+            config=config,
+            generator=self._generator,
+            admission=self.admission,
+            lifecycle=self.lifecycle,
+            metrics=self.metrics,
+        )
+        self._uncached = UncachedRunner(config, self._engines, self.admission)
+
+    @property
+    def tree(self) -> KnowledgeTree:
+        """The knowledge tree (read it freely; `lifecycle` is the one that changes it)."""
+        return self.lifecycle.tree
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The running vLLM engine (replaced after an engine death)."""
+        return self._engines.engine
+
+    # ------------------------------------------------------------------ public API
+    # (aquery/query, agenerate/generate, astream/stream: RAGCacheAPI, api.py, over the
+    # bodies below)
+
+    async def astream_uncached(
+        self, prompt_ids: Sequence[int], *, sampling: SamplingConfig | None = None
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """Plain vLLM on `prompt_ids` on this cache's engine, the cache neither read nor
+        written (`runtime/uncached.py`; what `ragcache serve` answers without documents). Streams
+        like `astream`; the last chunk carries the `QueryResult` (no sources, no hits)."""
+        ids = tuple(prompt_ids)
+
+        def work(emit: Emit) -> Any:
+            return self._uncached.run(ids, sampling or self.config.sampling, emit)
+
+        async for chunk in astream_from(self._loop, work):
+            yield chunk
+
+    def check_integrity(self) -> None:
+        """Verify the knowledge tree's invariants (on RAGCache's loop, so it is safe while
+        requests run); raises `IntegrityError` naming the first violation."""
+
+        async def check() -> None:
+            self.lifecycle.check_integrity()
+
+        self._loop.run(check())
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (hits per tier, tokens saved, speculation, TTFT) and tree occupancy."""
+        return self._loop.run(self._stats())
+
+    def invalidate(self, doc_id: str) -> int:
+        """Drop every cached node of `doc_id` (and what was computed after it). Returns the
+        number of nodes dropped. In-flight readers keep their pins; nothing stale is served."""
+
+        async def drop() -> int:
+            return self.lifecycle.invalidate(doc_id)
+
+        return self._loop.run(drop())
+
+    def clear(self) -> None:
+        """Forget every cached document and reset the counters."""
+
+        async def clear() -> None:
+            self.metrics.record_tree(self.tree.counters)  # evictions before the clear count
+            self.lifecycle.clear()
+            self.metrics.reset()
+
+        self._loop.run(clear())
+
+    def close(self) -> None:
+        """Stop the engine, remove the host pool, stop the loop. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown() -> None:
+            # Requests still running end with CancelledError instead of hanging their callers.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            self._engines.close()
+            await asyncio.sleep(0)  # let the engine's output task see its cancellation
+
+        try:
+            self._loop.run(shutdown())
+        finally:
+            self._loop.stop()
+            self._release_resources()
+
+    # ------------------------------------------------------------------ bodies (on the loop)
+
+    async def _query(
+        self,
+        question: str,
+        search: SearchSource | None,
+        top_k: int | None,
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        return await self._queries.run(question, search or self.search, top_k, sampling, emit)
+
+    async def _answer(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        return await self._generator.answer(question, tuple(documents), sampling, emit)
+
+    async def _stats(self) -> dict[str, Any]:
+        self.metrics.record_tree(self.tree.counters)
+        data = self.metrics.counters.as_dict()
+        tree = self.tree.stats()
+        counted = self.tree.counters
+        data["tree"] = {
+            "nodes": tree.nodes,
+            "gpu_slots": tree.gpu_slots,
+            "gpu_used_slots": tree.gpu_used_slots,
+            "host_slots": tree.host_slots,
+            "host_used_slots": tree.host_used_slots,
+            "pinned_nodes": tree.pinned_nodes,
+            "open_requests": tree.open_requests,
+            "page_size": tree.page_size,
+            "evictions_gpu": counted.evictions_gpu,
+            "evictions_host": counted.evictions_host,
+            "swap_outs": counted.swap_outs,
+        }
+        data["queue_waiting"] = self.admission.waiting
+        data["in_prefill"] = self.admission.in_prefill
+        data["deferrals"] = self.admission.deferrals
+        data["engine_requests"] = self.engine.unfinished_requests
+        return data
+
+    def _release_resources(self) -> None:
+        if self._host_pool is not None:
+            self._host_pool.unlink()
+            self._host_pool = None
+            self._pool_finalizer.detach()

@@ -1,0 +1,213 @@
+"""Dynamic speculative pipelining (the paper's Algorithm 2) around one query.
+
+    staged search ─► after each stage whose top-k changed: abort the stale speculation and
+        │            start one on the new top-k if prefill has room nobody waits for
+        ▼  final top-k
+    the speculation had exactly these documents ─► adopt it: its buffered text is streamed,
+        │                                          then the rest live
+        └─ else (or it failed) ─► abort it, run the final generation
+
+A speculative generation stores like any other (its KV is correct for its document sequence);
+only an adopted one counts toward PGDSF frequency (`Lifecycle.adopt`). Runs on
+RAGCache's loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.documents import Document
+from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.loop import Emit
+from ragcache_core.metrics import Metrics
+from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.runtime.admission import Admission
+from ragcache_core.runtime.generation import Generation, Generator
+from ragcache_core.runtime.lifecycle import Lifecycle
+from ragcache_core.search import SearchSource, StageResult, astages
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Run:
+    """One speculative generation in flight on the engine."""
+
+    documents: tuple[Document, ...]
+    task: asyncio.Task[Generation]
+    started_at: float
+    chunks: asyncio.Queue[StreamChunk]
+    """Text of the generation, held back until it is adopted."""
+
+
+class SpeculativeQuery:
+    """Answers questions through a search source, speculating on intermediate top-k."""
+
+    def __init__(
+        self,
+        *,
+        config: CacheConfig,
+        generator: Generator,
+        admission: Admission,
+        lifecycle: Lifecycle,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._generator = generator
+        self._admission = admission
+        self._lifecycle = lifecycle
+        self._metrics = metrics
+
+    async def run(
+        self,
+        question: str,
+        source: SearchSource | None,
+        top_k: int | None,
+        sampling: SamplingConfig | None,
+        emit: Emit | None,
+    ) -> QueryResult:
+        """Search for `question`'s top-k documents and answer with them."""
+        if source is None:
+            raise InputError("no search source: pass search= or build RAGCache(search=...)")
+        if not isinstance(question, str) or not question.strip():
+            raise InputError(f"the question must be a non-empty string, got {question!r}")
+        sampling = sampling or self._config.sampling
+        started = time.perf_counter()
+        final, spec = await self._search(question, source, top_k or self._config.top_k, sampling)
+        search_done = time.perf_counter()
+        generation = await self._use(spec, final, emit, search_done)
+        speculative = generation is not None
+        if generation is None:
+            prompt = self._generator.build(question, final.documents, sampling)
+            generation = await self._generator.generate(prompt, sampling, emit, final=True)
+        result = self._generator.finish(
+            generation,
+            final.documents,
+            started=started,
+            search_done=search_done,
+            retrieval_s=search_done - started,
+            speculative=speculative,
+        )
+        return dataclasses.replace(result, scores=final.scores)
+
+    async def _search(
+        self, question: str, source: SearchSource, k: int, sampling: SamplingConfig
+    ) -> tuple[StageResult, _Run | None]:
+        """Run the staged search; returns the final stage and the speculation still running
+        (on the last intermediate top-k), if any."""
+        speculate = self._config.speculation and source.can_speculate
+        current: tuple[str, ...] = ()
+        spec: _Run | None = None
+        try:
+            async for stage in astages(source, question, k):
+                if stage.is_last:
+                    return stage, spec
+                if not speculate or stage.doc_ids == current:
+                    continue
+                if spec is not None:
+                    await self._abort(spec)
+                    spec = None
+                current = stage.doc_ids
+                spec = self._start(question, stage.documents, sampling)
+        except BaseException:
+            if spec is not None:
+                await _cancel(spec)
+            raise
+        if spec is not None:
+            await _cancel(spec)
+        raise RAGCacheError("the search source ended without a final stage")
+
+    def _start(
+        self, question: str, documents: tuple[Document, ...], sampling: SamplingConfig
+    ) -> _Run | None:
+        """Start a speculative generation only if prefill has room for it now, nobody waits
+        (Algorithm 2: wrong guesses use only idle capacity) and no request is computing its
+        documents already. Its text is buffered until adopted."""
+        try:
+            prompt = self._generator.build(question, documents, sampling)
+        except InputError:
+            return None  # e.g. an intermediate top-k too long for the context: wait for the final
+        if self._lifecycle.blocked(prompt):
+            return None  # another request is computing these documents: never twice
+        lease = self._admission.try_acquire(self._lifecycle.score(prompt)[1])
+        if lease is None:
+            return None
+        chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
+        task = asyncio.ensure_future(
+            self._generator.generate(prompt, sampling, chunks.put_nowait, final=False, lease=lease)
+        )
+        # A task cancelled before its first step never runs its cleanup: free the lease here.
+        task.add_done_callback(lambda _: lease.release())
+        self._metrics.record_speculation("started")
+        return _Run(documents, task, time.perf_counter(), chunks)
+
+    async def _use(
+        self, spec: _Run | None, final: StageResult, emit: Emit | None, search_done: float
+    ) -> Generation | None:
+        """The speculation's generation when its documents are the final ones and it
+        succeeded; otherwise it is aborted and None returned (run the final generation)."""
+        if spec is None:
+            return None
+        if tuple(d.id for d in spec.documents) != final.doc_ids:
+            await self._abort(spec)
+            return None
+        try:
+            generation = await relay(spec.task, spec.chunks, emit or _discard)
+        except asyncio.CancelledError:
+            if not spec.task.cancelled():  # the query itself was cancelled
+                await _cancel(spec)
+                raise
+            logger.warning("a speculative generation was cancelled; running the final one")
+            return None
+        except RAGCacheError:
+            logger.warning("a speculative generation failed; running the final one")
+            return None
+        self._metrics.record_speculation(
+            "used", search_hidden_s=max(0.0, search_done - spec.started_at)
+        )
+        # A used speculation counts toward PGDSF frequency like a final request.
+        self._lifecycle.adopt(generation.handle)
+        return generation
+
+    async def _abort(self, run: _Run) -> None:
+        await _cancel(run)
+        self._metrics.record_speculation("aborted")
+
+
+async def _cancel(run: _Run) -> None:
+    run.task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, RAGCacheError):
+        await run.task
+
+
+def _discard(chunk: StreamChunk) -> None:
+    """The sink of a non-streamed request's text."""
+
+
+async def relay(
+    task: asyncio.Task[Generation], chunks: asyncio.Queue[StreamChunk], emit: Emit
+) -> Generation:
+    """Forward `chunks` to `emit` as they arrive until `task` ends, then the rest; return the
+    task's result (raising its error). Used to adopt a speculative generation mid-answer."""
+    while not task.done():
+        getter = asyncio.ensure_future(chunks.get())
+        try:
+            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            got = getter.done()
+            if not got:
+                getter.cancel()  # a cancelled get leaves its item in the queue
+        if got:
+            emit(getter.result())
+    while not chunks.empty():
+        emit(chunks.get_nowait())
+    return task.result()

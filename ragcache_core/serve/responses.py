@@ -1,0 +1,285 @@
+"""Answering one request: whole (JSON) or streamed (SSE), its queue place held to the end, its
+outcome counted, and the OpenAI bodies it is written in. Shared by every route that generates.
+
+- `whole` / `streamed`: a whole answer's work is cancelled if the client disconnects
+  (`until_disconnect`, the pattern of vLLM's `with_cancellation`); a failure becomes the OpenAI
+  error JSON (400 for bad input, naming `param`; 500 otherwise). A streamed answer has sent its
+  status line before it fails, so its failure is its last event (`{"error": ...}`), then
+  `[DONE]`, as `vllm serve` does. `PlacedStream` holds the queue place until the stream has
+  ended, however it ends (finished, failed, or the client went away: Starlette cancels the
+  body iterator on `http.disconnect`, which closes the cache's stream, which aborts the request
+  in vLLM and the tree; see `loop.astream_from`). `final_result` is the `QueryResult` at a
+  cache stream's end (the stream closed, and so its request aborted, on every path).
+- `Reply`: OpenAI response bodies (chat and text completions, whole and as stream chunks),
+  with the `ragcache` extension: whether the request was cached (and why not), its hits and
+  TTFT. A stream carries it on its last choice chunk (the one with `finish_reason`):
+
+    "ragcache": {"cached": true, "uncached_reason": null, "documents": ["d1", "d2"],
+                 "cache_hits": {...}, "ttft_s": 0.05, "queue_wait_s": 0.0, "prompt_tokens": 212}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ragcache_core.errors import RAGCacheError
+from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.serve.errors import ServeError, as_serve_error
+from ragcache_core.serve.jobs import CachedJob, Job
+from ragcache_core.serve.queue import Place
+from ragcache_core.serve.state import ServeState
+
+T = TypeVar("T")
+
+
+async def whole(
+    state: ServeState,
+    request: Request,
+    route: str,
+    place: Place,
+    work: Awaitable[T],
+    render: Callable[[T], dict[str, Any]],
+    param: str | None,
+) -> JSONResponse:
+    """`render(await work)` as JSON; the place is released on every path."""
+    started = time.perf_counter()
+    try:
+        result = await until_disconnect(request, work)
+    except ClientGone:
+        state.metrics.disconnects.labels(route).inc()
+        state.metrics.answered(route, 499, time.perf_counter() - started)
+        raise
+    except Exception as exc:
+        error = as_serve_error(exc, param)
+        state.metrics.answered(route, error.status, time.perf_counter() - started)
+        raise error from exc
+    finally:
+        place.release()
+    state.metrics.answered(route, 200, time.perf_counter() - started)
+    return JSONResponse(render(result))
+
+
+def streamed(
+    state: ServeState,
+    route: str,
+    place: Place,
+    events: AsyncIterator[str],
+    param: str | None,
+) -> PlacedStream:
+    """`events` as SSE, a failure as the last event, then `[DONE]`. The outcome is counted
+    with the failure's status (the 200 already sent cannot be taken back, the metric can)."""
+    started = time.perf_counter()
+    failed: list[int] = []  # the status of the failure that ended the stream, if any
+
+    def ended(completed: bool) -> None:
+        if not completed:
+            state.metrics.disconnects.labels(route).inc()
+        status = (failed[0] if failed else 200) if completed else 499
+        state.metrics.answered(route, status, time.perf_counter() - started)
+
+    return PlacedStream(_closed_by_done(events, param, failed), place, ended)
+
+
+async def _closed_by_done(
+    events: AsyncIterator[str], param: str | None, failed: list[int]
+) -> AsyncIterator[str]:
+    try:
+        async for item in events:
+            yield item
+    except Exception as exc:  # the status line is out: the error is the stream's last event
+        error = as_serve_error(exc, param)
+        failed.append(error.status)
+        yield event(error.body())
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    yield DONE
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(data: dict[str, Any]) -> str:
+    """One server-sent event carrying `data` as JSON."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class ClientGone(ServeError):
+    """The client disconnected before its response (499, never delivered)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the request")
+
+
+class PlacedStream(StreamingResponse):
+    """An SSE response that releases its queue place (and closes its events) when it ends.
+    `on_end(completed)` tells whether the events ran to their end."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        place: Place,
+        on_end: Callable[[bool], None],
+    ) -> None:
+        self._events = events
+        self._place = place
+        self._on_end = on_end
+        self._completed = False
+        super().__init__(
+            self._tracked(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _tracked(self) -> AsyncIterator[str]:
+        async for item in self._events:
+            yield item
+        self._completed = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Cancelled before the first event, a generator's body never ran: close it anyway.
+            with contextlib.suppress(Exception):
+                await self._events.aclose()  # type: ignore[attr-defined]
+            self._place.release()
+            self._on_end(self._completed)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `ClientGone` once the client disconnected (`work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read (FastAPI parsed it), so receive() now only reports a disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def final_result(chunks: AsyncIterator[StreamChunk]) -> QueryResult:
+    """The `QueryResult` at the end of a cache stream (the stream is closed on every path)."""
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            if chunk.result is not None:
+                return chunk.result
+    raise RAGCacheError("the answer's stream ended without a result")
+
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every body of one response shares: its id, creation time, model and kind."""
+
+    kind: Kind
+    model: str
+    job: Job
+    token_ids: bool = False
+    """Include the generated token ids (vLLM's `return_token_ids`)."""
+    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+            prefix = "chatcmpl"
+        else:
+            kind, prefix = "text_completion", "cmpl"
+        return {
+            "id": f"{prefix}-{self.id}",
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def whole(self, result: QueryResult) -> dict[str, Any]:
+        """The non-streamed response."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": result.answer}
+        else:
+            choice["text"] = result.answer
+        if self.token_ids:
+            choice["token_ids"] = list(result.token_ids)
+        return {
+            **self._head(chunk=False),
+            "choices": [choice],
+            "usage": usage(result),
+            "ragcache": cache_report(self.job, result),
+        }
+
+    def first(self) -> dict[str, Any] | None:
+        """The chunk that opens a chat stream (the assistant role), None for completions."""
+        if self.kind != "chat":
+            return None
+        return self._chunk({"delta": {"role": "assistant", "content": ""}})
+
+    def delta(self, text: str) -> dict[str, Any]:
+        if self.kind == "chat":
+            return self._chunk({"delta": {"content": text}})
+        return self._chunk({"text": text})
+
+    def last(self, result: QueryResult) -> dict[str, Any]:
+        """The closing chunk: finish reason, token ids when asked, the cache report."""
+        choice: dict[str, Any] = {"delta": {}} if self.kind == "chat" else {"text": ""}
+        choice["finish_reason"] = result.finish_reason
+        if self.token_ids:
+            choice["token_ids"] = list(result.token_ids)
+        return {**self._chunk(choice), "ragcache": cache_report(self.job, result)}
+
+    def usage_chunk(self, result: QueryResult) -> dict[str, Any]:
+        """`stream_options.include_usage`: an extra chunk with no choices, as OpenAI sends."""
+        return {**self._head(chunk=True), "choices": [], "usage": usage(result)}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **self._head(chunk=True),
+            "choices": [{"index": 0, "finish_reason": None, **choice}],
+        }
+
+
+def usage(result: QueryResult) -> dict[str, int]:
+    completion = len(result.token_ids)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+    }
+
+
+def cache_report(job: Job, result: QueryResult) -> dict[str, Any]:
+    return {
+        "cached": isinstance(job, CachedJob),
+        "uncached_reason": None if isinstance(job, CachedJob) else job.reason,
+        "documents": list(job.doc_ids),
+        "cache_hits": dataclasses.asdict(result.hits),
+        "ttft_s": result.ttft_s,
+        "queue_wait_s": result.queue_wait_s,
+        "prompt_tokens": result.prompt_tokens,
+    }

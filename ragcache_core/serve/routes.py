@@ -1,0 +1,269 @@
+"""Every route of `ragcache serve` (one `router()` per app: nothing is shared between apps).
+
+OpenAI-compatible (what `vllm serve` answers, plus the `"documents"` extension):
+
+    POST /v1/chat/completions  messages (+ documents) -> a cached job (question + documents,
+    POST /v1/completions       the tree) or an uncached one (token ids, plain vLLM); whole or
+                               streamed (SSE), `jobs.py` maps the request, `responses.py` answers
+
+RAGCache's own (what `RAGCacheClient` calls):
+
+    POST /v1/rag/query         question (+ documents) in; answer, sources, hits, TTFT out
+                               (`QueryResult` as JSON, client/wire.py); streamed: {"delta": ...}
+                               events, the last with "result"
+    GET  /v1/rag/config        the served model's name and its `CacheConfig`
+    GET  /v1/cache/stats       `RAGCache.stats()` plus the server's queue
+    POST /v1/cache/invalidate  {"doc_id": ...} -> {"doc_id", "removed"}
+    GET  /v1/cache/integrity   the knowledge tree's invariants checked (500 naming a violation)
+
+Operations: `GET /health` (503 while starting or draining), `GET /metrics` (Prometheus text:
+the cache's collectors and the server's), `GET /v1/models` (the one served model).
+
+Every route but the three that generate is cheap and answers at once (no queue place needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ragcache_core.client.wire import config_to_json, result_to_json
+from ragcache_core.config import SamplingConfig
+from ragcache_core.documents import Document
+from ragcache_core.errors import InputError, check_fits_context
+from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.serve import responses
+from ragcache_core.serve.errors import ServeError, bad_request
+from ragcache_core.serve.jobs import CachedJob, Job, chat_job, completion_job, sampling_for
+from ragcache_core.serve.responses import Kind, Reply, event, final_result
+from ragcache_core.serve.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    InvalidateRequest,
+    RagQueryRequest,
+)
+from ragcache_core.serve.state import ServeState, state_of
+from ragcache_core.tree import IntegrityError
+
+if TYPE_CHECKING:
+    from ragcache_core.runtime.ragcache import RAGCache
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    state = state_of(request)
+    state.check_model(body.model)
+    return await _serve(state, request, "chat", body, lambda: chat_job(body, state.renderer))
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = state_of(request)
+    state.check_model(body.model)
+    return await _serve(
+        state, request, "completion", body, lambda: completion_job(body, state.renderer)
+    )
+
+
+async def _serve(
+    state: ServeState,
+    request: Request,
+    kind: Kind,
+    body: ChatRequest | CompletionRequest,
+    make_job: Callable[[], Job],
+) -> Response:
+    """A place first (a full server refuses before any work), then the job and its sampling
+    on the renderer thread (tokenization stays off the event loop), then the answer."""
+    route, param = (CHAT, "messages") if kind == "chat" else (COMPLETIONS, "prompt")
+    place = state.enter(route)
+    max_len = state.settings.config.max_model_len
+
+    def prepare() -> tuple[Job, SamplingConfig]:
+        job = make_job()
+        return job, sampling_for(body, job, state.defaults, max_len)
+
+    try:
+        job, sampling = await state.render(prepare)
+    except BaseException:
+        place.release()
+        raise
+    reply = Reply(kind, state.settings.model_name, job, token_ids=body.return_token_ids)
+    chunks = open_stream(state.cache, job, sampling)  # nothing runs until it is iterated
+    if not isinstance(job, CachedJob):
+        state.metrics.uncached.labels(job.reason).inc()
+    if body.stream:
+        events = _completion_events(reply, chunks, body.include_usage)
+        return responses.streamed(state, route, place, events, param)
+    work = final_result(chunks)
+    return await responses.whole(state, request, route, place, work, reply.whole, param)
+
+
+def open_stream(cache: RAGCache, job: Job, sampling: SamplingConfig) -> AsyncIterator[StreamChunk]:
+    """The cache's stream for `job` (nothing runs until it is iterated)."""
+    if isinstance(job, CachedJob):
+        return cache.astream(job.question, documents=job.documents, sampling=sampling)
+    return cache.astream_uncached(job.prompt_ids, sampling=sampling)
+
+
+async def _completion_events(
+    reply: Reply, chunks: AsyncIterator[StreamChunk], include_usage: bool
+) -> AsyncIterator[str]:
+    """The OpenAI chunks of one streamed answer (the role first for chat, then the deltas,
+    then the closing chunk with the cache report, then usage when asked)."""
+    opening = reply.first()
+    if opening is not None:
+        yield event(opening)
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            if chunk.delta:
+                yield event(reply.delta(chunk.delta))
+            if chunk.result is not None:
+                yield event(reply.last(chunk.result))
+                if include_usage:
+                    yield event(reply.usage_chunk(chunk.result))
+
+
+QUERY = "/v1/rag/query"
+
+
+async def rag_query(body: RagQueryRequest, request: Request) -> Response:
+    state = state_of(request)
+    cache = state.cache
+    if not body.question.strip():
+        raise bad_request("the question is empty", "question")
+    documents = None if body.documents is None else tuple(d.to_document() for d in body.documents)
+    if documents is None and not state.has_index:
+        raise bad_request("this server has no --index: send the documents", "documents")
+    sampling = body.sampling.over(cache.config.sampling) if body.sampling else None
+    place = state.enter(QUERY)  # a full server refuses before any work
+    if documents is not None:
+        given = documents
+        try:
+            await state.render(
+                lambda: _check_length(
+                    state, body.question, given, sampling or cache.config.sampling
+                )
+            )
+        except BaseException:
+            place.release()
+            raise
+    chunks = cache.astream(body.question, documents=documents, top_k=body.top_k, sampling=sampling)
+    if body.stream:
+        return responses.streamed(state, QUERY, place, _rag_events(chunks), "question")
+    return await responses.whole(
+        state, request, QUERY, place, final_result(chunks), result_to_json, "question"
+    )
+
+
+async def rag_config(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    return {
+        "model": state.settings.model_name,
+        "has_index": state.has_index,
+        "config": config_to_json(state.cache.config),
+    }
+
+
+async def cache_stats(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    stats = await asyncio.to_thread(state.cache.stats)
+    queue = state.queue
+    stats["serve"] = {
+        "in_flight": queue.in_flight,
+        "waiting": queue.waiting,
+        "capacity": queue.capacity,
+        "refused": queue.refused,
+    }
+    return stats
+
+
+async def cache_invalidate(body: InvalidateRequest, request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    removed = await asyncio.to_thread(state.cache.invalidate, body.doc_id)
+    return {"doc_id": body.doc_id, "removed": removed}
+
+
+async def cache_integrity(request: Request) -> Response:
+    state = state_of(request)
+    try:
+        await asyncio.to_thread(state.cache.check_integrity)
+    except IntegrityError as exc:
+        raise ServeError(500, f"integrity check failed: {exc}") from exc
+    return JSONResponse({"ok": True})
+
+
+def _check_length(
+    state: ServeState, question: str, documents: tuple[Document, ...], sampling: SamplingConfig
+) -> None:
+    """400 (before anything runs) for a prompt that does not fit the context with the answer."""
+    try:
+        tokens = state.renderer.cached_length(question, documents)
+    except InputError as exc:
+        raise bad_request(str(exc), "question") from None
+    try:
+        check_fits_context(tokens, sampling.max_tokens, state.settings.config.max_model_len)
+    except InputError as exc:
+        raise bad_request(str(exc), "documents") from None
+
+
+async def _rag_events(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[str]:
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            yield event(_chunk_json(chunk.delta, chunk.result))
+
+
+def _chunk_json(delta: str, result: QueryResult | None) -> dict[str, Any]:
+    data: dict[str, Any] = {"delta": delta}
+    if result is not None:
+        data["result"] = result_to_json(result)
+    return data
+
+
+async def health(request: Request) -> Response:
+    """200 while serving; 503 while starting or shutting down."""
+    state = state_of(request)
+    if state.queue.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state = state_of(request)
+    text = generate_latest(state.cache.metrics.registry) + generate_latest(state.metrics.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    card = {
+        "id": state.settings.model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "ragcache",
+        "root": state.settings.model,
+        "max_model_len": state.settings.config.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+def router() -> APIRouter:
+    """Every route of the server (a new router per app: nothing is shared between apps)."""
+    routes = APIRouter()
+    routes.add_api_route(CHAT, chat_completions, methods=["POST"])
+    routes.add_api_route(COMPLETIONS, completions, methods=["POST"])
+    routes.add_api_route(QUERY, rag_query, methods=["POST"])
+    routes.add_api_route("/v1/rag/config", rag_config, methods=["GET"])
+    routes.add_api_route("/v1/cache/stats", cache_stats, methods=["GET"])
+    routes.add_api_route("/v1/cache/invalidate", cache_invalidate, methods=["POST"])
+    routes.add_api_route("/v1/cache/integrity", cache_integrity, methods=["GET"])
+    routes.add_api_route("/health", health, methods=["GET"])
+    routes.add_api_route("/metrics", metrics, methods=["GET"])
+    routes.add_api_route("/v1/models", models, methods=["GET"])
+    return routes

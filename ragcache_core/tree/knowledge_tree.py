@@ -1,0 +1,302 @@
+"""KnowledgeTree: the knowledge tree over two tiers, its policy, and the per-request planner.
+
+The single source of truth of what is cached where (docs/design.md 2.1-2.3, 3.2). Pure bookkeeping:
+it decides and returns `Plan`s; the data plane copies the bytes. A small manager over three
+parts, each of which changes only what its docstring says:
+
+  * `PrefixTree` (prefix.py): nodes by path, the walk, attach/detach, the document index;
+  * `Placement` (placement.py): copies over the GPU/host tiers, pins, make room, eviction,
+    the GPU slots held for a swap-out's request (slots: tier_slots.py, allocator.py);
+  * `Planner` (planner.py): `begin_request` and its steps, access statistics, store policy.
+
+Request lifecycle:
+
+    handle = cache.begin_request(root_tokens, docs, question_tokens)  # match, pin, evict, plan
+    ... connector executes handle.plan: swap_out, promote, load, (forward), store ...
+    cache.confirm(handle)   # its stores ran: written copies become readable; unpin
+    cache.abort(handle)     # or: the request died; its unconfirmed copies are dropped; unpin
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ragcache_core.capacity import slots_in_tokens
+from ragcache_core.cost import CostModel, default_cost_model
+from ragcache_core.errors import ConfigError, RAGCacheError
+from ragcache_core.plan import Tier
+from ragcache_core.policy import make_policy
+from ragcache_core.tree.integrity import OpenHoldings, fail
+from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
+from ragcache_core.tree.node import Node
+from ragcache_core.tree.placement import Placement
+from ragcache_core.tree.planner import STORE_POLICIES, Planner
+from ragcache_core.tree.prefix import PrefixTree, match_result, readable_prefix
+from ragcache_core.tree.request import RequestHandle, RequestState
+from ragcache_core.tree.results import CacheStats, MatchResult, TreeCounters
+
+
+class KnowledgeTree:
+    """Knowledge tree + GPU/host slot tiers + replacement policy, for one root key.
+
+    Not thread-safe: the controller calls it from one thread (or one event loop).
+    `max_depth` caches only the first j documents of a sequence (paper 2.7; None: all).
+    `frequency_window` restarts PGDSF/GDSF/LFU frequencies every that many final requests
+    (None: frequencies last until `clear()`).
+    `backup_root` keeps a host copy of the root beside its GPU copy (paper 2.6).
+    `store_policy` decides which computed documents are stored: "always" (the paper), "second"
+    (only a document met before at the same prefix: one-off documents never cost a store or
+    an eviction) or "no_evict" (only while free room is left: stores never evict).
+    Raises `ConfigError` for settings out of range.
+    """
+
+    def __init__(
+        self,
+        root_key: RootKey,
+        *,
+        gpu_slots: int,
+        host_slots: int,
+        page_size: int,
+        policy: str = "pgdsf",
+        cost_model: CostModel | None = None,
+        max_depth: int | None = None,
+        frequency_window: int | None = None,
+        backup_root: bool = False,
+        store_policy: str = "always",
+    ) -> None:
+        if max_depth is not None and max_depth < 0:
+            raise ConfigError(f"max_depth cannot be negative, got {max_depth}")
+        if frequency_window is not None and frequency_window <= 0:
+            raise ConfigError(f"frequency_window must be positive, got {frequency_window}")
+        if store_policy not in STORE_POLICIES:
+            raise ConfigError(
+                f"unknown store_policy {store_policy!r}; choose one of {', '.join(STORE_POLICIES)}"
+            )
+        self.root_key = root_key
+        self.page_size = page_size
+        self.policy = make_policy(policy)
+        self._prefixes = PrefixTree(root_key)
+        self._placement = Placement(
+            self._prefixes,
+            self.policy,
+            gpu_slots=gpu_slots,
+            host_slots=host_slots,
+            page_size=page_size,
+        )
+        self._planner = Planner(
+            self._prefixes,
+            self._placement,
+            page_size=page_size,
+            cost_model=cost_model or default_cost_model(),
+            max_depth=max_depth,
+            frequency_window=frequency_window,
+            backup_root=backup_root,
+            store_policy=store_policy,
+        )
+        self._next_request_id = 0
+        self._open: dict[int, RequestHandle] = {}
+
+    @classmethod
+    def from_tokens(
+        cls,
+        root_key: RootKey,
+        *,
+        gpu_tokens: int,
+        host_tokens: int,
+        page_size: int,
+        **kwargs: object,
+    ) -> KnowledgeTree:
+        """Capacities in tokens (rounded down to whole slots of `page_size` tokens)."""
+        return cls(
+            root_key,
+            gpu_slots=slots_in_tokens(gpu_tokens, page_size),
+            host_slots=slots_in_tokens(host_tokens, page_size),
+            page_size=page_size,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    # The planner's settings, read-only here (one copy of each).
+    @property
+    def cost_model(self) -> CostModel:
+        return self._planner.cost_model
+
+    @property
+    def max_depth(self) -> int | None:
+        return self._planner.max_depth
+
+    @property
+    def frequency_window(self) -> int | None:
+        return self._planner.frequency_window
+
+    @property
+    def backup_root(self) -> bool:
+        return self._planner.backup_root
+
+    @property
+    def store_policy(self) -> str:
+        return self._planner.store_policy
+
+    # ------------------------------------------------------------------ queries (no mutation)
+
+    def match(self, docs: Sequence[DocKey | DocSpec]) -> MatchResult:
+        """The readable cached prefix of `docs` (root first). Does not modify the cache. O(h)."""
+        path = self._prefixes.walk([d.key if isinstance(d, DocSpec) else d for d in docs])
+        return match_result(path, readable_prefix(path))
+
+    def cached_tokens(self, docs: Sequence[DocSpec]) -> int:
+        """`match(docs).cached_tokens` without building the result (the reordering queue's
+        hot path). Does not modify the cache. O(h)."""
+        total = 0
+        for node in self._prefixes.walk([spec.key for spec in docs]):
+            if not node.ready:  # in flight: nothing below it is readable either
+                break
+            total += node.num_tokens
+        return total
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes holding a copy (ready or in flight), the root included."""
+        return self._prefixes.num_nodes
+
+    @property
+    def counters(self) -> TreeCounters:
+        """Evictions and swap-outs since creation or the last `clear()` (a snapshot)."""
+        return self._placement.counters
+
+    def stats(self) -> CacheStats:
+        gpu = self._placement.tiers[Tier.GPU].allocator
+        host = self._placement.tiers[Tier.HOST].allocator
+        return CacheStats(
+            nodes=self.num_nodes,
+            gpu_slots=gpu.num_slots,
+            gpu_used_slots=gpu.num_used,
+            host_slots=host.num_slots,
+            host_used_slots=host.num_used,
+            pinned_nodes=self._placement.pinned_nodes(),
+            open_requests=len(self._open),
+            page_size=self.page_size,
+        )
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every attached node that holds a copy, parents before children (for checks/tests)."""
+        return self._prefixes.iter_nodes()
+
+    # ------------------------------------------------------------------ request lifecycle
+
+    def begin_request(
+        self,
+        root_tokens: int,
+        docs: Sequence[DocSpec],
+        question_tokens: int,
+        *,
+        final: bool = True,
+    ) -> RequestHandle:
+        """Match, pin, evict and allocate for one request; return its handle and plan.
+
+        Mutates the tree, the tiers and the policy state. The caller must later call exactly
+        one of `confirm(handle)` or `abort(handle)`. Never fails for lack of room: without room
+        the request stores fewer (or no) nodes. Raises `InputError` (changing nothing) for
+        negative sizes, a root size that differs from the cached root's or a document size
+        that differs from its cached node's.
+        """
+        handle = self._planner.begin_request(
+            self._next_request_id, root_tokens, docs, question_tokens, final=final
+        )
+        self._next_request_id += 1
+        self._open[handle.request_id] = handle
+        self._placement.compact()
+        return handle
+
+    def confirm(self, handle: RequestHandle) -> None:
+        """The request's copies are known to be complete (the runtime confirms at the request's
+        first token, which proves its stores ran; the synchronous path when the connector's
+        final report says so): copies it wrote become readable; release its pins and held
+        slots. Raises `RAGCacheError` if the handle is not open."""
+        self._check_open(handle)
+        self._placement.publish(handle)
+        self._finish(handle, RequestState.CONFIRMED)
+
+    def abort(self, handle: RequestHandle) -> None:
+        """The request failed or was aborted after the engine stopped executing it: drop every
+        copy it was writing (nodes left without a copy leave the tree with their subtrees),
+        release pins and held slots. Raises `RAGCacheError` if the handle is not open."""
+        self._check_open(handle)
+        self._placement.discard_written(handle)
+        self._finish(handle, RequestState.ABORTED)
+
+    def mark_final(self, handle: RequestHandle) -> None:
+        """A speculative request turned out to use the final documents: count its retrievals
+        toward frequency now. No-op for a request that was final already."""
+        self._planner.mark_final(handle)
+
+    # ------------------------------------------------------------------ maintenance
+
+    def drop_tier(self, tier: Tier) -> None:
+        """Every copy in `tier` is gone (e.g. the GPU worker died). Aborts every open request
+        first; nodes keeping a confirmed copy elsewhere survive, the rest leave the tree."""
+        for handle in list(self._open.values()):
+            self.abort(handle)
+        self._placement.drop_tier(tier)
+
+    def invalidate(self, doc_id: str) -> int:
+        """Drop every node of document `doc_id` (any content hash, any prefix) and their
+        subtrees. Pinned nodes become unmatchable now and free their slots when unpinned.
+        Returns the number of nodes removed."""
+        return self._invalidate(self._prefixes.nodes_of(doc_id))
+
+    def invalidate_loads(self, handle: RequestHandle, failed_spans: Sequence[int]) -> int:
+        """The load spans `failed_spans` of `handle`'s plan failed: the nodes they read (at
+        this request's prefix only) may hold bad bytes. Each leaves the tree with its subtree
+        (a copy needs its parent's); a failed root empties the tree but keeps the policy's
+        clocks and frequencies. For open and finished handles alike; in-flight readers keep
+        their pins. Returns the number of nodes removed."""
+        hit_nodes = handle.ledger.path[: len(handle.hits.hits)]
+        loaded = [node for node in hit_nodes if node.num_tokens]  # one load span each
+        return self._invalidate([loaded[i] for i in failed_spans if i < len(loaded)])
+
+    def invalidate_written(self, handle: RequestHandle) -> int:
+        """Every copy `handle` wrote (stores, swap-outs, promotions) may not have run: the
+        nodes holding them leave the tree as in `invalidate_loads`. Returns the number of
+        nodes removed."""
+        return self._invalidate(list(dict.fromkeys(node for node, _ in handle.ledger.pending)))
+
+    def clear(self) -> None:
+        """Drop every node, reset the policy (clocks), the frequency window and the counters.
+        In-flight requests stay valid: their pinned nodes are detached and freed when they
+        finish."""
+        self._placement.replace_root(self._planner.now)
+        self.policy.reset()
+        self._planner.reset()
+        self._placement.reset_counters()
+
+    def check_integrity(self) -> None:
+        """Verify every invariant of every part; raises `IntegrityError` naming the first
+        violation. O(nodes + slots)."""
+        self._prefixes.check()
+        self._placement.check(OpenHoldings.of(self._open.values()))
+        self._planner.check()
+        for request_id, handle in self._open.items():
+            if not handle.is_open or handle.request_id != request_id:
+                fail(f"{handle!r} is registered as open request {request_id}")
+
+    # ------------------------------------------------------------------ internals
+
+    def _invalidate(self, nodes: list[Node]) -> int:
+        """Remove `nodes` (those still attached) with their subtrees; the root empties the
+        tree (the policy's state is kept). Returns the number of document nodes removed."""
+        before = self._prefixes.num_doc_nodes
+        for node in nodes:
+            if node is self._prefixes.root:
+                self._placement.replace_root(self._planner.now)
+            elif node.attached:
+                self._placement.remove(node)
+        return before - self._prefixes.num_doc_nodes
+
+    def _finish(self, handle: RequestHandle, state: RequestState) -> None:
+        self._placement.release(handle)
+        handle.state = state
+        del self._open[handle.request_id]
+
+    def _check_open(self, handle: RequestHandle) -> None:
+        if handle.state is not RequestState.OPEN or handle.request_id not in self._open:
+            raise RAGCacheError(f"request {handle.request_id} is already {handle.state}")

@@ -1,0 +1,205 @@
+"""The public surface, pinned: what `ragcache_core` and each integration export, the layers the
+package tree promises (no module imports a layer above its own), and a client that imports
+nothing heavier than httpx and the shared types. A change to any of these is a change to the
+API, made here on purpose."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ragcache_core"
+
+
+def test_ragcache_core_exports() -> None:
+    import ragcache_core
+
+    assert sorted(ragcache_core.__all__) == [
+        "CacheConfig",
+        "CacheHits",
+        "ConfigError",
+        "Document",
+        "InputError",
+        "ModelError",
+        "PromptConfig",
+        "QueryResult",
+        "RAGCache",
+        "RAGCacheAPI",
+        "RAGCacheClient",
+        "RAGCacheError",
+        "SamplingConfig",
+        "StreamChunk",
+        "__version__",
+    ]
+    for name in ragcache_core.__all__:
+        assert getattr(ragcache_core, name) is not None, name
+
+
+def test_langchain_exports() -> None:
+    import ragcache_integrations.langchain as lc
+
+    assert sorted(lc.__all__) == [
+        "DocumentMemory",
+        "EVENT_NAME",
+        "OfflineEmbeddings",
+        "PromptSplit",
+        "RAGCacheLLM",
+        "RAGCacheRunnable",
+        "UnsupportedFrameworkError",
+        "document_id",
+        "search_source",
+        "to_ragcache",
+    ]
+    for name in lc.__all__:
+        assert getattr(lc, name) is not None, name
+
+
+def test_llama_index_exports() -> None:
+    import ragcache_integrations.llama_index as li
+
+    assert sorted(li.__all__) == [
+        "OfflineEmbedding",
+        "RAGCacheQueryEngine",
+        "UnsupportedFrameworkError",
+        "as_query_engine",
+        "node_to_document",
+        "prompt_config",
+        "search_source",
+    ]
+    for name in li.__all__:
+        assert getattr(li, name) is not None, name
+
+
+def test_both_caches_implement_the_one_api() -> None:
+    """`RAGCacheAPI` is the one declaration: both implementations subclass it, so a missing
+    method is an error at class creation, not at a user's first call."""
+    from ragcache_core import RAGCache, RAGCacheAPI, RAGCacheClient
+
+    assert issubclass(RAGCache, RAGCacheAPI) and issubclass(RAGCacheClient, RAGCacheAPI)
+    assert not RAGCacheAPI.__abstractmethods__ - {
+        "_answer",
+        "_query",
+        "close",
+        "invalidate",
+        "stats",
+    }
+    assert not RAGCache.__abstractmethods__ and not RAGCacheClient.__abstractmethods__
+
+
+# Lower numbers are lower layers. A module may import its own package and any lower layer.
+LAYERS: dict[str, int] = {
+    # shared types and helpers (the top of ragcache_core)
+    **dict.fromkeys(
+        ["errors", "documents", "results", "config", "plan", "capacity", "search", "loop"], 0
+    ),
+    **dict.fromkeys(["api", "trace", "data"], 0),
+    # control plane and data plane below the runtime
+    **dict.fromkeys(["policy", "cost", "storage", "retrieval"], 1),
+    "tree": 2,
+    **dict.fromkeys(["engine", "metrics"], 3),
+    # the request path, and the client beside it
+    **dict.fromkeys(["runtime", "client"], 4),
+    # what runs over it
+    **dict.fromkeys(["serve", "sim"], 5),
+    **dict.fromkeys(["bench", "cli", "testing"], 6),
+    **dict.fromkeys(["__init__", "__main__"], 7),
+}
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+    return [n for n in names if n.startswith("ragcache_core")]
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = path.relative_to(PACKAGE).with_suffix("").parts[0]
+        assert me in LAYERS, f"{me} has no layer: add it to LAYERS"
+        for module in _imports(path):
+            other = module.split(".")[1] if "." in module else "__init__"
+            if other != me and LAYERS[other] > LAYERS[me]:
+                upward.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_client_imports_only_httpx_and_the_shared_types() -> None:
+    """`from ragcache_core import RAGCacheClient` in an app process loads no runtime, no numpy,
+    no torch, no vLLM (checked in a fresh interpreter)."""
+    code = (
+        "import json, sys\n"
+        "from ragcache_core import RAGCacheClient\n"
+        "RAGCacheClient.__init__\n"
+        "print(json.dumps(sorted(m for m in sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    loaded = set(json.loads(out.stdout))
+    assert "httpx" in loaded
+    heavy = {"numpy", "torch", "vllm", "transformers", "faiss", "prometheus_client", "fastapi"}
+    assert not heavy & loaded, heavy & loaded
+    ours = {m for m in loaded if m.startswith("ragcache_core.")}
+    allowed = {
+        "ragcache_core.api",
+        "ragcache_core.client",
+        "ragcache_core.client.client",
+        "ragcache_core.client.wire",
+        "ragcache_core.config",
+        "ragcache_core.documents",
+        "ragcache_core.errors",
+        "ragcache_core.loop",
+        "ragcache_core.results",
+        "ragcache_core.search",
+    }
+    assert ours <= allowed, ours - allowed
+
+
+def _fake_api() -> Any:
+    from ragcache_core import CacheConfig, RAGCacheAPI
+
+    class Fake(RAGCacheAPI):
+        config = CacheConfig()
+        model = "fake"
+
+        def stats(self) -> dict[str, Any]:
+            return {}
+
+        def invalidate(self, doc_id: str) -> int:
+            return 0
+
+        def close(self) -> None:
+            return None
+
+        async def _query(self, *args: Any) -> Any:
+            raise NotImplementedError("not used here")
+
+        async def _answer(self, *args: Any) -> Any:
+            raise NotImplementedError("not used here")
+
+    return Fake()
+
+
+def test_the_langchain_llm_takes_cache_and_the_old_keyword_warns() -> None:
+    from ragcache_integrations.langchain import RAGCacheLLM
+
+    fake = _fake_api()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm = RAGCacheLLM(cache=fake)
+    assert llm.ragcache is fake and llm.cache is None  # LangChain's own cache stays unset
+    with pytest.warns(FutureWarning, match="cache="):
+        old = RAGCacheLLM(ragcache=fake)
+    assert old.ragcache is fake
