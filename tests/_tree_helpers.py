@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pytest
+
+from ragcache_core.plan import Tier
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
+from ragcache_core.tree.node import Node
+from ragcache_core.tree.placement import Placement
 
 ROOT = RootKey("model", "tokenizer", "template", "float16")
 
@@ -19,12 +26,40 @@ def run(cache: KnowledgeTree, *docs: DocSpec, root: int = 0, question: int = 0) 
 
 def cached_paths(cache: KnowledgeTree) -> dict[tuple[str, ...], set[str]]:
     """Every node as its document-id path -> the tiers holding a copy."""
-    out: dict[tuple[str, ...], set[str]] = {}
-    for node in cache.iter_nodes():
-        path: list[str] = []
-        cur = node
-        while cur.parent is not None:
-            path.append(cur.key.doc_id)  # type: ignore[union-attr]
-            cur = cur.parent
-        out[tuple(reversed(path))] = {str(t) for t in node.slots}
-    return out
+    return {node_path(node): {str(t) for t in node.slots} for node in cache.iter_nodes()}
+
+
+def node_path(node: Node) -> tuple[str, ...]:
+    """A node's document-id path from the root (the root: ())."""
+    path: list[str] = []
+    cur = node
+    while cur.parent is not None:
+        path.append(cur.key.doc_id)  # type: ignore[union-attr]
+        cur = cur.parent
+    return tuple(reversed(path))
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One eviction as the placement made it, seen just before it ran."""
+
+    path: tuple[str, ...]
+    tier: Tier
+    children_in_tier: tuple[tuple[str, ...], ...]
+    """The victim's children that held a copy in `tier` at that moment (a leaf: none)."""
+    pinned: bool
+
+
+def record_evictions(monkeypatch: pytest.MonkeyPatch) -> list[Eviction]:
+    """Every eviction any tree makes from now on (in order), observed at `Placement._evict`,
+    independently of the tree's own bookkeeping (its children are looked at, not counted)."""
+    log: list[Eviction] = []
+    evict = Placement._evict
+
+    def spy(placement: Placement, node: Node, tier: Tier, handle: object) -> None:
+        children = sorted(node_path(c) for c in node.children.values() if tier in c.slots)
+        log.append(Eviction(node_path(node), tier, tuple(children), node.pins > 0))
+        evict(placement, node, tier, handle)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Placement, "_evict", spy)
+    return log

@@ -4,7 +4,7 @@ eviction order of each policy on constructed scenarios."""
 from __future__ import annotations
 
 import pytest
-from _tree_helpers import ROOT, cached_paths, doc, run
+from _tree_helpers import ROOT, cached_paths, doc, record_evictions, run
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, NodeStats, make_policy
@@ -68,14 +68,18 @@ def test_pinned_nodes_are_never_victims(policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ALL)
-def test_only_leaves_are_evicted(policy: str) -> None:
+def test_only_leaves_are_evicted(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cold inner node a (below it: b) ties its leaf b on every policy's priority and
+    entered the candidate heap first, so only the leaf rule keeps it from being evicted."""
     cache = make(policy, gpu=30)
-    run(cache, doc("a"), doc("b"))
-    for _ in range(3):
-        run(cache, doc("a"), doc("b"))  # a and b hot, b a leaf
-    run(cache, doc("c"))  # needs 10: the only leaves are b and c's sibling-free path
-    paths = cached_paths(cache)
-    assert ("a", "b") not in paths or ("a",) in paths  # never a child without its parent
+    evictions = record_evictions(monkeypatch)
+    run(cache, doc("a"), doc("b"))  # a -> b, computed together: same statistics
+    run(cache, doc("c"))
+    run(cache, doc("c"))  # c is hotter and more recent than a and b
+    run(cache, doc("d"))  # 10 more tokens in a full tier of 30: one eviction
+    assert [(e.path, e.tier) for e in evictions] == [(("a", "b"), Tier.GPU)]
+    assert all(not e.children_in_tier and not e.pinned for e in evictions), evictions
+    assert set(cached_paths(cache)) == {(), ("a",), ("c",), ("d",)}
 
 
 @pytest.mark.parametrize("policy", ALL)

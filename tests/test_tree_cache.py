@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from _tree_helpers import ROOT, cached_paths, doc, run
+from _tree_helpers import ROOT, cached_paths, doc, node_path, record_evictions, run
 
 from ragcache_core.errors import ConfigError, InputError, RAGCacheError
 from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
@@ -97,18 +97,39 @@ def test_swap_out_only_once_then_zero_copy_and_promote() -> None:
     cache.check_integrity()
 
 
-def test_host_eviction_frees_and_parent_before_child() -> None:
-    cache = make(gpu=1, host=2, page=4)  # root 0 tokens, docs of one slot
-    run(cache, doc("a", 4))
-    run(cache, doc("a", 4), doc("b", 4))  # a, b: b swapped out? no: gpu has 1 slot
+class _PerRequest:
+    """T(alpha, beta) = 1 s for any request: a node's GDSF Cost/Size is 1 / its tokens, so a
+    longer document has the lower priority."""
+
+    def prefill_time(self, cached_tokens: int, new_tokens: int) -> float:
+        return 1.0 if new_tokens else 0.0
+
+
+def test_host_eviction_frees_and_parent_before_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """a (8 tokens) -> b (4) both end up host-only; host pressure then evicts the leaf b
+    (freeing its slot, the node leaves the tree) and keeps a, although a's priority is the
+    lower one: a host copy is never evicted while a child still has a host copy."""
+    cache = KnowledgeTree(
+        ROOT, gpu_slots=3, host_slots=3, page_size=4, policy="gdsf", cost_model=_PerRequest()
+    )
+    evictions = record_evictions(monkeypatch)
+    run(cache, doc("a", 8), doc("b", 4))  # GPU full: a (2 slots), b (1)
+    run(cache, doc("c", 4))  # b swapped out to host
+    run(cache, doc("d", 4))  # a swapped out to host: host full (a 2, b 1)
+    run(cache, doc("e", 4))
+    assert cached_paths(cache)[("a",)] == cached_paths(cache)[("a", "b")] == {"host"}
+    assert cache.counters.evictions_host == 0 and cache.stats().host_used_slots == 3
+    nodes = {node_path(n): n for n in cache.iter_nodes()}
+    a, b = nodes[("a",)], nodes[("a", "b")]
+    assert a.priority[Tier.HOST] < b.priority[Tier.HOST]  # a would go first, were it a leaf
+    run(cache, doc("f", 4))  # c's swap-out needs a host slot: one host eviction
+    host = [e for e in evictions if e.tier is Tier.HOST]
+    assert [e.path for e in host] == [("a", "b")], evictions
+    assert not host[0].children_in_tier and cache.counters.evictions_host == 1
     paths = cached_paths(cache)
-    for path, tiers in paths.items():
-        if "gpu" in tiers and len(path) > 1:
-            assert "gpu" in paths[path[:-1]]
-    run(cache, doc("c", 4))
-    run(cache, doc("d", 4))
-    assert cache.stats().host_used_slots <= 2
-    assert cache.num_nodes <= 1 + 3
+    assert ("a", "b") not in paths and paths[("a",)] == {"host"} and paths[("c",)] == {"host"}
+    assert cache.stats().host_used_slots == 3  # b's slot was freed and went to c
+    assert [h.tier for h in cache.match([doc("a", 8), doc("b", 4)]).hits] == [Tier.GPU, Tier.HOST]
 
 
 def test_pinned_nodes_survive_pressure_and_room_shortage_is_not_an_error() -> None:
@@ -217,13 +238,26 @@ def test_drop_gpu_keeps_only_confirmed_host_copies_with_a_surviving_parent() -> 
 
 
 def test_drop_gpu_with_root_on_host_keeps_host_nodes() -> None:
-    cache = make(gpu=2, host=10, page=4)
+    """With a host copy of the root (backup_root), losing the GPU tier keeps every confirmed
+    host copy readable and drops the GPU-only nodes."""
+    cache = make(gpu=2, host=10, page=4, backup_root=True)
     run(cache, doc("a", 4), root=4)
-    run(cache, doc("b", 4), root=4)  # a -> host
-    run(cache, doc("c", 4), doc("e", 4), root=4)  # b -> host; root stays (has GPU child)
+    run(cache, doc("b", 4), root=4)  # the root is backed up to host; a swapped out
+    run(cache, doc("c", 4), root=4)  # b swapped out; c on GPU only
+    assert cached_paths(cache) == {
+        (): {"gpu", "host"},
+        ("a",): {"host"},
+        ("b",): {"host"},
+        ("c",): {"gpu"},
+    }
     cache.drop_tier(Tier.GPU)
     cache.check_integrity()
-    assert all(tiers == {"host"} for tiers in cached_paths(cache).values())
+    assert cached_paths(cache) == {(): {"host"}, ("a",): {"host"}, ("b",): {"host"}}
+    for name in "ab":
+        hits = cache.match([doc(name, 4)]).hits
+        assert [h.tier for h in hits] == [Tier.HOST, Tier.HOST]
+    assert cache.match([doc("c", 4)]).doc_hits == ()
+    assert cache.stats().gpu_used_slots == 0 and cache.stats().host_used_slots == 3
 
 
 def test_mark_final_counts_frequency_once() -> None:
