@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -29,7 +32,42 @@ def test_doctor_model_without_tokenizer(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_help_lists_commands() -> None:
+def _readme_commands() -> dict[str, set[str]]:
+    """The README's "Command line" block: each command -> the actions it names
+    (`ragcache bench overhead | prefill | copies` -> bench: {overhead, prefill, copies})."""
+    block = README.read_text(encoding="utf-8").split("## Command line", 1)[1].split("```")[1]
+    commands: dict[str, set[str]] = {}
+    for line in block.splitlines():
+        words = line.split()
+        if len(words) < 2 or words[0] != "ragcache":
+            continue
+        actions = commands.setdefault(words[1], set())
+        rest = words[2:]
+        while rest and rest[0][0].isalpha():
+            actions.add(rest[0])
+            if len(rest) > 1 and rest[1] == "|":
+                rest = rest[2:]
+            else:
+                break
+    return commands
+
+
+def _listed(help_text: str) -> set[str]:
+    """The sub-commands an argparse help lists (one per line, indented by four spaces)."""
+    return set(re.findall(r"^    (\S+)", help_text, re.MULTILINE))
+
+
+def test_help_lists_every_documented_command() -> None:
+    """`ragcache --help` lists exactly the README's commands, and each command's help the
+    actions the README names (bench serve, bench copies, model build, ...)."""
+    documented = _readme_commands()
+    assert {"demo", "doctor", "bench", "model", "serve"} <= set(documented)
+    assert documented["bench"] >= {"serve", "overhead", "prefill", "copies"}
     result = _run("--help")
-    assert result.returncode == 0
-    assert "doctor" in result.stdout
+    assert result.returncode == 0, result.stderr
+    assert _listed(result.stdout) == set(documented)
+    for command, actions in documented.items():
+        if actions:
+            sub = _run(command, "--help")
+            assert sub.returncode == 0, sub.stderr
+            assert actions <= _listed(sub.stdout), (command, sub.stdout)

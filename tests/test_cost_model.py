@@ -45,6 +45,39 @@ def test_linear_extrapolation_outside_the_grid(a: int, b: int) -> None:
     assert model.prefill_time(a, b) == pytest.approx(bilinear(a, b), rel=1e-12)
 
 
+# An irregular grid with uneven spacing and values no low-degree formula produces (as a
+# measured profile's are): what the interpolator must return is written down by hand.
+UNEVEN = CostProfile(
+    model="m",
+    hardware="h",
+    cached_tokens=(0, 64, 1000),
+    new_tokens=(16, 128, 512),
+    prefill_s=((0.010, 0.050, 0.400), (0.012, 0.030, 0.200), (0.020, 0.090, 0.250)),
+)
+
+
+def test_grid_points_return_the_stored_times() -> None:
+    model = InterpolatedCostModel(UNEVEN)
+    for i, a in enumerate(UNEVEN.cached_tokens):
+        for j, b in enumerate(UNEVEN.new_tokens):
+            assert model.prefill_time(a, b) == UNEVEN.prefill_s[i][j]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        (32, 16, 0.011),  # midway along alpha on a grid line
+        (0, 72, 0.030),  # midway along beta
+        (32, 72, (0.010 + 0.050 + 0.012 + 0.030) / 4),  # a cell's centre: its corners' mean
+        (532, 320, (0.030 + 0.200 + 0.090 + 0.250) / 4),  # the far cell's centre
+        (1468, 512, 0.275),  # beyond the last alpha: the last cell's slope continued
+        (0, 896, 0.750),  # beyond the last beta
+    ],
+)
+def test_interpolation_uses_the_cell_around_the_point(a: int, b: int, expected: float) -> None:
+    assert InterpolatedCostModel(UNEVEN).prefill_time(a, b) == pytest.approx(expected, rel=1e-12)
+
+
 def test_extrapolation_is_clamped_at_zero() -> None:
     profile = CostProfile("m", "h", (0, 10), (10, 20), ((0.0, 1.0), (0.0, 1.0)))
     assert InterpolatedCostModel(profile).prefill_time(0, 0) == 0.0

@@ -26,25 +26,46 @@ def _docs() -> list[Document]:
     ]
 
 
-def test_pieces_concatenate_to_the_prompt(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    builder = PromptBuilder(tokenizer, PromptConfig(chat_template=False), "m", "float32")
-    built = builder.build("What is the capital of France?", _docs())
+def test_the_prompt_is_the_rendered_text_piece_by_piece(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The ids are, in order: BOS, the head with the system prompt, each document rendered
+    and tokenized on its own, the question in its template; each document's span sits at
+    the offset its spec implies. Expectations are written from the config, not the builder."""
+    config = PromptConfig(chat_template=False)
+    builder = PromptBuilder(tokenizer, config, "m", "float32")
+    question = "What is the capital of France?"
+    built = builder.build(question, _docs())
+    rendered = [
+        "Title: Paris\nParis is the capital of France.\n\n",
+        "The Seine flows through Paris.\n\n",
+    ]
+    head = f"{config.system_prompt}\n\n"
+    tail = f"Question: {question}\nAnswer:"
     ids = built.token_ids
-    assert ids[: len(built.root_ids)] == list(built.root_ids)
-    assert ids[-len(built.question_ids) :] == list(built.question_ids)
-    assert len(ids) == built.num_tokens
-    assert [s.num_tokens for s in built.doc_specs] == [len(d) for d in built.doc_ids]
-    # A document's tokens do not depend on its position or neighbours.
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.decode(ids[1:]) == head + "".join(rendered) + tail
+    offset = len(built.root_ids)
+    assert tokenizer.decode(built.root_ids[1:]) == head
+    for spec, text in zip(built.doc_specs, rendered, strict=True):
+        alone = tokenizer.encode(text, add_special_tokens=False)
+        assert ids[offset : offset + spec.num_tokens] == alone
+        offset += spec.num_tokens
+    assert tokenizer.decode(ids[offset:]) == tail
+    # A document's tokens do not depend on its position, its neighbours or the question.
     swapped = builder.build("Another question?", list(reversed(_docs())))
     assert swapped.doc_ids == tuple(reversed(built.doc_ids))
-    assert tokenizer.decode(built.doc_ids[0]) == "Title: Paris\nParis is the capital of France.\n\n"
+    assert [s.key for s in swapped.doc_specs] == [s.key for s in reversed(built.doc_specs)]
 
 
 def test_content_hash_changes_with_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Same document id, new text: a new key and the new text's tokens (never the
+    memoized tokens of the old text)."""
     builder = PromptBuilder(tokenizer, PromptConfig(chat_template=False), "m", "float32")
-    a = builder.build("q?", [Document("a", "old text")]).doc_specs[0].key
-    b = builder.build("q?", [Document("a", "new text")]).doc_specs[0].key
+    old = builder.build("q?", [Document("a", "old text")])
+    new = builder.build("q?", [Document("a", "new text")])
+    a, b = old.doc_specs[0].key, new.doc_specs[0].key
     assert a.doc_id == b.doc_id and a.content_hash != b.content_hash
+    assert tokenizer.decode(old.doc_ids[0]) == "old text\n\n"
+    assert tokenizer.decode(new.doc_ids[0]) == "new text\n\n"
 
 
 def test_root_key_depends_on_system_prompt(tokenizer) -> None:  # type: ignore[no-untyped-def]

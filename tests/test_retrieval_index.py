@@ -193,15 +193,28 @@ def test_poisson_arrivals_are_seeded_with_the_right_rate() -> None:
     assert not np.array_equal(times, poisson_arrivals(20_000, 4.0, 4))
 
 
-def test_trace_counts_wrapped_document_tokens(tmp_path, demo_index, tiny_model) -> None:
+def test_trace_counts_the_tokens_the_runtime_caches(tmp_path, demo_index, tiny_model) -> None:
+    """A trace's document sizes are the sizes of the tree nodes the runtime would cache for
+    those documents: `PromptBuilder`'s document specs with the default prompt config."""
+    from transformers import AutoTokenizer
+
+    from ragcache_core.config import PromptConfig
+    from ragcache_core.runtime.prompt import PromptBuilder
+
     questions = load_questions(DEMO_QUESTIONS, limit=12)
-    count = tokenizer_counter(str(tiny_model))
-    records = build_trace(demo_index, questions, 2, count, rate=2.0, seed=1)
+    records = build_trace(demo_index, questions, 2, tokenizer_counter(str(tiny_model)), rate=2.0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    builder = PromptBuilder(tokenizer, PromptConfig(), str(tiny_model), "float32")
     assert [r.id for r in records] == [q.id for q in questions]
     for record, question in zip(records, questions, strict=True):
         docs = [demo_index.documents[demo_index.row_of(i)] for i in record.docs]
-        assert list(record.doc_tokens) == [count(render_document(d)) for d in docs]
-        assert record.question_tokens == count(question.text) > 0
+        built = builder.build(question.text, docs)
+        assert list(record.doc_tokens) == [spec.num_tokens for spec in built.doc_specs]
+        assert (
+            record.question_tokens
+            == len(tokenizer.encode(question.text, add_special_tokens=False))
+            > 0
+        )
         assert record.docs == final_result(demo_index.source(), question.text, 2).doc_ids
     assert all(b.arrival_s > a.arrival_s for a, b in itertools.pairwise(records))
 

@@ -18,7 +18,7 @@ BENCH_MODULES: tuple[str, ...] = (
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks (overhead, prefill, serve)")
+    parser = subparsers.add_parser("bench", help="benchmarks (overhead, prefill, copies, serve)")
     bench_subparsers = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for path in BENCH_MODULES:
         importlib.import_module(path).register(bench_subparsers)
