@@ -131,7 +131,8 @@ class _Recorder:
     def __init__(self) -> None:
         self.log: list[tuple[str, int, float]] = []
         self.in_flight = 0
-        self.most_in_flight = 0
+        self.most_in_warmup = 0
+        """The most requests in flight while a warm-up request was running."""
 
     def use(self, source: object, top_k: int) -> None:
         pass
@@ -139,7 +140,8 @@ class _Recorder:
     async def serve(self, request: Request, request_id: str) -> Outcome:
         index = int(request_id.rsplit("-", 1)[1])
         self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        if index < 10:
+            self.most_in_warmup = max(self.most_in_warmup, self.in_flight)
         self.log.append(("start", index, time.perf_counter()))
         await asyncio.sleep(0.01)
         self.log.append(("end", index, time.perf_counter()))
@@ -153,9 +155,24 @@ class _Recorder:
         pass
 
 
-def test_warm_up_runs_closed_loop_before_the_measured_stream() -> None:
+def test_warm_up_runs_closed_loop_before_the_measured_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Warm-up requests go in order, `warmup_concurrency` at a time; the measured ones start
-    only after the last warm-up request ended, at their arrival offsets from then."""
+    only after the last warm-up request ended, at their arrival offsets from then. Checked
+    by order and by the offsets `run_point` schedules (no wall-clock bound: a slow machine
+    only delays a send, it never moves a schedule)."""
+    import ragcache_core.bench.serve as serve_module
+
+    scheduled: dict[int, tuple[float, float, float]] = {}
+    """Each measured request's (scheduled offset, run start, when it was scheduled)."""
+    at = serve_module._at
+
+    async def spy(offset: float, start: float) -> None:
+        scheduled[len(scheduled) + 10] = (offset, start, time.perf_counter())
+        await at(offset, start)
+
+    monkeypatch.setattr(serve_module, "_at", spy)
     system = _Recorder()
     requests = [Request(f"q{i}") for i in range(14)]
     arrivals = [0.05 * i for i in range(14)]
@@ -164,12 +181,22 @@ def test_warm_up_runs_closed_loop_before_the_measured_stream() -> None:
     )
     starts = [i for kind, i, _ in system.log if kind == "start"]
     assert starts[:10] == list(range(10)) and sorted(starts[10:]) == [10, 11, 12, 13]
+    last_warm_end = max(n for n, (kind, i, _) in enumerate(system.log) if kind == "end" and i < 10)
+    first_measured = min(
+        n for n, (kind, i, _) in enumerate(system.log) if kind == "start" and i >= 10
+    )
+    assert first_measured > last_warm_end
+    assert system.most_in_warmup == 3
+    assert len(run.measured) == 4 and sorted(scheduled) == [10, 11, 12, 13]
+    # One shift for the whole measured stream: the arrivals' gaps are kept exactly ...
+    shifts = [scheduled[i][0] - arrivals[i] for i in range(10, 14)]
+    assert max(shifts) - min(shifts) < 1e-9, shifts
+    # ... and the first is due when the warm-up ended, no earlier and no later.
+    offset, start, scheduled_at = scheduled[10]
     warm_end = max(t for kind, i, t in system.log if kind == "end" and i < 10)
-    first_measured = min(t for kind, i, t in system.log if kind == "start" and i >= 10)
-    assert first_measured >= warm_end
-    assert system.most_in_flight == 3
-    assert len(run.measured) == 4 and run.arrivals[10] < run.arrivals[13]
-    assert run.arrivals[13] - run.arrivals[10] == pytest.approx(0.15, abs=0.05)
+    assert warm_end - start <= offset <= scheduled_at - start
+    sent = {i: t for kind, i, t in system.log if kind == "start" and i >= 10}
+    assert all(sent[i] >= start + scheduled[i][0] for i in sent)  # never sent early
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -232,8 +259,14 @@ def test_smoke_serves_every_request_with_identical_answers(
         assert point["requests"] == mode["requests"] == len(point["ttfts_s"])
         assert all(t > 0 for t in point["ttfts_s"])
         assert 0.0 <= point["token_hit_rate"] <= 1.0
+    hit_rates = {p["system"]: p["token_hit_rate"] for p in workload["points"]}
+    # After the warm-up every prompt's system prompt (the root) is cached: RAGCache loads it
+    # and vLLM-APC hits it in its prefix cache; plain vLLM caches nothing.
+    assert hit_rates["ragcache"] > 0 and hit_rates["vllm-apc"] > 0, hit_rates
+    assert hit_rates["vllm"] == 0, hit_rates
     ragcache = next(p for p in workload["points"] if p["system"] == "ragcache")
     assert {"doc_hit_rate", "gpu_doc_hit_rate", "host_doc_hit_rate"} <= set(ragcache)
+    print(f"\nsmoke: token hit rates {hit_rates}, RAGCache docs hit {ragcache['doc_hit_rate']}")
     (answers,) = workload["answers"]
     total = mode["warmup"] + mode["requests"]
     assert answers == {
