@@ -248,8 +248,9 @@ def test_bad_input(cache: RAGCache) -> None:
 
 
 def test_engine_death_is_survived(cache: RAGCache) -> None:
-    """Kill the engine core mid-stream: every request completes or raises a clear error, and
-    the next request is served correctly (confirmed host copies survive the restart)."""
+    """Kill the engine core mid-stream: every request completes or raises a clear error, the
+    loop answers during the restart, and the next request is served correctly (confirmed
+    host copies survive the restart)."""
     cache.clear()
     docs = [DOCS[1], DOCS[2]]
     cache.generate("warm the cache?", docs)  # confirmed on GPU
@@ -266,20 +267,18 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
             text += chunk.delta
         return text
 
-    async def slowest_stats(done: asyncio.Event) -> float:
-        """The longest `stats()` call while the engine dies and restarts (~25 s): the
-        restart runs off RAGCache's loop, so the loop keeps answering."""
-        worst = 0.0
+    async def stats_seen(done: asyncio.Event) -> list[tuple[int, int]]:
+        """(engine restarts, GPU slots in use) of every `stats()` answer until `done`."""
+        seen = []
         while not done.is_set():
-            started = time.perf_counter()
-            await asyncio.to_thread(cache.stats)
-            worst = max(worst, time.perf_counter() - started)
+            stats = await asyncio.to_thread(cache.stats)
+            seen.append((stats["engine_restarts"], stats["tree"]["gpu_used_slots"]))
             await asyncio.sleep(0.2)
-        return worst
+        return seen
 
-    async def run_all() -> tuple[list[object], float]:
+    async def run_all() -> tuple[list[object], list[tuple[int, int]]]:
         done = asyncio.Event()
-        probe = asyncio.ensure_future(slowest_stats(done))
+        probe = asyncio.ensure_future(stats_seen(done))
         others = [
             asyncio.ensure_future(cache.agenerate(f"long {i}?", [DOCS[3 + i]], sampling=long))
             for i in range(2)
@@ -291,8 +290,13 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
 
     failures = metric(cache, "ragcache_request_failures_total")
     restarted = metric(cache, "ragcache_engine_restarts_total")
-    (streamed, *outcomes), slowest = asyncio.run(run_all())
-    assert slowest < 5.0, f"the loop was blocked for {slowest:.1f} s during the restart"
+    assert cache.stats()["tree"]["gpu_used_slots"] > 0  # the warm documents
+    (streamed, *outcomes), seen = asyncio.run(run_all())
+    # The restart runs off RAGCache's loop, so the loop keeps answering while the new engine
+    # starts: some answer shows the GPU tier already dropped (the restart began) and the
+    # restart not yet counted (it had not ended). A blocked loop answers only before or after.
+    during = [(r, gpu) for r, gpu in seen if r == restarts and gpu == 0]
+    assert during, f"no stats() answer while the engine restarted: {seen}"
     # The streamed request cannot take back text it sent: it fails with a clear error.
     assert isinstance(streamed, RAGCacheError), streamed
     assert "streamed text already" in str(streamed)
@@ -383,23 +387,34 @@ def test_every_metric_moves(cache: RAGCache) -> None:
     before = {
         (name, tuple(labels.items())): metric(cache, name, **labels) for name, labels in METRICS
     }
+    ttft_sum_before = metric(cache, "ragcache_ttft_seconds_sum")
+    results = []
     big = [Document(f"big{i}", " ".join(f"w{i}x{j}" for j in range(60))) for i in range(40)]
     doc_tokens = cache.prompts.build("q?", big[:1]).doc_specs[0].num_tokens
     needed = (cache.config.gpu_pool_tokens + cache.config.host_pool_tokens) // doc_tokens + 3
     assert needed < len(big), doc_tokens
     host_hits = 0
     for i, doc in enumerate(big[:needed]):
-        cache.generate(f"first {i}?", [doc])
+        results.append(cache.generate(f"first {i}?", [doc]))
         if i >= 3 and not host_hits:  # the first documents were swapped out by now
-            host_hits += sum(cache.generate("again?", [d]).hits.host_docs for d in big[:3])
+            again = [cache.generate("again?", [d]) for d in big[:3]]
+            results += again
+            host_hits += sum(r.hits.host_docs for r in again)
     assert host_hits > 0
-    assert cache.generate("once more?", [big[needed - 1]]).hits.gpu_docs == 1
+    results.append(cache.generate("once more?", [big[needed - 1]]))
+    assert results[-1].hits.gpu_docs == 1
     wrong, final = [DOCS[4], DOCS[5]], [DOCS[0], DOCS[2]]
-    cache.query("Which city?", search=ScriptedSource([wrong, final, final], delay_s=0.2))
+    source = ScriptedSource([wrong, final, final], delay_s=0.2)
+    results.append(cache.query("Which city?", search=source))
     stats = cache.stats()
     for name, labels in METRICS:
         assert metric(cache, name, **labels) > before[(name, tuple(labels.items()))], (name, labels)
     tree = stats["tree"]
     assert tree["evictions_gpu"] > 0 and tree["evictions_host"] > 0 and tree["swap_outs"] > 0
-    assert stats["ttft_sum_s"] > 0
-    assert abs(stats["ttft_mean_s"] - stats["ttft_sum_s"] / stats["requests"]) < 1e-9
+    # TTFT: the counters and the histogram hold what the callers were told, request by request.
+    ttfts = [r.ttft_s for r in results]
+    assert stats["requests"] == len(results) and min(ttfts) > 0
+    assert stats["ttft_sum_s"] == pytest.approx(sum(ttfts), rel=1e-9)
+    assert stats["ttft_mean_s"] == pytest.approx(sum(ttfts) / len(ttfts), rel=1e-9)
+    histogram_sum = metric(cache, "ragcache_ttft_seconds_sum") - ttft_sum_before
+    assert histogram_sum == pytest.approx(sum(ttfts), rel=1e-6)
