@@ -35,3 +35,47 @@ def test_greedy_generation_is_deterministic(engine_pool, tiny_model: Path) -> No
     assert first.token_ids == second.token_ids
     assert 0.0 < first.ttft_s < 30.0
     assert 0.0 < second.ttft_s < 30.0
+
+
+@pytest.mark.vllm
+def test_doctor_checks_the_stack_and_generates_like_the_engine(
+    engine_pool, tiny_model: Path
+) -> None:
+    """`ragcache doctor` on the real engine: every step of the stack it names, and the
+    tokens it generated are the engine's own greedy answer to its prompt."""
+    import re
+    import subprocess
+    import sys
+
+    import torch
+    import vllm
+
+    from ragcache_core.engine.llm import GreedySampling
+
+    result = subprocess.run(
+        [sys.executable, "-m", "ragcache_core", "doctor", "--prompt-tokens", "64"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", result.stdout, re.MULTILINE))
+    assert result.stdout.startswith("ragcache doctor\n")
+    assert steps["torch"].startswith(
+        f"{torch.__version__} (cuda available: {torch.cuda.is_available()})"
+    )
+    assert steps["vllm"] == vllm.__version__ and "faiss" in steps
+    assert steps["model"].startswith(f"{tiny_model} (built/reused in ")  # the default: tiny
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert steps["device"].startswith(device)
+    assert float(steps["engine start"].removesuffix(" s")) > 0
+    ttft = re.search(
+        r"^TTFT: (\d+\.\d) ms for a 64-token prompt \(vLLM metrics\)$", result.stdout, re.MULTILINE
+    )
+    assert ttft is not None and float(ttft.group(1)) > 0, result.stdout
+    generated = [int(t) for t in steps["generated"].split()]
+    engine = engine_pool.get(EngineSettings(model=str(tiny_model)))
+    vocab = len(engine.tokenizer())
+    prompt = [(7 * i + 3) % vocab for i in range(64)]
+    expected = engine.generate([prompt], GreedySampling(max_tokens=8))[0].token_ids
+    assert generated == list(expected)

@@ -60,3 +60,26 @@ def test_shapes_and_tokenizer(tmp_path: Path, attention: str) -> None:
 def test_unknown_size_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown model size"):
         recipe_for("huge")  # type: ignore[arg-type]
+
+
+def test_model_build_command_writes_the_model_it_describes(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """`ragcache model build --size tiny --out DIR`: the same files as the builder the suite's
+    engines load, and one line naming the folder and the shapes written to its config."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "model"
+    command = [sys.executable, "-m", "ragcache_core", "model", "build", "--size", "tiny"]
+    result = subprocess.run(
+        [*command, "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _digest(out) == _digest(tiny_model)
+    config = json.loads((out / "config.json").read_text())
+    assert result.stdout.strip() == (
+        f"{out}  (tiny, mha: {config['num_hidden_layers']} layers, hidden "
+        f"{config['hidden_size']}, {config['num_attention_heads']} heads / "
+        f"{config['num_key_value_heads']} KV heads, vocab {config['vocab_size']})"
+    )
