@@ -240,26 +240,37 @@ class HeldCache:
         yield StreamChunk("ok")
         yield StreamChunk("", result)
 
+    engine_state = "running"
+
     def astream(self, question: str, **kwargs: Any) -> AsyncIterator[StreamChunk]:
         return self._answer()
 
     def astream_uncached(self, prompt_ids: Sequence[int], **kwargs: Any) -> Any:
         return self._answer()
 
+    async def _whole(self) -> QueryResult:
+        async for chunk in self._answer():
+            if chunk.result is not None:
+                return chunk.result
+        raise AssertionError("no result")
+
     async def aquery(self, question: str, **kwargs: Any) -> QueryResult:
-        raise NotImplementedError("the server streams every request")
+        return await self._whole()
 
     async def agenerate(self, question: str, documents: Any, **kwargs: Any) -> QueryResult:
-        raise NotImplementedError("the server streams every request")
+        return await self._whole()
+
+    async def agenerate_uncached(self, prompt_ids: Sequence[int], **kwargs: Any) -> QueryResult:
+        return await self._whole()
 
     def query(self, question: str, **kwargs: Any) -> QueryResult:
-        raise NotImplementedError("the server streams every request")
+        raise NotImplementedError("the server calls the async API only")
 
     def generate(self, question: str, documents: Any, **kwargs: Any) -> QueryResult:
-        raise NotImplementedError("the server streams every request")
+        raise NotImplementedError("the server calls the async API only")
 
     def stream(self, question: str, **kwargs: Any) -> Any:
-        raise NotImplementedError("the server streams every request")
+        raise NotImplementedError("the server calls the async API only")
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self.started}
