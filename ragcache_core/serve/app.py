@@ -148,7 +148,7 @@ def run(settings: ServeSettings) -> None:
     the server: what crashed servers left is reclaimed first, and a watchdog makes sure the
     engine ends with this process."""
     reclaim_leftovers()
-    Watchdog.start()
+    watchdog = Watchdog.start()  # lives until this process is gone, then stops the engine
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -161,6 +161,7 @@ def run(settings: ServeSettings) -> None:
         http=guarded_protocol(settings.header_timeout_s),
     )
     _DrainingServer(config).run()
+    del watchdog  # (it exits on its own once this process has ended)
 
 
 def reclaim_leftovers() -> None:
