@@ -75,7 +75,7 @@ class TokenMemo:
     (`memo_entry_bytes` each), so its memory is bounded whatever documents come. An entry
     larger than the whole bound is not kept. Thread-safe (one lock around the dict; callers
     tokenize outside it), so the builders of one tokenizer can share one memo across
-    threads (`ragcache serve`'s renderer threads and the cache's loop)."""
+    threads (`ragcache serve`'s render lanes and the cache's loop)."""
 
     def __init__(self, max_bytes: int = DEFAULT_MEMO_BYTES) -> None:
         if max_bytes < 0:

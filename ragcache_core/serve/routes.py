@@ -88,7 +88,7 @@ async def _serve(
     make_job: Callable[[], Job],
 ) -> Response:
     """A place first (a full server refuses before any work), then the job and its sampling
-    on the renderer thread (tokenization stays off the event loop), then the answer."""
+    in a render lane (tokenization stays off the event loop; `RenderLanes`), then the answer."""
     route, param = (CHAT, "messages") if kind == "chat" else (COMPLETIONS, "prompt")
     place = state.enter(route)
     max_len = state.settings.config.max_model_len
