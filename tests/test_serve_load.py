@@ -150,10 +150,11 @@ async def _aevents(response: httpx.Response) -> Any:
         yield item
 
 
-LARGE_CHARS = {19: 1_000_000, 29: 44_000}
+LARGE_CHARS = {13: 1_000_000, 33: 44_000}
 """Request n with n % 40 in here sends a distinct document of this many characters that
 cannot fit the context: 1 MB (refused before it is tokenized) or 44 k (as long as the
-context could hold at the tokenizer's longest token: tokenized, then refused)."""
+context could hold at the tokenizer's longest token: tokenized, then refused). (13 and 33:
+never the n of a disconnect, n % 50 == 49, or of an invalidation, n % 100 == 99.)"""
 
 
 async def _one(http: httpx.AsyncClient, n: int, tally: Tally) -> None:
