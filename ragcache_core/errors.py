@@ -19,12 +19,25 @@ class InputError(RAGCacheError, ValueError):
     """User input (a trace, a corpus, a query) is malformed; the message names the problem."""
 
 
+class PromptTooLong(InputError):
+    """A prompt longer than the tokens that fit (`limit`). `tokens` is how many it has, or
+    at least has: a prompt is refused as soon as it is known not to fit, before the rest of
+    it is tokenized (or before any of it is, when its text alone is too long)."""
+
+    def __init__(self, message: str, *, tokens: int, limit: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.limit = limit
+
+
 def check_fits_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """`InputError`, with the numbers, when a prompt of `prompt_tokens` and an answer of
+    """`PromptTooLong`, with the numbers, when a prompt of `prompt_tokens` and an answer of
     `max_tokens` do not fit the context (the one check, before anything runs)."""
     limit = max_model_len - max_tokens
     if prompt_tokens > limit:
-        raise InputError(
+        raise PromptTooLong(
             f"the prompt has {prompt_tokens} tokens but at most {limit} fit "
-            f"(max_model_len {max_model_len} - max_tokens {max_tokens})"
+            f"(max_model_len {max_model_len} - max_tokens {max_tokens})",
+            tokens=prompt_tokens,
+            limit=limit,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import subprocess
 import sys
 import threading
@@ -240,26 +241,37 @@ class HeldCache:
         yield StreamChunk("ok")
         yield StreamChunk("", result)
 
+    engine_state = "running"
+
     def astream(self, question: str, **kwargs: Any) -> AsyncIterator[StreamChunk]:
         return self._answer()
 
     def astream_uncached(self, prompt_ids: Sequence[int], **kwargs: Any) -> Any:
         return self._answer()
 
+    async def _whole(self) -> QueryResult:
+        async for chunk in self._answer():
+            if chunk.result is not None:
+                return chunk.result
+        raise AssertionError("no result")
+
     async def aquery(self, question: str, **kwargs: Any) -> QueryResult:
-        raise NotImplementedError("the server streams every request")
+        return await self._whole()
 
     async def agenerate(self, question: str, documents: Any, **kwargs: Any) -> QueryResult:
-        raise NotImplementedError("the server streams every request")
+        return await self._whole()
+
+    async def agenerate_uncached(self, prompt_ids: Sequence[int], **kwargs: Any) -> QueryResult:
+        return await self._whole()
 
     def query(self, question: str, **kwargs: Any) -> QueryResult:
-        raise NotImplementedError("the server streams every request")
+        raise NotImplementedError("the server calls the async API only")
 
     def generate(self, question: str, documents: Any, **kwargs: Any) -> QueryResult:
-        raise NotImplementedError("the server streams every request")
+        raise NotImplementedError("the server calls the async API only")
 
     def stream(self, question: str, **kwargs: Any) -> Any:
-        raise NotImplementedError("the server streams every request")
+        raise NotImplementedError("the server calls the async API only")
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self.started}
@@ -366,3 +378,198 @@ def test_the_cli_refuses_more_than_one_worker(tiny_model: Path) -> None:
         timeout=120,
     )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+# ---------------------------------------------------------------------- crash hygiene
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(done.stdout)
+
+
+def test_reclaim_removes_what_processes_that_are_gone_left(tmp_path: Path) -> None:
+    from ragcache_core.storage.reclaim import reclaim_shared_memory
+
+    dead, alive = _dead_pid(), os.getpid()
+    orphan = [tmp_path / f"ragcache-{dead}-0123abcd", tmp_path / f"ragcache-{dead}-0123abcd.json"]
+    kept = [tmp_path / f"ragcache-{alive}-89abcdef", tmp_path / "ragcache-named-pool"]
+    unused, used = tmp_path / "psm_0badf00d", tmp_path / "psm_c0ffee00"
+    for path in [*orphan, *kept, unused, used]:
+        path.write_bytes(b"x" * 1000)
+    with used.open("rb"):  # open in this process: in use
+        reclaimed = reclaim_shared_memory(tmp_path)
+    assert sorted(reclaimed.pools) == sorted(orphan) and reclaimed.segments == (unused,)
+    assert reclaimed.nbytes == 3000
+    assert all(p.exists() for p in [*kept, used]) and not any(p.exists() for p in orphan)
+    import mmap
+
+    with used.open("r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 0)
+    try:  # mapped, no fd open: still in use
+        assert not reclaim_shared_memory(tmp_path) and used.exists()
+    finally:
+        mapped.close()
+    assert reclaim_shared_memory(tmp_path).segments == (used,)  # now no one uses it
+
+
+def test_reclaim_locks_removes_only_locks_nobody_holds(tmp_path: Path) -> None:
+    import fcntl
+
+    from ragcache_core.serve.owner import lock_path, reclaim_locks
+
+    stale, held = lock_path(1, tmp_path), lock_path(2, tmp_path)
+    stale.write_text(str(_dead_pid()))
+    fd = os.open(held, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert reclaim_locks(tmp_path) == [stale]
+        assert held.exists() and not stale.exists()
+    finally:
+        os.close(fd)
+
+
+_FAKE_SERVER = """
+import os, subprocess, sys, time
+from ragcache_core.serve.watchdog import Watchdog
+Watchdog.start()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+pool = "/dev/shm/ragcache-%d-0123abcd" % os.getpid()
+open(pool, "w").write("x")
+open(pool + ".json", "w").write("{}")
+print(child.pid, pool, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="the watchdog needs /proc")
+def test_the_watchdog_stops_a_killed_servers_children_and_removes_its_pool() -> None:
+    """A stand-in server (a process with a child, its watchdog and a host pool file) is
+    killed with SIGKILL: its watchdog kills the child and removes the pool."""
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    fake = subprocess.Popen(
+        [sys.executable, "-c", _FAKE_SERVER],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert fake.stdout is not None and fake.stderr is not None
+    pid, pool = fake.stdout.readline().split()
+    child = psutil.Process(int(pid))
+    time.sleep(1.5)  # the watchdog notes the server's descendants every 0.5 s
+    fake.kill()
+    fake.wait(10)
+    _, alive = psutil.wait_procs([child], timeout=20)
+    assert not alive, "the child outlived the killed server"
+    assert not Path(pool).exists() and not Path(pool + ".json").exists()
+    assert "ragcache serve watchdog: stopped 1 engine process(es)" in fake.stderr.read()
+
+
+# ---------------------------------------------------------------------- roles and limits
+
+
+def test_the_keys_guard_the_routes_by_role() -> None:
+    from ragcache_core.serve.auth import KeyMiddleware
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not called")
+
+    both = KeyMiddleware(app, api_key="k", admin_key="a")
+    assert both.needs("/v1/cache/invalidate") == "admin" == both.needs("/v1/cache/integrity")
+    assert both.needs("/v1/chat/completions") == "user" == both.needs("/openapi.json")
+    assert both.needs("/health") is None and both.needs("/metrics") is None
+    only_api = KeyMiddleware(app, api_key="k", admin_key=None)
+    assert only_api.needs("/v1/cache/invalidate") == "user"  # the documented default
+    only_admin = KeyMiddleware(app, api_key=None, admin_key="a")
+    assert only_admin.needs("/v1/chat/completions") is None
+    assert only_admin.needs("/v1/cache/invalidate") == "admin" == only_admin.needs("/docs")
+    with pytest.raises(ConfigError, match="differ"):
+        ServeSettings(model="m", api_key="same", admin_key="same")
+    assert ServeSettings(model="m").max_body_bytes == 8 * 2**20  # docs/deploy.md's default
+
+
+@pytest.fixture(params=["httptools", "h11"])
+def guarded_server(
+    request: pytest.FixtureRequest, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, HeldCache]]:
+    """The real app under real uvicorn with the server's guarded HTTP protocol (both of
+    uvicorn's HTTP/1.1 implementations), a 1 s header timeout and a 1 KiB body limit."""
+    from ragcache_core.serve.limits import guarded_protocol
+
+    if request.param == "h11":  # as where httptools is not installed
+        import uvicorn.protocols.http.httptools_impl as impl
+
+        monkeypatch.delattr(impl, "HttpToolsProtocol")
+    protocol = guarded_protocol(1.0)
+    assert request.param.replace("httptools", "HttpTools").lower() in protocol.__name__.lower()
+    cache = HeldCache(tiny_model)
+    cache.release.set()
+    port = free_port()
+    settings = ServeSettings(
+        model=str(tiny_model), port=port, max_body_bytes=1024, read_timeout_s=1.0
+    )
+    app = create_app(settings, cache_factory=lambda s: cache)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=protocol)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", cache
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_headers_and_bodies_are_bounded_in_size_and_time(
+    guarded_server: tuple[str, HeldCache],
+) -> None:
+    import socket
+
+    url, _ = guarded_server
+    port = int(url.rsplit(":", 1)[1])
+    partial = socket.create_connection(("127.0.0.1", port), timeout=20)
+    partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+    huge = socket.create_connection(("127.0.0.1", port), timeout=20)
+    huge.sendall(b"GET /health HTTP/1.1\r\nX-Pad: " + b"x" * 70_000)
+    slow = socket.create_connection(("127.0.0.1", port), timeout=20)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    # (h11 refuses large headers itself, with 400, before the guard's 431.)
+    for sock, statuses in [(partial, [b"408"]), (huge, [b"431", b"400"]), (slow, [b"408"])]:
+        with sock:
+            answer = b""
+            while chunk := sock.recv(4096):  # until the server closes the connection
+                answer += chunk
+            assert answer[9:12] in statuses, answer[:200]
+    body = {"prompt": "x" * 2000, "max_tokens": 2}
+    too_big = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+    assert too_big.status_code == 413 and "1024 bytes" in too_big.json()["error"]["message"]
+    with httpx.Client(base_url=url, timeout=10) as http:  # keep-alive: the next requests
+        for _ in range(3):
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
+            time.sleep(0.6)  # idle between requests is not a header timeout
+        assert http.get("/health").status_code == 200
+
+
+def test_health_is_503_while_the_engine_is_not_running(
+    held_server: tuple[str, HeldCache, Any],
+) -> None:
+    url, cache, _ = held_server
+    for state in ("dead", "restarting"):
+        cache.engine_state = state
+        response = httpx.get(f"{url}/health")
+        assert response.status_code == 503 and response.json() == {"status": f"engine_{state}"}
+    cache.engine_state = "running"
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}

@@ -7,7 +7,9 @@
         │                │          Lifecycle.first_token (confirm), then the lease goes back
         │                └► settle  Lifecycle.settle + served_hits on the connector's report
         └── on a timeout or an engine death (engine restarted once): a new attempt, unless text
-            was streamed already (it cannot be taken back) or `max_retries` is spent
+            reached the caller already (it cannot be taken back) or `max_retries` is spent
+            (`check_retry`, the rule uncached requests follow too: a whole answer shows
+            nothing before it ends, so it is retried like a stream before its first token)
 
 Whatever happens to an attempt, its lease is released and a handle left open is aborted
 (`_release`). `Generator.finish` turns a `Generation` into the caller's `QueryResult` and
@@ -29,7 +31,7 @@ from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import EngineDied, StreamEvent
 from ragcache_core.engine.connector import ConnectorResult
-from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
+from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
@@ -90,6 +92,21 @@ async def follow(
     return progress
 
 
+def check_retry(exc: BaseException, retries: int, max_retries: int, *, shown: bool) -> None:
+    """Whether a try that failed with `exc` (a timeout or an engine death) is tried again:
+    the same rule for every request, cached or not, streamed or whole. It is, unless
+    `max_retries` are spent or text already reached the caller (`shown`: it cannot be taken
+    back). A whole answer shows nothing before it ends, so it is retried like a stream that
+    failed before its first token. Raises the caller's `RAGCacheError` when it is not."""
+    what = "timed out" if isinstance(exc, TimeoutError) else "lost its engine"
+    if retries >= max_retries or shown:
+        raise RAGCacheError(
+            f"the request {what} after {retries + 1} attempt(s)"
+            + (" and had streamed text already" if shown else "")
+        ) from exc
+    logger.warning("retrying a request that %s", what)
+
+
 class Generator:
     """Builds prompts and runs generations for one `RAGCache`."""
 
@@ -116,11 +133,18 @@ class Generator:
     def build(
         self, question: str, documents: Sequence[Document], sampling: SamplingConfig
     ) -> BuiltPrompt:
-        """The prompt's token ids; `InputError` (before anything is allocated) when it does not
-        fit the context with the answer."""
-        prompt = self._prompts.build(question, documents)
-        check_fits_context(prompt.num_tokens, sampling.max_tokens, self._config.max_model_len)
-        return prompt
+        """The prompt's token ids; `PromptTooLong` (before anything is allocated, and before
+        any of its documents is memoized) when it does not fit the context with the answer."""
+        max_len = self._config.max_model_len
+        limit = max_len - sampling.max_tokens
+        try:
+            return self._prompts.build(question, documents, max_tokens=limit)
+        except PromptTooLong as exc:
+            raise PromptTooLong(
+                f"{exc} (max_model_len {max_len} - max_tokens {sampling.max_tokens})",
+                tokens=exc.tokens,
+                limit=exc.limit,
+            ) from None
 
     # ------------------------------------------------------------------ requests
 
@@ -204,15 +228,9 @@ class Generator:
                 self._metrics.record_failure()
                 if isinstance(exc, EngineDied):
                     await self._engines.restart(attempt.epoch)
-                what = "timed out" if isinstance(exc, TimeoutError) else "lost its engine"
-                if retries >= self._config.max_retries or attempt.streamed:
-                    raise RAGCacheError(
-                        f"the request {what} after {retries + 1} attempt(s)"
-                        + (" and had streamed text already" if attempt.streamed else "")
-                    ) from exc
+                check_retry(exc, retries, self._config.max_retries, shown=attempt.streamed)
                 retries += 1
                 self._metrics.record_retry()
-                logger.warning("retrying a request that %s", what)
 
     # ------------------------------------------------------------------ one attempt
 
@@ -255,7 +273,9 @@ class Generator:
             self._release(attempt)
 
     async def _admit(self, attempt: Attempt) -> None:
-        """Wait for a place in prefill (unless the attempt came with one)."""
+        """Wait for a restart under way, then for a place in prefill (unless the attempt
+        came with one)."""
+        await self._engines.wait_running()
         ticket = attempt.ticket
         if attempt.lease is None:
             attempt.lease = await self._admission.acquire(ticket)

@@ -17,8 +17,9 @@ it sends to the cache (to check it against the context and size a default answer
     documents + the server's prompt      counted with the cache's PromptBuilder layout; the
                                          cache builds (and caches) the same ids itself
 
-It runs on the server's renderer thread only (`ServeState.render`; `PromptBuilder` is not
-thread-safe).
+It runs in the server's render lanes (`ServeState.render`), off the event loop; a prompt that
+cannot fit is refused before any of it is memoized, and a text too long for the context before
+any of it is tokenized.
 
 Sampling follows `vllm serve`: fields left out take the model's generation config (else
 temperature 1, top-p 1); `max_tokens` defaults to 16 for completions and to the rest of the
@@ -27,10 +28,12 @@ context for chat.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,8 +41,8 @@ from typing import Any, Literal
 
 from ragcache_core.config import PromptConfig, SamplingConfig
 from ragcache_core.documents import Document
-from ragcache_core.errors import InputError
-from ragcache_core.runtime.prompt import PromptBuilder
+from ragcache_core.errors import InputError, PromptTooLong
+from ragcache_core.runtime.prompt import PromptBuilder, check_text_fits
 from ragcache_core.serve.errors import bad_request
 from ragcache_core.serve.schemas import ChatMessage, ChatRequest, CompletionRequest
 
@@ -193,16 +196,36 @@ _OTHER_PROMPTS = 8
 
 
 class PromptRenderer:
-    """Prompt ids as the server's engine will see them (see the module docstring)."""
+    """Prompt ids as the server's engine will see them (see the module docstring).
 
-    def __init__(self, tokenizer: Any, prompt: PromptConfig, model: str, kv_dtype: str) -> None:
+    Bad input costs nothing: with `max_model_len`, a prompt that cannot fit is refused
+    (`PromptTooLong`, the message in vLLM's words) before any of it is memoized, and a text
+    longer than the context could hold before any of it is tokenized. `builder`: the cache's
+    own `PromptBuilder` (then the documents counted here are memoized where the cache will
+    look them up, and the cache's loop never tokenizes them again). Thread-safe (the
+    server's render lanes use it side by side)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt: PromptConfig,
+        model: str,
+        kv_dtype: str,
+        *,
+        max_model_len: int | None = None,
+        builder: PromptBuilder | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._prompt = prompt
         self._model = model
         self._kv_dtype = kv_dtype
-        self._root = PromptBuilder(tokenizer, prompt, model, kv_dtype)
+        self._root = builder or PromptBuilder(tokenizer, prompt, model, kv_dtype)
         self._others: OrderedDict[str, PromptBuilder] = OrderedDict()
+        self._others_lock = threading.Lock()
         self.vocab_size = len(tokenizer)
+        self.max_model_len = max_model_len
+        self._max_prompt = None if max_model_len is None else max_model_len - 1
+        """A prompt must leave room for one token of answer."""
 
     @property
     def system_prompt(self) -> str:
@@ -211,25 +234,37 @@ class PromptRenderer:
 
     def cached_length(self, question: str, documents: Sequence[Document]) -> int:
         """Tokens of the prompt the cache will build for `question` over `documents`."""
-        return self._root.build(question, documents).num_tokens
+        with self._in_context():
+            return self._root.build(question, documents, max_tokens=self._max_prompt).num_tokens
 
     def with_system(self, system: str, question: str, documents: Sequence[Document]) -> list[int]:
         """The cache's prompt layout with another system prompt (served uncached)."""
-        builder = self._others.get(system)
+        with self._others_lock:
+            builder = self._others.get(system)
         if builder is None:
             prompt = dataclasses.replace(self._prompt, system_prompt=system)
-            builder = PromptBuilder(self._tokenizer, prompt, self._model, self._kv_dtype)
+            builder = PromptBuilder(
+                self._tokenizer,
+                prompt,
+                self._model,
+                self._kv_dtype,
+                memo=self._root.memo,
+                max_token_chars=self._root.max_token_chars,
+            )
+        with self._others_lock:
             self._others[system] = builder
+            self._others.move_to_end(system)
             if len(self._others) > _OTHER_PROMPTS:
                 self._others.popitem(last=False)
-        self._others.move_to_end(system)
-        return builder.build(question, documents).token_ids
+        with self._in_context():
+            return builder.build(question, documents, max_tokens=self._max_prompt).token_ids
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The model's chat template over `messages` with the generation prompt, tokenized
         without added special tokens (the template has them), as `vllm serve` does."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise InputError("the model has no chat template: use /v1/completions")
+        self._check_chars(sum(len(m["content"]) for m in messages))
         try:
             text = self._tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
@@ -243,8 +278,45 @@ class PromptRenderer:
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError("the prompt is empty")
+            self._check_chars(len(prompt))
             return list(self._tokenizer.encode(prompt, add_special_tokens=True))
         bad = [i for i in prompt if i >= self.vocab_size]
         if bad:
             raise InputError(f"token id {bad[0]} is out of the vocabulary ({self.vocab_size})")
         return list(prompt)
+
+    def _check_chars(self, chars: int) -> None:
+        """Refuse, before tokenizing, a text too long for the context at any tokenization."""
+        if self._max_prompt is not None:
+            with self._in_context():
+                check_text_fits(chars, self._max_prompt, self._root.max_token_chars)
+
+    @contextlib.contextmanager
+    def _in_context(self) -> Iterator[None]:
+        """`PromptTooLong` in vLLM's words (the model's maximum context length first)."""
+        try:
+            yield
+        except PromptTooLong as exc:
+            raise PromptTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens: {exc}",
+                tokens=exc.tokens,
+                limit=exc.limit,
+            ) from None
+
+
+def request_chars(request: ChatRequest | CompletionRequest) -> int:
+    """Characters of text in a request (its documents, messages or prompt): what its
+    rendering costs, which picks its render lane. Cheap: no text is scanned."""
+    chars = sum(len(d.text) for d in request.documents or ())
+    if isinstance(request, ChatRequest):
+        for message in request.messages:
+            content = message.content
+            if isinstance(content, str):
+                chars += len(content)
+            elif content is not None:
+                chars += sum(len(part.text or "") for part in content)
+        return chars
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return chars + len(prompt)
+    return chars + sum(len(p) if isinstance(p, str) else 1 for p in prompt)

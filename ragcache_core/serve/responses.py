@@ -8,8 +8,9 @@ outcome counted, and the OpenAI bodies it is written in. Shared by every route t
   `[DONE]`, as `vllm serve` does. `PlacedStream` holds the queue place until the stream has
   ended, however it ends (finished, failed, or the client went away: Starlette cancels the
   body iterator on `http.disconnect`, which closes the cache's stream, which aborts the request
-  in vLLM and the tree; see `loop.astream_from`). `final_result` is the `QueryResult` at a
-  cache stream's end (the stream closed, and so its request aborted, on every path).
+  in vLLM and the tree; see `loop.astream_from`). A whole answer is the cache's whole call
+  (`agenerate`), never a stream read to its end: the cache then knows that no text reached
+  the client, and retries a try that lost its engine.
 - `Reply`: OpenAI response bodies (chat and text completions, whole and as stream chunks),
   with the `ragcache` extension: whether the request was cached (and why not), its hits and
   TTFT. A stream carries it on its last choice chunk (the one with `finish_reason`):
@@ -34,8 +35,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ragcache_core.errors import RAGCacheError
-from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.results import QueryResult
 from ragcache_core.serve.errors import ServeError, as_serve_error
 from ragcache_core.serve.jobs import CachedJob, Job
 from ragcache_core.serve.queue import Place
@@ -179,15 +179,6 @@ async def _disconnected(request: Request) -> None:
     # The body has been read (FastAPI parsed it), so receive() now only reports a disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def final_result(chunks: AsyncIterator[StreamChunk]) -> QueryResult:
-    """The `QueryResult` at the end of a cache stream (the stream is closed on every path)."""
-    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-        async for chunk in chunks:
-            if chunk.result is not None:
-                return chunk.result
-    raise RAGCacheError("the answer's stream ended without a result")
 
 
 Kind = Literal["chat", "completion"]

@@ -16,7 +16,8 @@ RAGCache's own (what `RAGCacheClient` calls):
     POST /v1/cache/invalidate  {"doc_id": ...} -> {"doc_id", "removed"}
     GET  /v1/cache/integrity   the knowledge tree's invariants checked (500 naming a violation)
 
-Operations: `GET /health` (503 while starting or draining), `GET /metrics` (Prometheus text:
+Operations: `GET /health` (503 while starting, draining, or while the engine is dead or
+restarting), `GET /metrics` (Prometheus text:
 the cache's collectors and the server's), `GET /v1/models` (the one served model).
 
 Every route but the three that generate is cheap and answers at once (no queue place needed).
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request, Response
@@ -36,12 +37,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ragcache_core.client.wire import config_to_json, result_to_json
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
-from ragcache_core.errors import InputError, check_fits_context
+from ragcache_core.errors import InputError, PromptTooLong, check_fits_context
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.serve import responses
 from ragcache_core.serve.errors import ServeError, bad_request
-from ragcache_core.serve.jobs import CachedJob, Job, chat_job, completion_job, sampling_for
-from ragcache_core.serve.responses import Kind, Reply, event, final_result
+from ragcache_core.serve.jobs import (
+    CachedJob,
+    Job,
+    chat_job,
+    completion_job,
+    request_chars,
+    sampling_for,
+)
+from ragcache_core.serve.responses import Kind, Reply, event
 from ragcache_core.serve.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -80,7 +88,7 @@ async def _serve(
     make_job: Callable[[], Job],
 ) -> Response:
     """A place first (a full server refuses before any work), then the job and its sampling
-    on the renderer thread (tokenization stays off the event loop), then the answer."""
+    in a render lane (tokenization stays off the event loop; `RenderLanes`), then the answer."""
     route, param = (CHAT, "messages") if kind == "chat" else (COMPLETIONS, "prompt")
     place = state.enter(route)
     max_len = state.settings.config.max_model_len
@@ -90,18 +98,18 @@ async def _serve(
         return job, sampling_for(body, job, state.defaults, max_len)
 
     try:
-        job, sampling = await state.render(prepare)
+        job, sampling = await state.render(prepare, request_chars(body))
     except BaseException:
         place.release()
         raise
     reply = Reply(kind, state.settings.model_name, job, token_ids=body.return_token_ids)
-    chunks = open_stream(state.cache, job, sampling)  # nothing runs until it is iterated
     if not isinstance(job, CachedJob):
         state.metrics.uncached.labels(job.reason).inc()
     if body.stream:
+        chunks = open_stream(state.cache, job, sampling)  # nothing runs until it is iterated
         events = _completion_events(reply, chunks, body.include_usage)
         return responses.streamed(state, route, place, events, param)
-    work = final_result(chunks)
+    work = whole_answer(state.cache, job, sampling)
     return await responses.whole(state, request, route, place, work, reply.whole, param)
 
 
@@ -110,6 +118,15 @@ def open_stream(cache: RAGCache, job: Job, sampling: SamplingConfig) -> AsyncIte
     if isinstance(job, CachedJob):
         return cache.astream(job.question, documents=job.documents, sampling=sampling)
     return cache.astream_uncached(job.prompt_ids, sampling=sampling)
+
+
+def whole_answer(cache: RAGCache, job: Job, sampling: SamplingConfig) -> Awaitable[QueryResult]:
+    """The cache's whole answer for `job`. Not a stream read to its end: nothing reaches
+    the client before the answer ends, so a try that loses its engine is retried like one
+    before its first token (the cache knows no text was shown)."""
+    if isinstance(job, CachedJob):
+        return cache.agenerate(job.question, job.documents, sampling=sampling)
+    return cache.agenerate_uncached(job.prompt_ids, sampling=sampling)
 
 
 async def _completion_events(
@@ -145,21 +162,27 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     place = state.enter(QUERY)  # a full server refuses before any work
     if documents is not None:
         given = documents
+        chars = len(body.question) + sum(len(d.text) for d in given)
         try:
             await state.render(
                 lambda: _check_length(
                     state, body.question, given, sampling or cache.config.sampling
-                )
+                ),
+                chars,
             )
         except BaseException:
             place.release()
             raise
-    chunks = cache.astream(body.question, documents=documents, top_k=body.top_k, sampling=sampling)
     if body.stream:
+        chunks = cache.astream(
+            body.question, documents=documents, top_k=body.top_k, sampling=sampling
+        )
         return responses.streamed(state, QUERY, place, _rag_events(chunks), "question")
-    return await responses.whole(
-        state, request, QUERY, place, final_result(chunks), result_to_json, "question"
-    )
+    if documents is None:
+        work = cache.aquery(body.question, top_k=body.top_k, sampling=sampling)
+    else:
+        work = cache.agenerate(body.question, documents, sampling=sampling)
+    return await responses.whole(state, request, QUERY, place, work, result_to_json, "question")
 
 
 async def rag_config(request: Request) -> dict[str, Any]:
@@ -167,6 +190,7 @@ async def rag_config(request: Request) -> dict[str, Any]:
     return {
         "model": state.settings.model_name,
         "has_index": state.has_index,
+        "admin_key": state.settings.admin_key is not None,
         "config": config_to_json(state.cache.config),
     }
 
@@ -202,15 +226,15 @@ async def cache_integrity(request: Request) -> Response:
 def _check_length(
     state: ServeState, question: str, documents: tuple[Document, ...], sampling: SamplingConfig
 ) -> None:
-    """400 (before anything runs) for a prompt that does not fit the context with the answer."""
+    """400 (before anything runs) for a prompt that does not fit the context with the answer
+    (refused before any of it is memoized: `PromptRenderer`)."""
     try:
         tokens = state.renderer.cached_length(question, documents)
+        check_fits_context(tokens, sampling.max_tokens, state.settings.config.max_model_len)
+    except PromptTooLong as exc:
+        raise bad_request(str(exc), "documents") from None
     except InputError as exc:
         raise bad_request(str(exc), "question") from None
-    try:
-        check_fits_context(tokens, sampling.max_tokens, state.settings.config.max_model_len)
-    except InputError as exc:
-        raise bad_request(str(exc), "documents") from None
 
 
 async def _rag_events(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[str]:
@@ -227,10 +251,15 @@ def _chunk_json(delta: str, result: QueryResult | None) -> dict[str, Any]:
 
 
 async def health(request: Request) -> Response:
-    """200 while serving; 503 while starting or shutting down."""
+    """200 while serving; 503 while starting, draining, or while the engine is dead or
+    restarting (`{"status": "engine_dead"}`, `"engine_restarting"`): a load balancer then
+    sends requests elsewhere, as it would for `vllm serve`'s dead engine."""
     state = state_of(request)
     if state.queue.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
+    engine = state.cache.engine_state
+    if engine != "running":
+        return JSONResponse({"status": f"engine_{engine}"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
