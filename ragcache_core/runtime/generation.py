@@ -33,7 +33,7 @@ from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk, TokenLogprobs
 from ragcache_core.runtime.admission import Admission, PrefillLease, Ticket
 from ragcache_core.runtime.attempt import Attempt, Progress
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
@@ -59,6 +59,7 @@ class Generation:
     doc_hit_tokens: int
     retries: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 async def follow(
@@ -73,14 +74,19 @@ async def follow(
     times out; a stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
     progress = Progress()
     loop = asyncio.get_running_loop()
+    shown = 0  # tokens already sent with a chunk
     async with contextlib.aclosing(events), asyncio.timeout(timeout_s) as deadline:
         async for event in events:
             deadline.reschedule(loop.time() + timeout_s)
             if event.token_ids and not progress.first_token_at:
                 progress.first_token_at = time.perf_counter()
                 on_first_token(progress.first_token_at)
+            progress.logprobs += event.new_logprobs
             if emit is not None and len(event.text) > len(progress.text):
-                emit(StreamChunk(event.text[len(progress.text) :]))
+                tokens = event.token_ids[shown:]
+                lps = progress.logprobs[shown:] if progress.logprobs else ()
+                emit(StreamChunk(event.text[len(progress.text) :], None, tokens, lps))
+                shown = len(event.token_ids)
             progress.text, progress.token_ids = event.text, event.token_ids
             progress.finish_reason = event.finish_reason
             if event.finished:
@@ -113,6 +119,11 @@ class Generator:
 
     # ------------------------------------------------------------------ prompts
 
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """`InputError` naming the field when vLLM's engine would refuse `sampling` for this
+        model (before anything is allocated)."""
+        self._engines.engine.checker.check(sampling)
+
     def build(
         self, question: str, documents: Sequence[Document], sampling: SamplingConfig
     ) -> BuiltPrompt:
@@ -139,6 +150,7 @@ class Generator:
                 )
         started = time.perf_counter()
         sampling = sampling or self._config.sampling
+        self.check_sampling(sampling)
         prompt = self.build(question, documents, sampling)
         generation = await self.generate(prompt, sampling, emit, final=True)
         return self.finish(generation, documents, started=started, search_done=started)
@@ -178,6 +190,7 @@ class Generator:
             speculative=speculative,
             retries=generation.retries,
             timings=generation.timings,
+            logprobs=generation.logprobs,
         )
 
     async def generate(
@@ -321,6 +334,7 @@ class Generator:
             handle=handle,
             doc_hit_tokens=doc_hit_tokens,
             timings=timings,
+            logprobs=progress.logprobs,
         )
 
     async def _abort_in_engine(self, attempt: Attempt) -> None:

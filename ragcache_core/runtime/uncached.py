@@ -45,6 +45,7 @@ class UncachedRunner:
         the context with the answer; `RAGCacheError` on a timeout or an engine death (the
         engine is replaced, the request is not retried)."""
         ids = _checked_ids(prompt_ids, sampling, self._config.max_model_len)
+        self._engines.engine.checker.check(sampling)
         started = time.perf_counter()
         ticket = Ticket(score=lambda: (0, len(ids)))
         lease = await self._admission.acquire(ticket)
@@ -75,6 +76,7 @@ class UncachedRunner:
             hits=CacheHits(computed_tokens=len(ids)),
             prompt_tokens=len(ids),
             finish_reason=progress.finish_reason,
+            logprobs=progress.logprobs,
         )
 
     async def _abort(self, request_id: str, epoch: int) -> None:
