@@ -400,8 +400,8 @@ BAD = [
             "max_tokens": 5000,
         },
         400,
-        "messages",
-        "maximum context length",
+        "max_tokens",
+        "cannot be greater than max_model_len=4096",
     ),
     (
         "/v1/chat/completions",

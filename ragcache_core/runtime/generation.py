@@ -67,14 +67,17 @@ async def follow(
     timeout_s: float,
     emit: Emit | None,
     on_first_token: Callable[[float], None],
+    interval: int = 1,
 ) -> Progress:
-    """Follow one request's engine stream to its end (closing it on every path): each text
-    delta to `emit`, `on_first_token(time)` once, at the first token. `timeout_s` bounds the
-    wait for each event (the first token, then each next one), so a long healthy answer never
-    times out; a stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
+    """Follow one request's engine stream to its end (closing it on every path): text deltas
+    (with their tokens and logprobs) to `emit`, the first at once, then one per `interval`
+    tokens at most (`SamplingConfig.stream_interval`, as vLLM's streams), and the rest at the
+    end; `on_first_token(time)` once, at the first token. `timeout_s` bounds the wait for each
+    event (the first token, then each next one), so a long healthy answer never times out; a
+    stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
     progress = Progress()
     loop = asyncio.get_running_loop()
-    shown = 0  # tokens already sent with a chunk
+    shown_tokens = shown_text = 0  # what was sent with a chunk
     async with contextlib.aclosing(events), asyncio.timeout(timeout_s) as deadline:
         async for event in events:
             deadline.reschedule(loop.time() + timeout_s)
@@ -82,11 +85,13 @@ async def follow(
                 progress.first_token_at = time.perf_counter()
                 on_first_token(progress.first_token_at)
             progress.logprobs += event.new_logprobs
-            if emit is not None and len(event.text) > len(progress.text):
-                tokens = event.token_ids[shown:]
-                lps = progress.logprobs[shown:] if progress.logprobs else ()
-                emit(StreamChunk(event.text[len(progress.text) :], None, tokens, lps))
-                shown = len(event.token_ids)
+            new_tokens = len(event.token_ids) - shown_tokens
+            due = not shown_tokens or event.finished or new_tokens >= interval
+            if emit is not None and len(event.text) > shown_text and due:
+                tokens = event.token_ids[shown_tokens:]
+                lps = progress.logprobs[shown_tokens:] if progress.logprobs else ()
+                emit(StreamChunk(event.text[shown_text:], None, tokens, lps))
+                shown_tokens, shown_text = len(event.token_ids), len(event.text)
             progress.text, progress.token_ids = event.text, event.token_ids
             progress.finish_reason = event.finish_reason
             if event.finished:
@@ -307,8 +312,9 @@ class Generator:
         stream = self._engines.engine.stream(
             attempt.request_id, attempt.prompt.token_ids, attempt.sampling, params
         )
+        interval = attempt.sampling.stream_interval or 1
         attempt.progress = await follow(
-            stream, self._config.request_timeout_s, attempt.sink, confirm
+            stream, self._config.request_timeout_s, attempt.sink, confirm, interval
         )
 
     def _settle(self, attempt: Attempt) -> Generation:

@@ -54,7 +54,8 @@ class UncachedRunner:
         timeout = self._config.request_timeout_s
         try:
             stream = self._engines.engine.stream(request_id, ids, sampling)
-            progress = await follow(stream, timeout, emit, lambda _: lease.release())
+            interval = sampling.stream_interval or 1
+            progress = await follow(stream, timeout, emit, lambda _: lease.release(), interval)
         except TimeoutError:
             await self._abort(request_id, epoch)
             raise RAGCacheError(f"the request timed out after {timeout} s") from None

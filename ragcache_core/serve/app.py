@@ -46,7 +46,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ragcache_core.errors import ConfigError
-from ragcache_core.serve.errors import error_body, install_handlers
+from ragcache_core.serve.errors import CountedResponses, error_body, install_handlers
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
 from ragcache_core.serve.queue import BoundedQueue
 from ragcache_core.serve.routes import router
@@ -85,6 +85,7 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
     app = FastAPI(title="RAGCache", lifespan=lifespan)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(CountedResponses)  # outermost: the 401s count too
     install_handlers(app)
     app.include_router(router())
     return app
