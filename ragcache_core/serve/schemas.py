@@ -602,8 +602,9 @@ class CompletionRequest(_OpenAIRequest):
 
     @model_validator(mode="before")
     @classmethod
-    def _defaults_for_null(cls, data: Any) -> Any:
-        """vLLM: a null max_tokens is the default (16); logprobs must be a number."""
+    def _logprobs_checks(cls, data: Any) -> Any:
+        """vLLM's `check_logprobs` for completions: a count (or -1), needed by
+        logprob_token_ids."""
         if not isinstance(data, dict):
             return data
         logprobs = data.get("logprobs")
