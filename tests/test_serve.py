@@ -464,6 +464,14 @@ BAD = [
     ),
     ("/v1/rag/query", {"question": "  "}, 400, "question", "empty"),
     ("/v1/rag/query", {"question": "q", "top_k": 0}, 400, "top_k", ""),
+    ("/v1/rag/query", {"question": "q", "top_k": 1000}, 400, "top_k", "larger than the index"),
+    (
+        "/v1/rag/query",
+        {"question": "q", "sampling": {"max_tokens": 10**9}},
+        400,
+        "sampling.max_tokens",
+        "max_tokens=1000000000 cannot be greater than max_model_len=4096",
+    ),
     (
         "/v1/rag/query",
         {"question": "q", "sampling": {"max_tokens": 0}},
