@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -32,12 +33,19 @@ from ragcache_core.client.wire import (
     config_to_json,
     result_from_json,
     result_to_json,
+    sampling_from_json,
+    sampling_to_json,
 )
-from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.config import (
+    CacheConfig,
+    RepetitionDetection,
+    SamplingConfig,
+    StructuredOutputs,
+)
 from ragcache_core.documents import Document
-from ragcache_core.errors import ConfigError
+from ragcache_core.errors import ConfigError, InputError, SamplingError
 from ragcache_core.metrics import Metrics
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.results import CacheHits, Candidate, QueryResult, StreamChunk, TokenLogprobs
 from ragcache_core.serve.app import create_app, sole_owner
 from ragcache_core.serve.errors import ServeError
 from ragcache_core.serve.jobs import (
@@ -61,16 +69,24 @@ DOCS = (Document("a", "Paris is in France.", {"title": "Paris"}), Document("b", 
 # ---------------------------------------------------------------------- the bounded queue
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_queue_bounds_what_is_in_flight_and_says_when_to_retry() -> None:
-    queue = BoundedQueue(capacity=3, running=2)
+    clock = Clock()
+    queue = BoundedQueue(capacity=3, running=2, clock=clock)
     places = [queue.try_enter() for _ in range(3)]
     assert all(isinstance(p, Place) for p in places)
     assert queue.in_flight == 3 and queue.waiting == 1
+    clock.now += 10.0  # nothing finished in 10 s: at most 2 running per 10 s drain
     refused = queue.try_enter()
     assert isinstance(refused, Refusal) and refused.reason == "full"
-    assert refused.retry_after_s == 1  # 1 s mean (the prior), one round ahead
-    queue.mean_request_s = 10.0
-    assert queue.retry_after_s() == 10  # (1 waiting + 1) / 2 running rounds of 10 s
+    assert refused.retry_after_s == 5  # one completion: 10 s / 2 running
     first = places[0]
     assert isinstance(first, Place)
     first.release()
@@ -80,6 +96,68 @@ def test_the_queue_bounds_what_is_in_flight_and_says_when_to_retry() -> None:
     queue.close()
     draining = queue.try_enter()
     assert isinstance(draining, Refusal) and draining.reason == "draining"
+
+
+def test_retry_after_spreads_a_burst_over_the_measured_drain_rate() -> None:
+    """Finding 3 of issue 20: a burst of refused clients was told the same 1-2 s (a mean that
+    starts at 1 s, the queue ahead ignored), so they came back as a herd. Each refused client
+    now gets its own turn, one completion (at the measured rate) after the one before."""
+    clock = Clock()
+    queue = BoundedQueue(capacity=20, running=4, clock=clock)
+    held = [queue.try_enter() for _ in range(20)]
+    for place in held[:10]:  # 10 completions, one every 0.5 s: 2 per second
+        clock.now += 0.5
+        assert isinstance(place, Place)
+        place.release()
+        assert isinstance(queue.try_enter(), Place)
+    assert queue.drain_rate() == pytest.approx(2.0, rel=0.15)
+    turns = []
+    for _ in range(30):  # a burst against a full queue
+        refusal = queue.try_enter()
+        assert isinstance(refusal, Refusal)
+        turns.append(refusal.retry_after_s)
+    assert turns == sorted(turns)  # later clients are told to come later
+    assert turns[0] == 1 and turns[-1] >= 14  # 30 turns at 2 per second: ~15 s for the last
+    assert max(turns.count(t) for t in set(turns)) <= 3  # about 2 per second, not a herd
+
+
+def _herd(busy_for_s: float) -> list[int]:
+    """Tries per client: 150 clients at once against 20 places (already busy for
+    `busy_for_s`), draining one per 0.1 s, each client back exactly at its Retry-After."""
+    clock = Clock()
+    queue = BoundedQueue(capacity=20, running=20, clock=clock)
+    inside: list[Place] = []
+    if busy_for_s:
+        clock.now -= busy_for_s
+        inside = [p for p in (queue.try_enter() for _ in range(20)) if isinstance(p, Place)]
+        clock.now += busy_for_s
+    due: dict[int, float] = {client: clock.now for client in range(150)}
+    tries = dict.fromkeys(due, 0)
+    while due or inside:
+        for client in sorted(c for c, at in due.items() if at <= clock.now + 1e-9):
+            tries[client] += 1
+            verdict = queue.try_enter()
+            if isinstance(verdict, Place):
+                inside.append(verdict)
+                del due[client]
+            else:
+                due[client] = clock.now + verdict.retry_after_s
+        clock.now += 0.1
+        if inside:
+            inside.pop(0).release()
+    return sorted(tries.values())
+
+
+def test_a_herd_needs_few_retries_when_told_its_turn() -> None:
+    """Before the change, every refused client of such a burst was told 1 s: the last ones
+    tried 13 times. A burst on a busy queue (its drain known from the requests' age) gets in
+    on the first retry; a cold one (nothing finished yet: the first turns are a guess) needs
+    at most three tries for nearly everyone."""
+    busy = _herd(busy_for_s=2.0)
+    assert max(busy) == 2, busy[-10:]
+    cold = _herd(busy_for_s=0.0)
+    assert sum(cold) / len(cold) <= 2.5 and max(cold) <= 4, cold[-10:]
+    assert sum(t > 3 for t in cold) <= len(cold) // 20
 
 
 def test_the_queue_refuses_nonsense_sizes() -> None:
@@ -110,6 +188,88 @@ def test_results_and_configs_survive_the_wire() -> None:
     assert back == result and back.sources[0].title == "Paris"
     config = CacheConfig(top_k=3, sampling=SamplingConfig(stop=("\n",)), dtype="float32")
     assert config_from_json(config_to_json(config)) == config
+    every = SamplingConfig(**EVERY_FIELD)
+    assert sampling_from_json(json.loads(json.dumps(sampling_to_json(every)))) == every
+    assert config_from_json(config_to_json(config.with_(sampling=every))).sampling == every
+    with_logprobs = dataclasses.replace(result, logprobs=LOGPROBS)
+    assert result_from_json(json.loads(json.dumps(result_to_json(with_logprobs)))) == with_logprobs
+
+
+EVERY_FIELD: dict[str, Any] = {
+    "max_tokens": 9,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "stop": ("a", "b"),
+    "seed": -(2**63),
+    "ignore_eos": True,
+    "top_k": 4,
+    "min_p": 0.1,
+    "presence_penalty": 1.0,
+    "frequency_penalty": -1.0,
+    "repetition_penalty": 1.2,
+    "logit_bias": {5: 100.0, 7: -2.5},
+    "min_tokens": 2,
+    "stop_token_ids": (3, 4),
+    "include_stop_str_in_output": True,
+    "bad_words": ("x",),
+    "allowed_token_ids": (5, 6, 7),
+    "logprobs": 2,
+    "logprob_token_ids": (5, 6),
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "structured_outputs": StructuredOutputs(json={"type": "object"}),
+    "repetition_detection": RepetitionDetection(4, 1, 2),
+    "stream_interval": 3,
+}
+LOGPROBS = (
+    TokenLogprobs(5, -0.1, "a", (Candidate(5, -0.1, 1, "a"), Candidate(6, -2.0, 2, "b"))),
+    TokenLogprobs(9, None, None, (Candidate(5, -3.0, None, None),)),
+)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": 1e308}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 65}, "min_tokens"),
+        ({"seed": 2**63}, "seed"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop": "a"}, "stop"),
+        ({"bad_words": ("",)}, "bad_words"),
+        ({"logprobs": -2}, "logprobs"),
+        ({"stream_interval": 0}, "stream_interval"),
+        ({"allowed_token_ids": ()}, "allowed_token_ids"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": float("nan")}}, "logit_bias.5"),
+    ],
+)
+def test_sampling_config_refuses_what_vllm_refuses_naming_the_field(
+    fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(SamplingError) as error:
+        SamplingConfig(**fields)
+    assert error.value.param == param
+    assert isinstance(error.value, InputError) and isinstance(error.value, ConfigError)
+
+
+def test_sampling_config_takes_vllms_forms() -> None:
+    sampling = SamplingConfig(logit_bias={"5": 1e9, 6: -1e9}, stop=["a"], seed=-1)  # type: ignore[arg-type]
+    assert sampling.logit_bias == {5: 100.0, 6: -100.0} and sampling.stop == ("a",)
+    with pytest.raises(SamplingError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=("b",))
+    with pytest.raises(SamplingError):
+        RepetitionDetection(max_pattern_size=2, min_count=1)
 
 
 # ---------------------------------------------------------------------- request mapping
@@ -173,10 +333,21 @@ def test_chat_with_documents_refuses_earlier_turns(renderer: PromptRenderer) -> 
     assert refused.value.status == 400 and refused.value.param == "messages"
 
 
-def test_text_parts_are_joined_and_other_parts_refused(renderer: PromptRenderer) -> None:
-    parts = [{"type": "text", "text": "Where "}, {"type": "text", "text": "is Paris?"}]
+def test_text_parts_are_joined_and_other_parts_refused(
+    renderer: PromptRenderer, tokenizer: Any
+) -> None:
+    """Text parts are joined by newlines, as vLLM joins them for a string-content chat
+    template (they were joined with nothing, so the tokens differed from vllm serve's)."""
+    parts = [{"type": "text", "text": "Where"}, {"type": "text", "text": "is Paris?"}]
     job = chat_job(_chat([{"role": "user", "content": parts}], documents=_documents()), renderer)
-    assert isinstance(job, CachedJob) and job.question == "Where is Paris?"
+    assert isinstance(job, CachedJob) and job.question == "Where\nis Paris?"
+    plain = chat_job(_chat([{"role": "user", "content": parts}]), renderer)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Where\nis Paris?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert list(plain.prompt_ids) == tokenizer.encode(text, add_special_tokens=False)
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(ServeError, match="text content"):
         chat_job(_chat(image), renderer)
@@ -206,16 +377,37 @@ def test_sampling_follows_vllm_defaults_and_checks_the_context(
     sampling = sampling_for(completion, completion_job(completion, renderer), defaults, 100)
     assert sampling.max_tokens == COMPLETION_MAX_TOKENS and sampling.temperature == 0
     assert sampling.stop == ("\n",)
-    too_long = CompletionRequest(prompt="Hello", max_tokens=99)
-    with pytest.raises(ServeError, match="maximum context length") as error:
-        sampling_for(too_long, completion_job(too_long, renderer), defaults, 100)
+    # More than the room left after the prompt is clamped to it, as vllm serve does ...
+    clamped = CompletionRequest(prompt="Hello", max_tokens=99)
+    job = completion_job(clamped, renderer)
+    assert sampling_for(clamped, job, defaults, 100).max_tokens == 100 - job.prompt_tokens
+    # ... more than the whole context is a 400 naming max_tokens (vLLM's words) ...
+    too_many = CompletionRequest(prompt="Hello", max_tokens=101)
+    with pytest.raises(ServeError, match="cannot be greater than max_model_len=100") as error:
+        sampling_for(too_many, completion_job(too_many, renderer), defaults, 100)
+    assert error.value.param == "max_tokens"
+    chat = _chat([{"role": "user", "content": "hi"}], max_completion_tokens=500)
+    with pytest.raises(ServeError) as error:
+        sampling_for(chat, chat_job(chat, renderer), defaults, 100)
+    assert error.value.param == "max_completion_tokens"
+    # ... and a prompt that fills the context names the prompt.
+    long = CompletionRequest(prompt="word " * 200)
+    with pytest.raises(ServeError, match="maximum context length is 100") as error:
+        sampling_for(long, completion_job(long, renderer), defaults, 100)
     assert error.value.param == "prompt"
 
 
 def test_generation_defaults_come_from_the_model_folder(tmp_path: Path) -> None:
     assert GenerationDefaults.of_model(str(tmp_path)) == GenerationDefaults()
-    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9}')
-    assert GenerationDefaults.of_model(str(tmp_path)) == GenerationDefaults(0.6, 0.9)
+    config = '{"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 33}'
+    (tmp_path / "generation_config.json").write_text(config)
+    defaults = GenerationDefaults.of_model(str(tmp_path))
+    assert defaults.pick("temperature", None) == 0.6 and defaults.pick("top_k", None) == 20
+    assert defaults.pick("temperature", 0.1) == 0.1 and defaults.pick("min_p", None) == 0.0
+    assert defaults.max_tokens == 33
+    chat = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    job = UncachedJob((1, 2, 3), "no_documents")
+    assert sampling_for(chat, job, defaults, 100).max_tokens == 33
 
 
 # ---------------------------------------------------------------------- HTTP over HeldCache
@@ -280,6 +472,9 @@ class HeldCache:
         return 0
 
     def check_integrity(self) -> None:
+        return None
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
         return None
 
     def close(self) -> None:

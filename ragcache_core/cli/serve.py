@@ -44,7 +44,9 @@ def register(subparsers: Any) -> None:
         help=f"the only key that opens /v1/cache/invalidate and /integrity (env {ADMIN_KEY_ENV}; "
         "default: the API key opens them)",
     )
-    p.add_argument("--served-model-name", default=None, help="the name in /v1/models")
+    p.add_argument(
+        "--served-model-name", default=None, help="the name in /v1/models (default: the folder's)"
+    )
     p.add_argument("--workers", type=int, default=1, help="must be 1: one process owns the engine")
     p.add_argument("--max-waiting", type=int, default=None, help="queue beyond max-num-seqs (64)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds (%(default)s)")

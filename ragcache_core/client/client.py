@@ -14,7 +14,7 @@ As in `RAGCache`, the public calls come from `RAGCacheAPI` (api.py) over two asy
 (`_query`, `_answer`) on a private event loop (`LoopThread`, which also owns the HTTP
 connection pool): the async API awaits them, the sync API blocks on them, so the sync calls
 work inside notebooks. Errors:
-400/404 raise `InputError` (the server's message, naming the field), 429 is retried after
+400/404 raise `InputError` (the server's message; `param` the field), 429 is retried after
 its Retry-After (`busy_retries` times, then `ServerBusy`), anything else `RemoteError`.
 Needs only `httpx`.
 """
@@ -34,6 +34,7 @@ from ragcache_core.api import RAGCacheAPI
 from ragcache_core.client.wire import (
     config_from_json,
     document_to_json,
+    logprobs_from_json,
     result_from_json,
     sampling_to_json,
 )
@@ -235,7 +236,8 @@ async def _read_events(response: httpx.Response, emit: Emit) -> QueryResult:
         if "error" in data:
             raise _error(500, data)
         if data.get("delta"):
-            emit(StreamChunk(data["delta"]))
+            tokens = tuple(int(t) for t in data.get("token_ids") or ())
+            emit(StreamChunk(data["delta"], None, tokens, logprobs_from_json(data.get("logprobs"))))
         if "result" in data:
             result = result_from_json(data["result"])
     if result is None:
@@ -268,5 +270,5 @@ def _error(status: int, data: Any) -> RAGCacheError:
     status = int(error.get("code") or status)
     message, param = str(error.get("message", "")), error.get("param")
     if status in (400, 404):
-        return InputError(message)
+        return InputError(message, param=param)
     return RemoteError(status, message, param)

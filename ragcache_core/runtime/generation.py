@@ -35,7 +35,7 @@ from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk, TokenLogprobs
 from ragcache_core.runtime.admission import Admission, PrefillLease, Ticket
 from ragcache_core.runtime.attempt import Attempt, Progress
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
@@ -61,6 +61,7 @@ class Generation:
     doc_hit_tokens: int
     retries: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 async def follow(
@@ -68,21 +69,31 @@ async def follow(
     timeout_s: float,
     emit: Emit | None,
     on_first_token: Callable[[float], None],
+    interval: int = 1,
 ) -> Progress:
-    """Follow one request's engine stream to its end (closing it on every path): each text
-    delta to `emit`, `on_first_token(time)` once, at the first token. `timeout_s` bounds the
-    wait for each event (the first token, then each next one), so a long healthy answer never
-    times out; a stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
+    """Follow one request's engine stream to its end (closing it on every path): text deltas
+    (with their tokens and logprobs) to `emit`, the first at once, then one per `interval`
+    tokens at most (`SamplingConfig.stream_interval`, as vLLM's streams), and the rest at the
+    end; `on_first_token(time)` once, at the first token. `timeout_s` bounds the wait for each
+    event (the first token, then each next one), so a long healthy answer never times out; a
+    stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
     progress = Progress()
     loop = asyncio.get_running_loop()
+    shown_tokens = shown_text = 0  # what was sent with a chunk
     async with contextlib.aclosing(events), asyncio.timeout(timeout_s) as deadline:
         async for event in events:
             deadline.reschedule(loop.time() + timeout_s)
             if event.token_ids and not progress.first_token_at:
                 progress.first_token_at = time.perf_counter()
                 on_first_token(progress.first_token_at)
-            if emit is not None and len(event.text) > len(progress.text):
-                emit(StreamChunk(event.text[len(progress.text) :]))
+            progress.logprobs += event.new_logprobs
+            new_tokens = len(event.token_ids) - shown_tokens
+            due = not shown_tokens or event.finished or new_tokens >= interval
+            if emit is not None and len(event.text) > shown_text and due:
+                tokens = event.token_ids[shown_tokens:]
+                lps = progress.logprobs[shown_tokens:] if progress.logprobs else ()
+                emit(StreamChunk(event.text[shown_text:], None, tokens, lps))
+                shown_tokens, shown_text = len(event.token_ids), len(event.text)
             progress.text, progress.token_ids = event.text, event.token_ids
             progress.finish_reason = event.finish_reason
             if event.finished:
@@ -130,6 +141,11 @@ class Generator:
 
     # ------------------------------------------------------------------ prompts
 
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """`InputError` naming the field when vLLM's engine would refuse `sampling` for this
+        model (before anything is allocated)."""
+        self._engines.engine.checker.check(sampling)
+
     def build(
         self, question: str, documents: Sequence[Document], sampling: SamplingConfig
     ) -> BuiltPrompt:
@@ -163,6 +179,7 @@ class Generator:
                 )
         started = time.perf_counter()
         sampling = sampling or self._config.sampling
+        self.check_sampling(sampling)
         prompt = self.build(question, documents, sampling)
         generation = await self.generate(prompt, sampling, emit, final=True)
         return self.finish(generation, documents, started=started, search_done=started)
@@ -202,6 +219,7 @@ class Generator:
             speculative=speculative,
             retries=generation.retries,
             timings=generation.timings,
+            logprobs=generation.logprobs,
         )
 
     async def generate(
@@ -314,8 +332,9 @@ class Generator:
         stream = self._engines.engine.stream(
             attempt.request_id, attempt.prompt.token_ids, attempt.sampling, params
         )
+        interval = attempt.sampling.stream_interval or 1
         attempt.progress = await follow(
-            stream, self._config.request_timeout_s, attempt.sink, confirm
+            stream, self._config.request_timeout_s, attempt.sink, confirm, interval
         )
 
     def _settle(self, attempt: Attempt) -> Generation:
@@ -341,6 +360,7 @@ class Generator:
             handle=handle,
             doc_hit_tokens=doc_hit_tokens,
             timings=timings,
+            logprobs=progress.logprobs,
         )
 
     async def _abort_in_engine(self, attempt: Attempt) -> None:

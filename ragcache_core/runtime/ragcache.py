@@ -171,6 +171,14 @@ class RAGCache(RAGCacheAPI):
         work = self._uncached.run(ids, sampling or self.config.sampling, None)
         return await self._loop.arun(work)
 
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """`InputError` naming the field when this cache's engine would refuse `sampling`
+        (vLLM's checks that need the model: token ids in the vocabulary, the logprobs limit,
+        grammars, bad words). Every request runs it before anything is allocated; callers
+        may run it earlier (`ragcache serve` does, before a stream's status line). Safe from
+        any thread."""
+        self.engine.checker.check(sampling)
+
     def check_integrity(self) -> None:
         """Verify the knowledge tree's invariants (on RAGCache's loop, so it is safe while
         requests run); raises `IntegrityError` naming the first violation."""

@@ -35,7 +35,7 @@ from ragcache_core.config import CacheConfig
 from ragcache_core.errors import ConfigError
 from ragcache_core.serve.errors import ServeError
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
-from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
+from ragcache_core.serve.queue import BoundedQueue, Place
 
 DEFAULT_MAX_WAITING = 64
 """Requests that may wait beyond the engine's `max_num_seqs` running ones before 429."""
@@ -56,8 +56,8 @@ class ServeSettings:
       probes, as in `vllm serve`.
     - `admin_key`: when set, only it opens `/v1/cache/invalidate` and `/v1/cache/integrity`
       (403 for the API key); without it the API key opens them (serve/auth.py).
-    - `served_model_name`: the name in `/v1/models` and the `model` field requests must use
-      (None: `model` as given, as `vllm serve` does).
+    - `served_model_name`: the name in `/v1/models` and in responses (None: the model
+      folder's name); a request's `model` may be it or the model path.
     - `max_waiting`: in flight at most `config.max_num_seqs + max_waiting` requests (running
       plus waiting in RAGCache's reordering queue); past it a request gets 429 with
       Retry-After at once, so the backlog is bounded.
@@ -103,8 +103,15 @@ class ServeSettings:
 
     @property
     def model_name(self) -> str:
-        """The name clients use in `model`."""
-        return self.served_model_name or self.model
+        """The served name (`/v1/models`, responses): `served_model_name`, else the model
+        folder's name."""
+        return self.served_model_name or Path(self.model).name or self.model
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """What a request's `model` may be: the served name or the model path."""
+        path = Path(self.model)
+        return frozenset({self.model_name, self.model, str(path.resolve())})
 
 
 CacheFactory = Callable[[ServeSettings], "RAGCache"]
@@ -134,17 +141,21 @@ class ServeState:
         return await asyncio.get_running_loop().run_in_executor(lane, work)
 
     def check_model(self, model: str | None) -> None:
-        """404 for a model this server does not serve (None: the served one), as vLLM."""
-        if model is not None and model != self.settings.model_name:
-            raise ServeError(404, f"the model `{model}` does not exist", param="model")
+        """404 for a model this server does not serve, as vLLM; the served name, the model
+        path (as given or resolved: what a client of `vllm serve /path` sends), "" and None
+        pass."""
+        if model and model not in self.settings.model_names:
+            raise ServeError(
+                404,
+                f"The model `{model}` does not exist. Valid aliases: {self.settings.model_name}.",
+                param="model",
+            )
 
     def enter(self, route: str) -> Place:
         """A place in flight, or 429 (full: Retry-After) / 503 (shutting down)."""
         verdict = self.queue.try_enter()
         if isinstance(verdict, Place):
             return verdict
-        status = _refusal_status(verdict)
-        self.metrics.answered(route, status, 0.0)
         headers = {"Retry-After": str(verdict.retry_after_s)}
         if verdict.reason == "draining":
             raise ServeError(503, "the server is shutting down", headers=headers)
@@ -189,10 +200,6 @@ def state_of(request: Request) -> ServeState:
     return state
 
 
-def _refusal_status(refusal: Refusal) -> int:
-    return 503 if refusal.reason == "draining" else 429
-
-
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -224,6 +231,10 @@ class ServeMetrics:
         waiting = Gauge("ragcache_serve_waiting", "In flight beyond max_num_seqs", registry=r)
         waiting.set_function(lambda: queue.waiting)
 
-    def answered(self, route: str, status: int, seconds: float) -> None:
+    def answered(self, route: str, status: int) -> None:
+        """One response (every one, by `errors.CountedResponses`)."""
         self.requests.labels(route, str(status)).inc()
+
+    def timed(self, route: str, seconds: float) -> None:
+        """How long one answer of a generating route took, to the end of its response."""
         self.seconds.labels(route).observe(seconds)
