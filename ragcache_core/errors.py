@@ -16,15 +16,46 @@ class ConfigError(RAGCacheError, ValueError):
 
 
 class InputError(RAGCacheError, ValueError):
-    """User input (a trace, a corpus, a query) is malformed; the message names the problem."""
+    """User input (a trace, a corpus, a query) is malformed; the message names the problem and
+    `param`, when set, the field (what `ragcache serve` reports as the error's `param`)."""
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingError(ConfigError, InputError):
+    """A sampling setting outside what vLLM accepts (`SamplingConfig`); `param` names it. Both
+    a `ConfigError` (a bad setting) and an `InputError` (a bad request: 400 in the server)."""
+
+
+class PromptTooLong(InputError):
+    """A prompt longer than the tokens that fit (`limit`). `tokens` is how many it has, or
+    at least has: a prompt is refused as soon as it is known not to fit, before the rest of
+    it is tokenized (or before any of it is, when its text alone is too long)."""
+
+    def __init__(self, message: str, *, tokens: int, limit: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.limit = limit
 
 
 def check_fits_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """`InputError`, with the numbers, when a prompt of `prompt_tokens` and an answer of
-    `max_tokens` do not fit the context (the one check, before anything runs)."""
+    """`PromptTooLong`, with the numbers, when a prompt of `prompt_tokens` and an answer of
+    `max_tokens` do not fit the context (the one check, before anything runs). A `max_tokens`
+    larger than the context is named as the culprit instead (an `InputError` with
+    `param="max_tokens"`, vLLM's words)."""
+    if max_tokens > max_model_len:
+        raise InputError(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param="max_tokens",
+        )
     limit = max_model_len - max_tokens
     if prompt_tokens > limit:
-        raise InputError(
+        raise PromptTooLong(
             f"the prompt has {prompt_tokens} tokens but at most {limit} fit "
-            f"(max_model_len {max_model_len} - max_tokens {max_tokens})"
+            f"(max_model_len {max_model_len} - max_tokens {max_tokens})",
+            tokens=prompt_tokens,
+            limit=limit,
         )

@@ -88,3 +88,69 @@ def test_bad_questions_are_refused(tokenizer) -> None:  # type: ignore[no-untype
         builder.build("   ", _docs())
     with pytest.raises(InputError, match="must be a string"):
         builder.build(42, _docs())  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- what bad input costs
+
+
+class _CountingTokenizer:
+    """The real tokenizer, counting the characters it was asked to encode (a spy: what is
+    under test is whether the builder tokenizes, not the tokenizer)."""
+
+    def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
+        self._tokenizer = tokenizer
+        self.encoded_chars = 0
+
+    def encode(self, text: str, **kwargs):  # type: ignore[no-untyped-def]
+        self.encoded_chars += len(text)
+        return self._tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_memoized(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from ragcache_core.errors import PromptTooLong
+
+    spy = _CountingTokenizer(tokenizer)
+    builder = PromptBuilder(spy, PromptConfig(chat_template=False), "m", "float32")
+    fits = builder.build("q?", _docs(), max_tokens=4095)
+    assert len(builder.memo) == 2 and fits.num_tokens < 100
+    long_doc = Document("long", "word " * 2000)  # ~2,000 tokens: tokenized, then refused
+    with pytest.raises(PromptTooLong, match="at most 1000 fit") as refused:
+        builder.build("q?", [*_docs(), long_doc], max_tokens=1000)
+    assert refused.value.tokens > 1000 and len(builder.memo) == 2  # nothing memoized
+    spy.encoded_chars = 0
+    huge = Document("huge", "x" * 5_000_000)  # cannot fit at any tokenization
+    with pytest.raises(PromptTooLong, match="characters of text"):
+        builder.build("q?", [huge], max_tokens=4095)
+    assert spy.encoded_chars == 0 and len(builder.memo) == 2  # not even tokenized
+    assert builder.build("q?", [long_doc], max_tokens=4095).num_tokens > 1000  # fits now
+
+
+def test_the_token_memo_is_bounded_in_bytes(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from ragcache_core.runtime.prompt import TokenMemo, memo_entry_bytes
+
+    memo = TokenMemo(max_bytes=50_000)
+    builder = PromptBuilder(tokenizer, PromptConfig(chat_template=False), "m", "f", memo=memo)
+    docs = [Document(f"d{i}", f"document number {i} " * 40) for i in range(100)]
+    for doc in docs:
+        builder.build("q?", [doc])
+        assert memo.nbytes <= memo.max_bytes
+    kept = len(memo)
+    assert 0 < kept < len(docs)  # the oldest were dropped
+    from ragcache_core.documents import render_document
+    from ragcache_core.runtime.prompt import content_hash
+
+    hashes = [content_hash(render_document(d, builder.config.document)) for d in docs]
+    assert memo.get(hashes[0]) is None and memo.get(hashes[-1]) is not None  # LRU
+    kept_ids = [memo.get(h) for h in hashes[-kept:]]
+    assert memo.nbytes == sum(memo_entry_bytes(ids) for ids in kept_ids if ids is not None)
+    other = PromptBuilder(tokenizer, PromptConfig(system_prompt="B"), "m", "f", memo=memo)
+    assert other.document_ids(docs[-1])[1] == memo.get(hashes[-1])  # one memo, shared
+    small = TokenMemo(max_bytes=10)
+    small.put("big", tuple(range(100)))  # larger than the whole bound: not kept
+    assert len(small) == 0 and small.nbytes == 0

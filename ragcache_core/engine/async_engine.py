@@ -18,6 +18,7 @@ from typing import Any
 from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.settings import EngineSettings
 from ragcache_core.errors import RAGCacheError
+from ragcache_core.results import TokenLogprobs
 
 
 class EngineDied(RAGCacheError):
@@ -36,6 +37,8 @@ class StreamEvent:
     kv_transfer_params: Mapping[str, Any] | None
     num_cached_tokens: int = 0
     """Prompt tokens vLLM found in its own prefix cache (or loaded through a connector)."""
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
+    """The logprobs of the tokens new in this event (when the request asked for them)."""
 
 
 class AsyncEngine:
@@ -58,6 +61,10 @@ class AsyncEngine:
         self._engine: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.start_s = time.perf_counter() - started
         self._closed = False
+        from ragcache_core.engine.sampling import SamplingChecker
+
+        self.checker = SamplingChecker(self._engine.vllm_config)
+        """vLLM's checks of a request's sampling against this model (usable after `close`)."""
 
     @property
     def is_dead(self) -> bool:
@@ -98,14 +105,17 @@ class AsyncEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         from ragcache_core.engine.compat import first_token_latency, token_prompt
-        from ragcache_core.engine.sampling import sampling_params
+        from ragcache_core.engine.sampling import sampling_params, step_logprobs
 
         params = sampling_params(sampling, kv_transfer_params=kv_transfer_params)
         if self.is_dead:
             raise EngineDied("the vLLM engine is not running")
+        seen = 0  # tokens whose logprobs were reported
         try:
             async for output in self._engine.generate(token_prompt(prompt_ids), params, request_id):
                 completion = output.outputs[0]
+                new = step_logprobs(completion.logprobs, completion.token_ids, seen)
+                seen = len(completion.token_ids)
                 yield StreamEvent(
                     token_ids=tuple(completion.token_ids),
                     text=completion.text,
@@ -114,6 +124,7 @@ class AsyncEngine:
                     first_token_latency_s=first_token_latency(output),
                     kv_transfer_params=getattr(output, "kv_transfer_params", None),
                     num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
+                    new_logprobs=new,
                 )
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine core died: {exc}") from exc

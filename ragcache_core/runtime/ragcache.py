@@ -37,7 +37,7 @@ from ragcache_core.runtime.generation import Generator
 from ragcache_core.runtime.lifecycle import Lifecycle
 from ragcache_core.runtime.prompt import PromptBuilder
 from ragcache_core.runtime.speculation import SpeculativeQuery
-from ragcache_core.runtime.supervisor import EngineSupervisor
+from ragcache_core.runtime.supervisor import EngineState, EngineSupervisor
 from ragcache_core.runtime.uncached import UncachedRunner
 from ragcache_core.search import SearchSource
 from ragcache_core.tree import KnowledgeTree
@@ -125,7 +125,7 @@ class RAGCache(RAGCacheAPI):
             lifecycle=self.lifecycle,
             metrics=self.metrics,
         )
-        self._uncached = UncachedRunner(config, self._engines, self.admission)
+        self._uncached = UncachedRunner(config, self._engines, self.admission, self.metrics)
 
     @property
     def tree(self) -> KnowledgeTree:
@@ -136,6 +136,13 @@ class RAGCache(RAGCacheAPI):
     def engine(self) -> AsyncEngine:
         """The running vLLM engine (replaced after an engine death)."""
         return self._engines.engine
+
+    @property
+    def engine_state(self) -> EngineState:
+        """`running`, or why not: `starting`, `dead` (restarted at once unless
+        `restart_engine` is off), `restarting`, `stopped` (closed). Safe to read from any
+        thread (`ragcache serve`'s /health reads it)."""
+        return self._engines.state
 
     # ------------------------------------------------------------------ public API
     # (aquery/query, agenerate/generate, astream/stream: RAGCacheAPI, api.py, over the
@@ -154,6 +161,23 @@ class RAGCache(RAGCacheAPI):
 
         async for chunk in astream_from(self._loop, work):
             yield chunk
+
+    async def agenerate_uncached(
+        self, prompt_ids: Sequence[int], *, sampling: SamplingConfig | None = None
+    ) -> QueryResult:
+        """`astream_uncached`'s answer, whole: nothing reaches the caller before it ends, so
+        a try that loses its engine is retried as one that failed before its first token."""
+        ids = tuple(prompt_ids)
+        work = self._uncached.run(ids, sampling or self.config.sampling, None)
+        return await self._loop.arun(work)
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """`InputError` naming the field when this cache's engine would refuse `sampling`
+        (vLLM's checks that need the model: token ids in the vocabulary, the logprobs limit,
+        grammars, bad words). Every request runs it before anything is allocated; callers
+        may run it earlier (`ragcache serve` does, before a stream's status line). Safe from
+        any thread."""
+        self.engine.checker.check(sampling)
 
     def check_integrity(self) -> None:
         """Verify the knowledge tree's invariants (on RAGCache's loop, so it is safe while

@@ -81,6 +81,7 @@ class SpeculativeQuery:
         if not isinstance(question, str) or not question.strip():
             raise InputError(f"the question must be a non-empty string, got {question!r}")
         sampling = sampling or self._config.sampling
+        self._generator.check_sampling(sampling)
         started = time.perf_counter()
         final, spec = await self._search(question, source, top_k or self._config.top_k, sampling)
         search_done = time.perf_counter()
