@@ -1,11 +1,13 @@
 """`ragcache bench serve --smoke`: the real engines (tiny model), three systems, a few requests
 each on the shipped long-chunk sample; the JSON schema, every request answered, the same answer
-tokens from every system. Plus the workloads and the argument checks (no engine)."""
+tokens from every system. `--quick` cut down on the tiny model: its calibrated ladder, repeats
+and printed tables. Plus the workloads and the argument checks (no engine)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -277,3 +279,66 @@ def test_smoke_serves_every_request_with_identical_answers(
     }
     for name in ("ttft_vs_rate.png", "ttft_cdf.png", "throughput_slo.png", "hit_rates.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+QUICK_ROW = re.compile(
+    r"^  +(?P<rate>\d+\.\d\d) (?P<system>\S+)"
+    r" +(?P<mean>\d+) \((?P<mean_lo>\d+)\.\.(?P<mean_hi>\d+)\)"
+    r" +(?P<p95>\d+) \((?P<p95_lo>\d+)\.\.(?P<p95_hi>\d+)\) +(?P<tput>[\d.]+) +(?P<hit>\d+)%"
+    r" +(?P<doc>\d+%|-)$",
+    re.MULTILINE,
+)
+"""One row of the printed rate table: rate, system, TTFT mean and p95 (median (min..max) of
+the repeats, ms), req/s, token and document hit rates."""
+
+
+@pytest.mark.vllm
+def test_quick_prints_a_calibrated_ladder_of_repeated_points(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`ragcache bench serve --quick` as documented, its printed tables (not --json), on the
+    tiny model and cut to 2 + 3 requests per point for the suite: the light load calibrates
+    the first rate (1.0 / vllm's light-load service time), the ladder doubles it, each point
+    runs twice and prints its min..max, RAGCache hits (plain vLLM does not), answers agree."""
+    systems = ("vllm", "ragcache")
+    args = ["--model", str(tiny_model), "--systems", ",".join(systems), "--out", str(tmp_path)]
+    result = _cli("--quick", *args, "--warmup", "2", "--requests", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads((tmp_path / "serve.json").read_text())
+    mode = document["settings"]["mode"]
+    assert (mode["name"], mode["repeats"], mode["max_points"], mode["light"]) == ("quick", 2, 2, 3)
+    (workload,) = document["workloads"]
+    light = workload["light_load"]
+    rate0 = round(mode["start_fraction"] / light["vllm"]["service_s"], 2)
+    assert workload["rates_rps"] == [rate0, round(rate0 * mode["factor"], 3)], workload
+    stdout = result.stdout
+    assert stdout.startswith(f"model {tiny_model}, commit ") and ", mode quick\n" in stdout
+    for name in systems:
+        line = re.search(
+            rf"^  light load {name} +TTFT p95 +(\d+) ms, service +(\d+) ms", stdout, re.M
+        )
+        assert line is not None, stdout
+        assert int(line.group(2)) == round(light[name]["service_s"] * 1000), (line[0], light)
+    rows = {(float(m["rate"]), m["system"]): m for m in QUICK_ROW.finditer(stdout)}
+    assert set(rows) == {(r, s) for r in workload["rates_rps"] for s in systems}, stdout
+    for (rate, system), row in rows.items():
+        means = [
+            p["ttft_mean_s"]
+            for p in workload["points"]
+            if (p["rate_rps"], p["system"]) == (rate, system)
+        ]
+        assert len(means) == mode["repeats"], means  # each point ran twice ...
+        lo, hi = round(min(means) * 1000), round(max(means) * 1000)
+        assert (int(row["mean_lo"]), int(row["mean_hi"])) == (lo, hi), row[0]  # ... spread shown
+        assert lo <= int(row["mean"]) <= hi and int(row["p95_lo"]) <= int(row["p95_hi"]), row[0]
+        if system == "ragcache":
+            assert int(row["hit"]) > 0 and row["doc"] != "-", row[0]
+        else:
+            assert int(row["hit"]) == 0 and row["doc"] == "-", row[0]
+    total = mode["warmup"] + mode["requests"]
+    identical = re.findall(r"^  answers identical at ([\d.]+)/s #(\d): (\d+)/(\d+)$", stdout, re.M)
+    assert len(identical) == len(workload["rates_rps"]) * mode["repeats"], stdout
+    assert all(same == n == str(total) for _, _, same, n in identical), identical
+    for name in systems:
+        assert re.search(rf"^  highest rate within the SLO  {name} ", stdout, re.M), stdout
+    assert all(Path(p).stat().st_size > 1000 for p in document["settings"]["plots"])
