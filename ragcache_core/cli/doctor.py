@@ -40,7 +40,7 @@ def _doctor(args: argparse.Namespace) -> int:
         raise CliError(f"--prompt-tokens must be at least 1, got {args.prompt_tokens}")
 
     print("ragcache doctor")
-    log = vllm_log(args, "doctor", sys.stdout)
+    vllm_log(args, "doctor", sys.stdout)
     import torch
 
     _step("torch", f"{torch.__version__} (cuda available: {torch.cuda.is_available()})")
@@ -76,6 +76,4 @@ def _doctor(args: argparse.Namespace) -> int:
         print(
             f"TTFT: {result.ttft_s * 1000:.1f} ms for a {len(prompt)}-token prompt (vLLM metrics)"
         )
-    if log is not None:
-        print(f"vLLM's own lines are in {log}")
     return 0

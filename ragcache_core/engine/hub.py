@@ -71,9 +71,13 @@ def load_tokenizer(model: str) -> Any:
 
 
 def reach(url: str, timeout_s: float) -> str | None:
-    """None when `url`'s host accepts a TCP connection within `timeout_s` (name lookup
-    included), else what went wrong."""
+    """None when `url`'s host (or the proxy configured for it, `HTTPS_PROXY` and friends)
+    accepts a TCP connection within `timeout_s` (name lookup included), else what went
+    wrong."""
     parts = urlsplit(url)
+    proxy = _proxy_for(parts.scheme, parts.hostname or "")
+    if proxy:
+        parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
     host = parts.hostname
     if not host:
         return f"no host in {url!r}"
@@ -94,6 +98,16 @@ def reach(url: str, timeout_s: float) -> str | None:
     if not outcome:
         return f"no answer from {host}:{port} within {timeout_s:.0f} s"
     return outcome[0]
+
+
+def _proxy_for(scheme: str, host: str) -> str | None:
+    """The proxy the hub client would use for `scheme://host` (from the environment)."""
+    import urllib.request
+
+    if not host or urllib.request.proxy_bypass(host):
+        return None
+    proxies = urllib.request.getproxies()
+    return proxies.get(scheme) or proxies.get("all")
 
 
 def _cached(name: str) -> bool:
