@@ -25,11 +25,12 @@ from typing import Any, Self
 
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
+from ragcache_core.errors import wrong_type
 from ragcache_core.loop import Emit, LoopThread, astream_from, iterate_on
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.search import SearchSource
 
-__all__ = ["RAGCacheAPI"]
+__all__ = ["RAGCacheAPI", "require_cache"]
 
 
 class RAGCacheAPI(abc.ABC):
@@ -162,3 +163,18 @@ class RAGCacheAPI(abc.ABC):
             question, documents=documents, search=search, top_k=top_k, sampling=sampling
         )
         return iterate_on(self._loop, chunks)
+
+
+def require_cache(cache: object, where: str) -> RAGCacheAPI:
+    """`cache` when it is a `RAGCacheAPI`; else the `TypeError` naming what `where` (an
+    integration's constructor) expects and what it got, e.g. a retriever or an index passed
+    as `cache=` by mistake."""
+    if isinstance(cache, RAGCacheAPI):
+        return cache
+    raise wrong_type(
+        where,
+        "a RAGCache or a RAGCacheClient (a ragcache_core.RAGCacheAPI)",
+        cache,
+        "build the cache first (cache = RAGCache(model_folder)) and pass it as cache=; the "
+        "index, store or retriever goes in the other argument",
+    )

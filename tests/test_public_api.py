@@ -22,11 +22,13 @@ def test_ragcache_core_exports() -> None:
     import ragcache_core
 
     assert sorted(ragcache_core.__all__) == [
+        "CacheClosedError",
         "CacheConfig",
         "CacheHits",
         "ConfigError",
         "Document",
         "InputError",
+        "MainGuardError",
         "ModelError",
         "PromptConfig",
         "QueryResult",
@@ -37,6 +39,7 @@ def test_ragcache_core_exports() -> None:
         "SamplingConfig",
         "StreamChunk",
         "__version__",
+        "quiet_vllm",
     ]
     for name in ragcache_core.__all__:
         assert getattr(ragcache_core, name) is not None, name

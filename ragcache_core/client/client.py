@@ -89,7 +89,7 @@ class RAGCacheClient(RAGCacheAPI):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=10.0)
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
-        self._loop = LoopThread("ragcache-client")
+        self._loop = LoopThread("ragcache-client", owner="RAGCacheClient")
         try:
             info = self._loop.run(self._request("GET", "/v1/rag/config"))
         except BaseException:
@@ -133,11 +133,11 @@ class RAGCacheClient(RAGCacheAPI):
         return self._admin_headers
 
     def close(self) -> None:
-        """Close the connections and the private loop. Safe to call twice."""
-        if self._loop.loop.is_closed():
+        """Close the connections and the private loop. Safe to call twice; every call
+        afterwards raises `CacheClosedError`."""
+        if self._loop.closed:
             return
-        self._loop.run(self._http.aclose())
-        self._loop.stop()
+        self._loop.stop(self._http.aclose())
 
     # ------------------------------------------------------------------ bodies (on the loop)
 

@@ -39,7 +39,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables import Runnable, RunnableLambda
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from ragcache_core.api import RAGCacheAPI
+from ragcache_core.api import RAGCacheAPI, require_cache
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
@@ -152,7 +152,16 @@ class RAGCacheLLM(LLM):
             if "ragcache" in data:
                 raise InputError("pass the RAGCache once, as cache= (ragcache= is the old name)")
             data["ragcache"] = data.pop("cache")
-        elif "ragcache" in data:
+        elif "ragcache" not in data:
+            # No RAGCache given: a wrong object as cache= (not LangChain's own response cache
+            # either), or nothing at all. Name it here rather than as pydantic's "ragcache:
+            # Field required" about a keyword nobody typed.
+            given = data.get("cache")
+            require_cache(
+                given if not _is_langchain_cache(given) else None, "RAGCacheLLM(cache=...)"
+            )
+        else:
+            require_cache(data["ragcache"], "RAGCacheLLM(ragcache=...)")
             warnings.warn(
                 "RAGCacheLLM(ragcache=...) is deprecated: pass cache=..., as to every other "
                 "RAGCache integration (ragcache= goes in the next release)",
@@ -286,3 +295,10 @@ def _info(result: QueryResult) -> dict[str, Any]:
 
 def _chunk(delta: str, result: QueryResult | None) -> GenerationChunk:
     return GenerationChunk(text=delta, generation_info=_info(result) if result else None)
+
+
+def _is_langchain_cache(value: object) -> bool:
+    """Whether `value` fits LangChain's own `cache` field of an LLM (a response cache)."""
+    from langchain_core.caches import BaseCache
+
+    return value is None or isinstance(value, bool | BaseCache)

@@ -31,14 +31,15 @@ from langchain_core.callbacks.manager import (
     dispatch_custom_event,
 )
 from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
-from ragcache_core.api import RAGCacheAPI
+from ragcache_core.api import RAGCacheAPI, require_cache
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
-from ragcache_core.errors import InputError
+from ragcache_core.errors import InputError, wrong_type
 from ragcache_core.results import QueryResult
 from ragcache_core.search import SearchSource
 from ragcache_integrations.langchain.adapters import search_source
@@ -73,6 +74,11 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
     sampling: SamplingConfig | None = None
     _warned_no_context: bool = PrivateAttr(default=False)
 
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _check_cache(cls, value: Any) -> Any:
+        return require_cache(value, "RAGCacheRunnable(cache=...)")
+
     @field_validator("search")
     @classmethod
     def _check_search(cls, value: Any) -> Any:
@@ -91,7 +97,11 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         **search_options: Any,
     ) -> RAGCacheRunnable:
         """A runnable that retrieves from `vectorstore` itself (input: the question).
-        `search_options` (nprobe, plan, ef_search) go to `adapters.search_source`."""
+        `search_options` (nprobe, plan, ef_search) go to `adapters.search_source`. A
+        retriever (or anything but a `VectorStore`) raises `TypeError` here, not at the first
+        call."""
+        check_vectorstore(vectorstore)
+        require_cache(cache, "RAGCacheRunnable.from_vectorstore(store, cache=...)")
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise InputError(f"k must be a positive int, got {k!r}")
         return cls(
@@ -246,6 +256,26 @@ def _documents(context: object) -> tuple[Document, ...]:
     if isinstance(context, list | tuple):
         return to_ragcache_all(context)
     raise InputError(f"context must be a list of LangChain Documents, got {type(context).__name__}")
+
+
+def check_vectorstore(store: object) -> None:
+    """`TypeError` unless `store` is a LangChain `VectorStore`, naming what to do with a
+    retriever (the usual mistake: it has no `similarity_search_with_score`)."""
+    if isinstance(store, VectorStore):
+        return
+    fix = ""
+    if isinstance(store, BaseRetriever):
+        inner = getattr(store, "vectorstore", None)
+        fix = (
+            "pass its store (retriever.vectorstore"
+            + (f", a {type(inner).__name__}" if isinstance(inner, VectorStore) else "")
+            + "), or keep the retriever in the chain: "
+            '{"context": retriever, "question": RunnablePassthrough()} '
+            "| RAGCacheRunnable(cache=cache)"
+        )
+    raise wrong_type(
+        "RAGCacheRunnable.from_vectorstore(store)", "a LangChain VectorStore", store, fix
+    )
 
 
 def _merge(chunks: Iterator[RunnableInput] | list[RunnableInput]) -> RunnableInput:

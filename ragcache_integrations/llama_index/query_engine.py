@@ -38,12 +38,13 @@ from llama_index.core.instrumentation.events.retrieval import (
 from llama_index.core.prompts.base import BasePromptTemplate
 from llama_index.core.query_engine.custom import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType, TextNode
+from llama_index.core.vector_stores.types import BasePydanticVectorStore
 from pydantic import Field, PrivateAttr, field_validator
 
-from ragcache_core.api import RAGCacheAPI
+from ragcache_core.api import RAGCacheAPI, require_cache
 from ragcache_core.config import PromptConfig, SamplingConfig
 from ragcache_core.documents import Document
-from ragcache_core.errors import InputError
+from ragcache_core.errors import InputError, wrong_type
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.retrieval.source import CallableSource
 from ragcache_core.search import SearchSource
@@ -75,6 +76,11 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     index: VectorStoreIndex | None = Field(default=None, exclude=True)
     _warned_no_context: bool = PrivateAttr(default=False)
 
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _check_cache(cls, value: Any) -> Any:
+        return require_cache(value, "RAGCacheQueryEngine(cache=...)")
+
     @field_validator("search")
     @classmethod
     def _check_search(cls, value: Any) -> Any:
@@ -98,7 +104,10 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         `{context_str}` and `{query_str}`, or a `PromptConfig`) must match the cache's prompt:
         the prompt head is part of the cache key, so it is set on the `RAGCache` (see
         `prompt_config`); a mismatch raises `ConfigError`. `search_options` (nprobe, plan,
-        ef_search) go to `adapters.search_source`."""
+        ef_search) go to `adapters.search_source`. A retriever, a vector store or a cache
+        that is not a `RAGCacheAPI` raises `TypeError` here, naming what to pass instead."""
+        check_index(index)
+        require_cache(cache, "as_query_engine(index, cache=...)")
         if prompt is not None:
             wanted = (
                 prompt
@@ -130,6 +139,16 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     ) -> RAGCacheQueryEngine:
         """An engine over any LlamaIndex retriever (metadata filters, hybrid search, ...).
         The retriever runs as one search step (RAGCache cannot speculate) and decides k."""
+        if not isinstance(retriever, BaseRetriever):
+            raise wrong_type(
+                "RAGCacheQueryEngine.from_retriever(retriever)",
+                "a LlamaIndex retriever (BaseRetriever)",
+                retriever,
+                "for a VectorStoreIndex use as_query_engine(index, cache=cache)"
+                if isinstance(retriever, VectorStoreIndex)
+                else "",
+            )
+        require_cache(cache, "RAGCacheQueryEngine.from_retriever(retriever, cache=...)")
 
         def search(question: str, k: int) -> list[tuple[Document, float]]:
             hits = retriever.retrieve(question)
@@ -260,6 +279,27 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     @staticmethod
     def _metadata(result: QueryResult) -> dict[str, Any]:
         return {**result.report(), "ragcache_result": result}
+
+
+def check_index(index: object) -> None:
+    """`TypeError` unless `index` is a `VectorStoreIndex`, naming what to do with the
+    objects people pass instead (a retriever, a bare vector store)."""
+    if isinstance(index, VectorStoreIndex):
+        return
+    where, expected = "as_query_engine(index)", "a LlamaIndex VectorStoreIndex"
+    if isinstance(index, BaseRetriever):
+        fix = (
+            "pass the index itself (as_query_engine(index, cache=cache)), or keep this retriever "
+            "with RAGCacheQueryEngine.from_retriever(retriever, cache=cache)"
+        )
+    elif isinstance(index, BasePydanticVectorStore):
+        fix = (
+            "wrap the store in an index first: VectorStoreIndex.from_vector_store(store, "
+            "embed_model=...), then as_query_engine(index, cache=cache)"
+        )
+    else:
+        fix = ""
+    raise wrong_type(where, expected, index, fix)
 
 
 def _check_query(query: object) -> None:
