@@ -23,6 +23,7 @@ import abc
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any, Self
 
+from ragcache_core.app_prompt import NO_FRAMING, AppPrompt, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.loop import Emit, LoopThread, astream_from, iterate_on
@@ -38,6 +39,11 @@ class RAGCacheAPI(abc.ABC):
     Every call raises `InputError` for bad input (an empty question, documents that are not
     `Document`s, a prompt longer than the context) and `RAGCacheError` when the request failed
     (timed out, lost its engine, or the server refused it); nothing already cached is harmed.
+
+    Every call that answers takes `prompt=`, the app's own prompt (`AppPrompt`: its messages or
+    text with the documents spliced in where it puts its context; None: the cache's
+    `CacheConfig.prompt` layout), and `cache_salt=`, a tenant's salt: a salted request hits
+    only KV stored under the same salt (docs/design.md 2.1).
     """
 
     config: CacheConfig
@@ -73,6 +79,7 @@ class RAGCacheAPI(abc.ABC):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """Retrieve for `question` (with `search`, else the default source) and answer."""
 
@@ -83,6 +90,7 @@ class RAGCacheAPI(abc.ABC):
         documents: Sequence[Document],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """Answer with the caller's `documents`."""
 
@@ -93,9 +101,12 @@ class RAGCacheAPI(abc.ABC):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> QueryResult:
         """Retrieve the top-k documents for `question` and answer with them."""
-        return await self._loop.arun(self._query(question, search, top_k, sampling, None))
+        framing = Framing(prompt, cache_salt)
+        return await self._loop.arun(self._query(question, search, top_k, sampling, None, framing))
 
     def query(
         self,
@@ -104,9 +115,12 @@ class RAGCacheAPI(abc.ABC):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> QueryResult:
         """Blocking `aquery`."""
-        return self._loop.run(self._query(question, search, top_k, sampling, None))
+        framing = Framing(prompt, cache_salt)
+        return self._loop.run(self._query(question, search, top_k, sampling, None, framing))
 
     async def agenerate(
         self,
@@ -114,9 +128,12 @@ class RAGCacheAPI(abc.ABC):
         documents: Sequence[Document],
         *,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
-        return await self._loop.arun(self._answer(question, documents, sampling, None))
+        framing = Framing(prompt, cache_salt)
+        return await self._loop.arun(self._answer(question, documents, sampling, None, framing))
 
     def generate(
         self,
@@ -124,9 +141,12 @@ class RAGCacheAPI(abc.ABC):
         documents: Sequence[Document],
         *,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> QueryResult:
         """Blocking `agenerate`."""
-        return self._loop.run(self._answer(question, documents, sampling, None))
+        framing = Framing(prompt, cache_salt)
+        return self._loop.run(self._answer(question, documents, sampling, None, framing))
 
     async def astream(
         self,
@@ -136,14 +156,17 @@ class RAGCacheAPI(abc.ABC):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream the answer as text deltas; the last chunk carries the `QueryResult`.
         With `documents` no retrieval runs. Closing the iterator early aborts the request."""
+        framing = Framing(prompt, cache_salt)
 
         def work(emit: Emit) -> Any:
             if documents is not None:
-                return self._answer(question, documents, sampling, emit)
-            return self._query(question, search, top_k, sampling, emit)
+                return self._answer(question, documents, sampling, emit, framing)
+            return self._query(question, search, top_k, sampling, emit, framing)
 
         async for chunk in astream_from(self._loop, work):
             yield chunk
@@ -156,9 +179,17 @@ class RAGCacheAPI(abc.ABC):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> Iterator[StreamChunk]:
         """Blocking `astream`: an iterator of `StreamChunk`s."""
         chunks = self.astream(
-            question, documents=documents, search=search, top_k=top_k, sampling=sampling
+            question,
+            documents=documents,
+            search=search,
+            top_k=top_k,
+            sampling=sampling,
+            prompt=prompt,
+            cache_salt=cache_salt,
         )
         return iterate_on(self._loop, chunks)

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import EngineDied, StreamEvent
@@ -114,11 +115,16 @@ class Generator:
     # ------------------------------------------------------------------ prompts
 
     def build(
-        self, question: str, documents: Sequence[Document], sampling: SamplingConfig
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig,
+        framing: Framing = NO_FRAMING,
     ) -> BuiltPrompt:
-        """The prompt's token ids; `InputError` (before anything is allocated) when it does not
-        fit the context with the answer."""
-        prompt = self._prompts.build(question, documents)
+        """The prompt's token ids (the app's prompt of `framing`, its salt in the root key);
+        `InputError` (before anything is allocated) when it does not fit the context with the
+        answer."""
+        prompt = self._prompts.build(question, documents, framing.prompt, framing.cache_salt)
         check_fits_context(prompt.num_tokens, sampling.max_tokens, self._config.max_model_len)
         return prompt
 
@@ -130,6 +136,7 @@ class Generator:
         documents: tuple[Document, ...],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
         for doc in documents:
@@ -139,7 +146,7 @@ class Generator:
                 )
         started = time.perf_counter()
         sampling = sampling or self._config.sampling
-        prompt = self.build(question, documents, sampling)
+        prompt = self.build(question, documents, sampling, framing)
         generation = await self.generate(prompt, sampling, emit, final=True)
         return self.finish(generation, documents, started=started, search_done=started)
 
