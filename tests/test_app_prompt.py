@@ -151,7 +151,7 @@ def test_llama_index_templates_send_the_plain_engines_ids(model: Any) -> None:
             assert "file_name: " in (docs[0].prompt_text or "")
             built = builder.build(question, docs, prompt)
             assert built.token_ids == _whole(tokenizer, plain), name
-            _check_cuts(builder, lambda d, q=question: builder.build(q, d, prompt), docs)
+            _check_cuts(builder, lambda d, q=question, p=prompt: builder.build(q, d, p), docs)
 
 
 def test_default_layout_is_one_root_and_matches_the_whole_text(model: Any) -> None:
