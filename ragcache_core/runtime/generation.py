@@ -125,6 +125,9 @@ class Generator:
         `InputError` (before anything is allocated) when it does not fit the context with the
         answer."""
         prompt = self._prompts.build(question, documents, framing.prompt, framing.cache_salt)
+        self._metrics.record_prompt(
+            moved_cuts=prompt.moved_cuts, unplaced_docs=prompt.unplaced_docs
+        )
         check_fits_context(prompt.num_tokens, sampling.max_tokens, self._config.max_model_len)
         return prompt
 

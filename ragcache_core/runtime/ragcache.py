@@ -110,6 +110,7 @@ class RAGCache(RAGCacheAPI):
         self.lifecycle = Lifecycle(
             build_tree(config, self.prompts.root_key, self.connector), self.connector
         )
+        self.metrics.watch_roots(lambda: self.lifecycle.tree.num_roots)
         self.admission = build_admission(config)
         self.engine_settings = build_engine_settings(
             self.model, config, self.connector, self.device

@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ragcache_core.errors import ConfigError
 from ragcache_core.serve.errors import error_body, install_handlers
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
+from ragcache_core.serve.keys import ApiKey
 from ragcache_core.serve.queue import BoundedQueue
 from ragcache_core.serve.routes import router
 from ragcache_core.serve.state import (
@@ -83,8 +84,8 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
                 state.renderer_thread.shutdown(wait=False)
 
     app = FastAPI(title="RAGCache", lifespan=lifespan)
-    if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.accepted_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_keys)
     install_handlers(app)
     app.include_router(router())
     return app
@@ -128,16 +129,23 @@ GUARDED_PREFIX = "/v1"
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+    """Bearer keys for `/v1/...`; the tenant of the key a request presented goes in its
+    scope (`scope["ragcache_tenant"]`), where `ServeState.salt_for` reads it."""
 
-    def _allowed(self, headers: Headers) -> bool:
+    def __init__(self, app: ASGIApp, keys: tuple[ApiKey, ...]) -> None:
+        self.app = app
+        self._keys = [(hashlib.sha256(k.key.encode()).digest(), k.tenant) for k in keys]
+
+    def _tenant(self, headers: Headers) -> str | None:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            return None
         given = hashlib.sha256(token.strip().encode()).digest()
-        return secrets.compare_digest(given, self._digest)  # constant time
+        tenant = None
+        for digest, name in self._keys:  # every key compared, in constant time each
+            if secrets.compare_digest(given, digest):
+                tenant = name
+        return tenant
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         guarded = (
@@ -145,10 +153,13 @@ class ApiKeyMiddleware:
             and scope.get("method") != "OPTIONS"
             and str(scope["path"]).startswith(GUARDED_PREFIX)
         )
-        if guarded and not self._allowed(Headers(scope=scope)):
-            body = error_body(401, "a valid API key is required (Authorization: Bearer <key>)")
-            await JSONResponse(body, status_code=401)(scope, receive, send)
-            return
+        if guarded:
+            tenant = self._tenant(Headers(scope=scope))
+            if tenant is None:
+                body = error_body(401, "a valid API key is required (Authorization: Bearer <key>)")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+            scope["ragcache_tenant"] = tenant
         await self.app(scope, receive, send)
 
 

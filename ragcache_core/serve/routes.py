@@ -33,6 +33,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ragcache_core.app_prompt import AppPrompt, Framing
 from ragcache_core.client.wire import config_to_json, result_to_json
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
@@ -61,14 +62,16 @@ COMPLETIONS = "/v1/completions"
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state = state_of(request)
     state.check_model(body.model)
-    return await _serve(state, request, "chat", body, lambda: chat_job(body, state.renderer))
+    salt = state.salt_for(request, body.cache_salt)
+    return await _serve(state, request, "chat", body, lambda: chat_job(body, state.renderer, salt))
 
 
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = state_of(request)
     state.check_model(body.model)
+    salt = state.salt_for(request, body.cache_salt)
     return await _serve(
-        state, request, "completion", body, lambda: completion_job(body, state.renderer)
+        state, request, "completion", body, lambda: completion_job(body, state.renderer, salt)
     )
 
 
@@ -108,7 +111,13 @@ async def _serve(
 def open_stream(cache: RAGCache, job: Job, sampling: SamplingConfig) -> AsyncIterator[StreamChunk]:
     """The cache's stream for `job` (nothing runs until it is iterated)."""
     if isinstance(job, CachedJob):
-        return cache.astream(job.question, documents=job.documents, sampling=sampling)
+        return cache.astream(
+            job.question,
+            documents=job.documents,
+            sampling=sampling,
+            prompt=job.framing.prompt,
+            cache_salt=job.framing.cache_salt,
+        )
     return cache.astream_uncached(job.prompt_ids, sampling=sampling)
 
 
@@ -142,19 +151,31 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     if documents is None and not state.has_index:
         raise bad_request("this server has no --index: send the documents", "documents")
     sampling = body.sampling.over(cache.config.sampling) if body.sampling else None
+    try:
+        prompt = None if body.prompt is None else AppPrompt.from_json(body.prompt)
+        framing = Framing(prompt, state.salt_for(request, body.cache_salt))
+    except InputError as exc:
+        raise bad_request(str(exc), "prompt") from None
     place = state.enter(QUERY)  # a full server refuses before any work
     if documents is not None:
         given = documents
         try:
             await state.render(
                 lambda: _check_length(
-                    state, body.question, given, sampling or cache.config.sampling
+                    state, body.question, given, sampling or cache.config.sampling, framing
                 )
             )
         except BaseException:
             place.release()
             raise
-    chunks = cache.astream(body.question, documents=documents, top_k=body.top_k, sampling=sampling)
+    chunks = cache.astream(
+        body.question,
+        documents=documents,
+        top_k=body.top_k,
+        sampling=sampling,
+        prompt=framing.prompt,
+        cache_salt=framing.cache_salt,
+    )
     if body.stream:
         return responses.streamed(state, QUERY, place, _rag_events(chunks), "question")
     return await responses.whole(
@@ -200,11 +221,15 @@ async def cache_integrity(request: Request) -> Response:
 
 
 def _check_length(
-    state: ServeState, question: str, documents: tuple[Document, ...], sampling: SamplingConfig
+    state: ServeState,
+    question: str,
+    documents: tuple[Document, ...],
+    sampling: SamplingConfig,
+    framing: Framing,
 ) -> None:
     """400 (before anything runs) for a prompt that does not fit the context with the answer."""
     try:
-        tokens = state.renderer.cached_length(question, documents)
+        tokens = state.renderer.cached_length(question, documents, framing)
     except InputError as exc:
         raise bad_request(str(exc), "question") from None
     try:

@@ -33,12 +33,14 @@ class DocumentIn(BaseModel):
     text: StrictStr
     title: StrictStr | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    prompt_text: StrictStr | None = None
+    """Exactly how the prompt shows the document (None: the server's document template)."""
 
     def to_document(self) -> Document:
         metadata = dict(self.metadata)
         if self.title is not None:
             metadata["title"] = self.title
-        return Document(self.id, self.text, metadata)
+        return Document(self.id, self.text, metadata, prompt_text=self.prompt_text)
 
 
 class StreamOptions(BaseModel):
@@ -63,6 +65,8 @@ class _OpenAIRequest(BaseModel):
     return_token_ids: bool = False
     logprobs: bool | int | None = None
     documents: list[DocumentIn] | None = None
+    cache_salt: NonEmpty | None = None
+    """vLLM's field: a salted request hits only KV stored under the same salt."""
 
     @field_validator("n")
     @classmethod
@@ -185,6 +189,9 @@ class RagQueryRequest(BaseModel):
     top_k: Annotated[int, Field(ge=1)] | None = None
     sampling: SamplingIn | None = None
     stream: bool = False
+    prompt: dict[str, Any] | None = None
+    """The app's own prompt (`AppPrompt.to_json`); None: the server's layout."""
+    cache_salt: NonEmpty | None = None
 
 
 class InvalidateRequest(BaseModel):

@@ -35,6 +35,7 @@ from ragcache_core.config import CacheConfig
 from ragcache_core.errors import ConfigError
 from ragcache_core.serve.errors import ServeError
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
+from ragcache_core.serve.keys import ApiKey
 from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
 
 DEFAULT_MAX_WAITING = 64
@@ -49,6 +50,8 @@ class ServeSettings:
       route needs `documents`).
     - `api_key`: when set, every `/v1/...` route wants `Authorization: Bearer <key>` (401
       otherwise); `/health` and `/metrics` stay open for probes, as in `vllm serve`.
+      `api_keys` (a key file, `serve/keys.py`) accepts several keys, each with its tenant;
+      `salt_per_key` salts every request with its tenant (no cross-tenant hits).
     - `served_model_name`: the name in `/v1/models` and the `model` field requests must use
       (None: `model` as given, as `vllm serve` does).
     - `max_waiting`: in flight at most `config.max_num_seqs + max_waiting` requests (running
@@ -64,6 +67,8 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_keys: tuple[ApiKey, ...] = ()
+    salt_per_key: bool = False
     served_model_name: str | None = None
     max_waiting: int = DEFAULT_MAX_WAITING
     drain_timeout_s: float = 30.0
@@ -78,6 +83,14 @@ class ServeSettings:
             raise ConfigError(f"port must be in 0-65535, got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key cannot be empty (omit it to serve without a key)")
+        if self.salt_per_key and not self.accepted_keys:
+            raise ConfigError("salt_per_key needs API keys (--api-key or --api-key-file)")
+
+    @property
+    def accepted_keys(self) -> tuple[ApiKey, ...]:
+        """Every key the server accepts (`api_key` is the tenant "default")."""
+        single = () if self.api_key is None else (ApiKey(self.api_key, "default"),)
+        return single + self.api_keys
 
     @property
     def model_name(self) -> str:
@@ -111,6 +124,15 @@ class ServeState:
     async def render(self, work: Callable[[], T]) -> T:
         """`work()` on the renderer thread (prompt rendering and token counting)."""
         return await asyncio.get_running_loop().run_in_executor(self.renderer_thread, work)
+
+    def salt_for(self, request: Request, given: str | None) -> str | None:
+        """The request's effective cache salt: with `salt_per_key`, its tenant's (combined
+        with the request's own `cache_salt`, which then separates within the tenant); else
+        the request's own."""
+        tenant = request.scope.get("ragcache_tenant")
+        if not self.settings.salt_per_key or tenant is None:
+            return given
+        return f"tenant:{tenant}" + ("" if given is None else f"\0{given}")
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve (None: the served one), as vLLM."""

@@ -81,8 +81,8 @@ class PrefixTree:
 
     @property
     def num_roots(self) -> int:
-        """Roots holding a copy."""
-        return sum(1 for node in self.roots.values() if node.slots)
+        """Roots in the forest (each holds a copy; safe to read from another thread)."""
+        return len(self.roots)
 
     @property
     def num_nodes(self) -> int:
