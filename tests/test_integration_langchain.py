@@ -23,6 +23,7 @@ from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from packaging.specifiers import SpecifierSet
 
+from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
@@ -242,11 +243,14 @@ def test_llm_wrapper_finds_documents_in_the_prompt(cache: Any, flat_store: FAISS
     answer = (context | prompt | llm | StrOutputParser()).invoke(question)
 
     rendered = (context | prompt).invoke(question).to_string()
-    split = llm.memory.split(rendered)
-    assert split is not None
-    assert [d.id for d in split.documents] == [d.id for d in retriever.invoke(question)]
-    assert split.question == f"Answer from the context.\n\nQuestion: {question}\nAnswer:"
-    expected = reference(cache, split.question, split.documents)
+    found = llm.memory.find(rendered)
+    assert [d.id for d in found] == [d.id for d in retriever.invoke(question)]
+    # The prompt goes out exactly as LangChain rendered it: the ids of a completions LLM on
+    # `vllm serve` (the text tokenized whole with the tokenizer's special tokens).
+    exact = AppPrompt(text=rendered, chat=False)
+    tokenizer = cache.prompts._tokenizer
+    assert cache.prompts.build(question, found, exact).token_ids == tokenizer.encode(rendered)
+    expected = reference(cache, question, found, exact)
     assert answer == expected.text
 
     info = llm.generate([rendered]).generations[0][0].generation_info
@@ -264,8 +268,8 @@ def test_llm_wrapper_answers_uncached_when_it_finds_nothing(
     with caplog.at_level(logging.WARNING):
         first = llm.invoke(prompt)
         llm.invoke(prompt)
-    assert first == reference(cache, prompt, ()).text
-    assert caplog.text.count("answering uncached") == 1  # said once
+    assert first == reference(cache, prompt, (), AppPrompt(text=prompt, chat=False)).text
+    assert caplog.text.count("without caching any") == 1  # said once
 
 
 @pytest.mark.vllm
