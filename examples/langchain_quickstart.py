@@ -109,8 +109,8 @@ def main() -> None:
         gpu_pool_tokens=8192,
         host_pool_tokens=32768,
         sampling=SamplingConfig(max_tokens=16),
-        # Keep the prompt's question text verbatim (the RAGCacheLLM part below passes the
-        # app's own "Question: ..." line through).
+        # RAGCache's own layout (used where the chain brings no prompt of its own), with
+        # the question text verbatim.
         prompt=PromptConfig(question="{question}"),
     )
     with RAGCache(model, config) as cache:

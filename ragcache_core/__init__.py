@@ -9,9 +9,10 @@ facade, admission, speculation, the lifecycle); `client/` (the same API over HTT
 
 The public API is importable from here: `RAGCache`, `RAGCacheClient` (the same API over
 HTTP, `ragcache serve`), `RAGCacheAPI` (the abstract base both implement), `CacheConfig`,
-`PromptConfig`, `SamplingConfig`, `Document`, `QueryResult`, `quiet_vllm` (vLLM's output
-to a log file) and the errors (`RAGCacheError` and its subclasses; the classes are loaded on
-first use, so `import ragcache_core` stays light).
+`PromptConfig`, `SamplingConfig`, `Document`, `AppPrompt` (the app's own prompt, with the
+`CONTEXT` and `QUESTION` markers), `QueryResult`, `quiet_vllm` (vLLM's output to a log file)
+and the errors (`RAGCacheError` and its subclasses; the classes are loaded on first use, so
+`import ragcache_core` stays light).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ragcache_core.errors import (
 
 if TYPE_CHECKING:
     from ragcache_core.api import RAGCacheAPI
+    from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
     from ragcache_core.client import RAGCacheClient
     from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
     from ragcache_core.documents import Document
@@ -50,9 +52,15 @@ _LAZY = {
     "RAGCacheAPI": "ragcache_core.api",
     "RAGCacheClient": "ragcache_core.client",
     "quiet_vllm": "ragcache_core.engine.logs",
+    "AppPrompt": "ragcache_core.app_prompt",
+    "CONTEXT": "ragcache_core.app_prompt",
+    "QUESTION": "ragcache_core.app_prompt",
 }
 
 __all__ = [
+    "CONTEXT",
+    "QUESTION",
+    "AppPrompt",
     "CacheClosedError",
     "CacheConfig",
     "CacheHits",

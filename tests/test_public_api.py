@@ -22,6 +22,8 @@ def test_ragcache_core_exports() -> None:
     import ragcache_core
 
     assert sorted(ragcache_core.__all__) == [
+        "AppPrompt",
+        "CONTEXT",
         "CacheClosedError",
         "CacheConfig",
         "CacheHits",
@@ -31,6 +33,7 @@ def test_ragcache_core_exports() -> None:
         "MainGuardError",
         "ModelError",
         "PromptConfig",
+        "QUESTION",
         "QueryResult",
         "RAGCache",
         "RAGCacheAPI",
@@ -102,6 +105,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ["errors", "documents", "results", "config", "plan", "capacity", "search", "loop"], 0
     ),
+    **dict.fromkeys(["app_prompt"], 0),
     **dict.fromkeys(["api", "trace", "data"], 0),
     # control plane and data plane below the runtime
     **dict.fromkeys(["policy", "cost", "storage", "retrieval"], 1),
@@ -157,6 +161,7 @@ def test_the_client_imports_only_httpx_and_the_shared_types() -> None:
     ours = {m for m in loaded if m.startswith("ragcache_core.")}
     allowed = {
         "ragcache_core.api",
+        "ragcache_core.app_prompt",
         "ragcache_core.client",
         "ragcache_core.client.client",
         "ragcache_core.client.wire",

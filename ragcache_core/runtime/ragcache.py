@@ -24,10 +24,12 @@ import contextlib
 import os
 import weakref
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ragcache_core.api import RAGCacheAPI
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import AsyncEngine
@@ -87,6 +89,9 @@ class RAGCache(RAGCacheAPI):
         self.metrics = Metrics()
         tokenizer = load_tokenizer(self.model)
         self.prompts = PromptBuilder(tokenizer, config.prompt, self.model, config.dtype)
+        # The integrations read whether prompts go through the model's chat template.
+        chat = self.prompts.uses_chat_template
+        self.config = config = config.with_(prompt=replace(config.prompt, chat_template=chat))
         self._closed = False
         self._build_parts()
         self._loop = LoopThread(owner="RAGCache")
@@ -121,6 +126,7 @@ class RAGCache(RAGCacheAPI):
         self.lifecycle = Lifecycle(
             build_tree(config, self.prompts.root_key, self.connector), self.connector
         )
+        self.metrics.watch_roots(lambda: self.lifecycle.tree.num_roots)
         self.admission = build_admission(config)
         self.engine_settings = build_engine_settings(
             self.model, config, self.connector, self.device
@@ -265,8 +271,11 @@ class RAGCache(RAGCacheAPI):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        return await self._queries.run(question, search or self.search, top_k, sampling, emit)
+        return await self._queries.run(
+            question, search or self.search, top_k, sampling, emit, framing
+        )
 
     async def _answer(
         self,
@@ -274,8 +283,9 @@ class RAGCache(RAGCacheAPI):
         documents: Sequence[Document],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        return await self._generator.answer(question, tuple(documents), sampling, emit)
+        return await self._generator.answer(question, tuple(documents), sampling, emit, framing)
 
     async def _stats(self) -> dict[str, Any]:
         self.metrics.record_tree(self.tree.counters)
@@ -291,6 +301,7 @@ class RAGCache(RAGCacheAPI):
             "pinned_nodes": tree.pinned_nodes,
             "open_requests": tree.open_requests,
             "page_size": tree.page_size,
+            "roots": tree.roots,
             "evictions_gpu": counted.evictions_gpu,
             "evictions_host": counted.evictions_host,
             "swap_outs": counted.swap_outs,
