@@ -11,6 +11,11 @@ class ModelError(RAGCacheError):
     """A model folder is missing, incomplete or unusable."""
 
 
+class CacheClosedError(RAGCacheError):
+    """A call on a `RAGCache` or `RAGCacheClient` after its `close()` (or one cut short by
+    it). Create a new one to go on; nothing of the closed one is kept."""
+
+
 class ConfigError(RAGCacheError, ValueError):
     """A configuration value is out of range or inconsistent."""
 
@@ -38,6 +43,29 @@ class PromptTooLong(InputError):
         super().__init__(message)
         self.tokens = tokens
         self.limit = limit
+
+
+class MainGuardError(RAGCacheError, RuntimeError):
+    """A script starts vLLM at import time, outside `if __name__ == "__main__":`; vLLM's
+    engine processes re-import the script and would start it again (see the message)."""
+
+
+def wrong_type(what: str, expected: str, given: object, fix: str = "") -> TypeError:
+    """The `TypeError` for a wrong object: what `what` expects, what it was given, the fix."""
+    message = f"{what} expects {expected}, got {describe(given)}"
+    return TypeError(f"{message}; {fix}" if fix else message)
+
+
+def describe(value: object) -> str:
+    """A value's type as a user would recognise it: `VectorIndexRetriever (from
+    llama_index.core...)`, `str 'abc'`, `None`."""
+    if value is None:
+        return "None"
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        text = repr(value)
+        return f"{cls.__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{cls.__name__} (from {cls.__module__})"
 
 
 def check_fits_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

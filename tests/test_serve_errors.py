@@ -338,8 +338,6 @@ REFUSED = [
     (CHAT, "vllm_xargs", {"kv_cache_report_mode": 1}),
     (COMPLETIONS, "kv_transfer_params", {"ragcache_plan": {}}),
     (COMPLETIONS, "vllm_xargs", {}),
-    (CHAT, "cache_salt", "tenant-a"),
-    (COMPLETIONS, "cache_salt", "tenant-a"),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (CHAT, "tools", []),
     (CHAT, "tool_choice", "auto"),

@@ -27,6 +27,7 @@ import httpx
 import pytest
 import uvicorn
 from _serve_helpers import REPO, free_port
+from fastapi.testclient import TestClient
 
 from ragcache_core.client.wire import (
     config_from_json,
@@ -58,6 +59,7 @@ from ragcache_core.serve.jobs import (
     completion_job,
     sampling_for,
 )
+from ragcache_core.serve.keys import read_key_file
 from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
 from ragcache_core.serve.schemas import ChatRequest, CompletionRequest
 from ragcache_core.serve.state import ServeSettings
@@ -308,13 +310,18 @@ def test_chat_maps_system_and_last_user_message(renderer: PromptRenderer, tokeni
     same = [{"role": "system", "content": prompt.system_prompt}, *question]
     assert isinstance(chat_job(_chat(same, documents=_documents()), renderer), CachedJob)
 
+    # Another system prompt is cached too, under its own root (the same layout).
     other = [{"role": "system", "content": "Be brief."}, *question]
-    uncached = chat_job(_chat(other, documents=_documents()), renderer)
-    assert isinstance(uncached, UncachedJob) and uncached.reason == "system_prompt_differs"
+    own = chat_job(_chat(other, documents=_documents()), renderer, "tenant-x")
+    assert isinstance(own, CachedJob) and own.framing.cache_salt == "tenant-x"
     brief = PromptBuilder(
         tokenizer, dataclasses.replace(prompt, system_prompt="Be brief."), "m", "x"
     )
-    assert list(uncached.prompt_ids) == brief.build("Where is Paris?", DOCS).token_ids
+    ids = builder.build("Where is Paris?", DOCS, own.framing.prompt).token_ids
+    assert ids == brief.build("Where is Paris?", DOCS).token_ids
+    assert own.prompt_tokens == len(ids)
+    roots = {builder.build("q?", DOCS, f.prompt).root_key for f in (cached.framing, own.framing)}
+    assert len(roots) == 2
 
     plain = chat_job(_chat(question), renderer)
     assert isinstance(plain, UncachedJob) and plain.reason == "no_documents"
@@ -424,6 +431,7 @@ class HeldCache:
         self.release = threading.Event()
         self.started = 0
         self.closed = False
+        self.calls: list[dict[str, Any]] = []
 
     async def _answer(self) -> AsyncIterator[StreamChunk]:
         self.started += 1
@@ -436,6 +444,7 @@ class HeldCache:
     engine_state = "running"
 
     def astream(self, question: str, **kwargs: Any) -> AsyncIterator[StreamChunk]:
+        self.calls.append(kwargs)
         return self._answer()
 
     def astream_uncached(self, prompt_ids: Sequence[int], **kwargs: Any) -> Any:
@@ -448,9 +457,11 @@ class HeldCache:
         raise AssertionError("no result")
 
     async def aquery(self, question: str, **kwargs: Any) -> QueryResult:
+        self.calls.append(kwargs)
         return await self._whole()
 
     async def agenerate(self, question: str, documents: Any, **kwargs: Any) -> QueryResult:
+        self.calls.append(kwargs)
         return await self._whole()
 
     async def agenerate_uncached(self, prompt_ids: Sequence[int], **kwargs: Any) -> QueryResult:
@@ -674,17 +685,18 @@ def test_the_watchdog_stops_a_killed_servers_children_and_removes_its_pool() -> 
 
 def test_the_keys_guard_the_routes_by_role() -> None:
     from ragcache_core.serve.auth import KeyMiddleware
+    from ragcache_core.serve.keys import ApiKey
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("not called")
 
-    both = KeyMiddleware(app, api_key="k", admin_key="a")
+    both = KeyMiddleware(app, keys=(ApiKey("k", "default"),), admin_key="a")
     assert both.needs("/v1/cache/invalidate") == "admin" == both.needs("/v1/cache/integrity")
     assert both.needs("/v1/chat/completions") == "user" == both.needs("/openapi.json")
     assert both.needs("/health") is None and both.needs("/metrics") is None
-    only_api = KeyMiddleware(app, api_key="k", admin_key=None)
+    only_api = KeyMiddleware(app, keys=(ApiKey("k", "default"),), admin_key=None)
     assert only_api.needs("/v1/cache/invalidate") == "user"  # the documented default
-    only_admin = KeyMiddleware(app, api_key=None, admin_key="a")
+    only_admin = KeyMiddleware(app, admin_key="a")
     assert only_admin.needs("/v1/chat/completions") is None
     assert only_admin.needs("/v1/cache/invalidate") == "admin" == only_admin.needs("/docs")
     with pytest.raises(ConfigError, match="differ"):
@@ -768,3 +780,49 @@ def test_health_is_503_while_the_engine_is_not_running(
         assert response.status_code == 503 and response.json() == {"status": f"engine_{state}"}
     cache.engine_state = "running"
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+def test_key_file_format(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# key tenant\nsk-a1 team-a\n\nsk-a2 team-a\nsk-b team-b\nsk-lone\n")
+    keys = read_key_file(path)
+    assert [k.tenant for k in keys[:3]] == ["team-a", "team-a", "team-b"]
+    assert keys[3].tenant.startswith("key-") and "sk-lone" not in repr(keys[3])
+    for bad, match in (("sk-a x y\n", "fields"), ("sk-a\nsk-a\n", "twice"), ("# none\n", "no key")):
+        path.write_text(bad)
+        with pytest.raises(ConfigError, match=match):
+            read_key_file(path)
+    with pytest.raises(ConfigError, match="needs API keys"):
+        ServeSettings(model="m", salt_per_key=True)
+
+
+def test_salt_per_key_salts_every_request_with_its_tenant(tiny_model: Path, tmp_path: Path) -> None:
+    """Through the real app: the key a request presents decides its tenant, and with
+    --salt-per-key the tenant is the request's cache salt (its own salt then separates within
+    the tenant); an unknown key is 401."""
+    path = tmp_path / "keys"
+    path.write_text("sk-a team-a\nsk-b team-b\n")
+    cache = HeldCache(tiny_model)
+    cache.release.set()
+    settings = ServeSettings(
+        model=str(tiny_model), port=0, api_keys=read_key_file(path), salt_per_key=True
+    )
+    app = create_app(settings, cache_factory=lambda s: cache)
+    body = {"messages": [{"role": "user", "content": "Where?"}], "documents": _documents()}
+    with TestClient(app) as client:
+        for key, extra, salt in (
+            ("sk-a", {}, "tenant:team-a"),
+            ("sk-b", {}, "tenant:team-b"),
+            ("sk-a", {"cache_salt": "x"}, "tenant:team-a\0x"),
+        ):
+            answer = client.post(
+                "/v1/chat/completions",
+                json={**body, **extra},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert answer.status_code == 200, answer.text
+            assert cache.calls[-1]["cache_salt"] == salt
+        refused = client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": "Bearer no"}
+        )
+        assert refused.status_code == 401

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from ragcache_core.api import RAGCacheAPI
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.client.wire import (
     config_from_json,
     document_to_json,
@@ -89,7 +90,7 @@ class RAGCacheClient(RAGCacheAPI):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=10.0)
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
-        self._loop = LoopThread("ragcache-client")
+        self._loop = LoopThread("ragcache-client", owner="RAGCacheClient")
         try:
             info = self._loop.run(self._request("GET", "/v1/rag/config"))
         except BaseException:
@@ -133,11 +134,11 @@ class RAGCacheClient(RAGCacheAPI):
         return self._admin_headers
 
     def close(self) -> None:
-        """Close the connections and the private loop. Safe to call twice."""
-        if self._loop.loop.is_closed():
+        """Close the connections and the private loop. Safe to call twice; every call
+        afterwards raises `CacheClosedError`."""
+        if self._loop.closed:
             return
-        self._loop.run(self._http.aclose())
-        self._loop.stop()
+        self._loop.stop(self._http.aclose())
 
     # ------------------------------------------------------------------ bodies (on the loop)
 
@@ -148,15 +149,16 @@ class RAGCacheClient(RAGCacheAPI):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         if search is None:
-            return await self._ask(question, None, top_k, sampling, emit)
+            return await self._ask(question, None, top_k, sampling, emit, framing)
         if not isinstance(search, SearchSource):
             raise InputError(f"search must be a SearchSource, got {type(search).__name__}")
         started = time.perf_counter()
         final = await asyncio.to_thread(final_result, search, question, top_k or self.config.top_k)
         retrieval_s = time.perf_counter() - started
-        result = await self._ask(question, final.documents, None, sampling, emit)
+        result = await self._ask(question, final.documents, None, sampling, emit, framing)
         return dataclasses.replace(
             result, retrieval_s=retrieval_s, ttft_s=result.ttft_s + retrieval_s, scores=final.scores
         )
@@ -167,8 +169,9 @@ class RAGCacheClient(RAGCacheAPI):
         documents: Sequence[Document],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        return await self._ask(question, documents, None, sampling, emit)
+        return await self._ask(question, documents, None, sampling, emit, framing)
 
     async def _ask(
         self,
@@ -177,6 +180,7 @@ class RAGCacheClient(RAGCacheAPI):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """`POST /v1/rag/query`, whole or streamed into `emit`."""
         body: dict[str, Any] = {"question": question, "stream": emit is not None}
@@ -186,6 +190,10 @@ class RAGCacheClient(RAGCacheAPI):
             body["top_k"] = top_k
         if sampling is not None:
             body["sampling"] = sampling_to_json(sampling)
+        if framing.prompt is not None:
+            body["prompt"] = framing.prompt.to_json()
+        if framing.cache_salt is not None:
+            body["cache_salt"] = framing.cache_salt
         if emit is None:
             return result_from_json(await self._request("POST", QUERY, body))
         return await self._stream(body, emit)

@@ -1,7 +1,8 @@
 """RAGCache's typed objects as JSON and back: what `/v1/rag/...` sends and `RAGCacheClient`
 reads. Pure functions (no HTTP, no FastAPI), so the client needs only `httpx`.
 
-    Document      {"id", "text", "metadata"}
+    Document      {"id", "text", "metadata", "prompt_text" (only when set)}
+    AppPrompt     `AppPrompt.to_json` (app_prompt.py)
     QueryResult   {"answer", "token_ids", "sources", "scores", "ttft_s", "retrieval_s",
                    "queue_wait_s", "cache_hits", "prompt_tokens", "finish_reason",
                    "speculative", "retries", "timings", "logprobs"}
@@ -40,11 +41,20 @@ def jsonable(value: Any) -> Any:
 
 
 def document_to_json(doc: Document) -> dict[str, Any]:
-    return {"id": doc.id, "text": doc.text, "metadata": jsonable(dict(doc.metadata))}
+    data = {"id": doc.id, "text": doc.text, "metadata": jsonable(dict(doc.metadata))}
+    if doc.prompt_text is not None:
+        data["prompt_text"] = doc.prompt_text
+    return data
 
 
 def document_from_json(data: Mapping[str, Any]) -> Document:
-    return Document(str(data["id"]), str(data["text"]), dict(data.get("metadata") or {}))
+    shown = data.get("prompt_text")
+    return Document(
+        str(data["id"]),
+        str(data["text"]),
+        dict(data.get("metadata") or {}),
+        prompt_text=None if shown is None else str(shown),
+    )
 
 
 def result_to_json(result: QueryResult) -> dict[str, Any]:

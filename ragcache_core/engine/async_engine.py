@@ -20,6 +20,12 @@ from ragcache_core.engine.settings import EngineSettings
 from ragcache_core.errors import RAGCacheError
 from ragcache_core.results import TokenLogprobs
 
+ENGINE_EXIT_TIMEOUT_S = 30.0
+"""How long `close` waits for the engine core to exit by itself before vLLM kills it. vLLM's
+default (5 s) is shorter than the engine core's own wait for its worker (up to 5 s, then a
+SIGTERM and 4 s more): killed mid-teardown, the engine core never unlinks its shared-memory
+message queue and Python's resource tracker reports it as leaked at exit."""
+
 
 class EngineDied(RAGCacheError):
     """The vLLM engine core stopped (crash or kill); requests in it are lost."""
@@ -52,13 +58,15 @@ class AsyncEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from ragcache_core.engine.compat import check_vllm_version
+        from ragcache_core.engine.logs import engine_output
 
         check_vllm_version()
         settings.apply_environment()
         self.settings = settings
         started = time.perf_counter()
         kwargs = settings.to_engine_kwargs()
-        self._engine: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        with engine_output():  # its processes write to vLLM's log file, where one is set
+            self._engine: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.start_s = time.perf_counter() - started
         self._closed = False
         from ragcache_core.engine.sampling import SamplingChecker
@@ -144,7 +152,7 @@ class AsyncEngine:
             return
         self._closed = True
         engine, self._engine = self._engine, None
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_EXIT_TIMEOUT_S)
         # Drop the last reference now, while the interpreter is whole: AsyncLLM.__del__ shuts
         # down again and fails noisily if it runs at interpreter exit.
         del engine

@@ -27,11 +27,12 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import EngineDied, StreamEvent
 from ragcache_core.engine.connector import ConnectorResult
-from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError
+from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError, check_fits_context
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
@@ -147,20 +148,32 @@ class Generator:
         self._engines.engine.checker.check(sampling)
 
     def build(
-        self, question: str, documents: Sequence[Document], sampling: SamplingConfig
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig,
+        framing: Framing = NO_FRAMING,
     ) -> BuiltPrompt:
-        """The prompt's token ids; `PromptTooLong` (before anything is allocated, and before
-        any of its documents is memoized) when it does not fit the context with the answer."""
+        """The prompt's token ids (the app's prompt of `framing`, its salt in the root key);
+        `PromptTooLong` (before anything is allocated, and before any of it is memoized) when
+        it does not fit the context with the answer."""
         max_len = self._config.max_model_len
+        check_fits_context(0, sampling.max_tokens, max_len)  # names a max_tokens over the context
         limit = max_len - sampling.max_tokens
         try:
-            return self._prompts.build(question, documents, max_tokens=limit)
+            prompt = self._prompts.build(
+                question, documents, framing.prompt, framing.cache_salt, max_tokens=limit
+            )
         except PromptTooLong as exc:
             raise PromptTooLong(
                 f"{exc} (max_model_len {max_len} - max_tokens {sampling.max_tokens})",
                 tokens=exc.tokens,
                 limit=exc.limit,
             ) from None
+        self._metrics.record_prompt(
+            moved_cuts=prompt.moved_cuts, unplaced_docs=prompt.unplaced_docs
+        )
+        return prompt
 
     # ------------------------------------------------------------------ requests
 
@@ -170,6 +183,7 @@ class Generator:
         documents: tuple[Document, ...],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
         for doc in documents:
@@ -180,7 +194,7 @@ class Generator:
         started = time.perf_counter()
         sampling = sampling or self._config.sampling
         self.check_sampling(sampling)
-        prompt = self.build(question, documents, sampling)
+        prompt = self.build(question, documents, sampling, framing)
         generation = await self.generate(prompt, sampling, emit, final=True)
         return self.finish(generation, documents, started=started, search_done=started)
 

@@ -83,8 +83,8 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.read_timeout_s,
     )
-    if settings.api_key is not None or settings.admin_key is not None:
-        app.add_middleware(KeyMiddleware, api_key=settings.api_key, admin_key=settings.admin_key)
+    if settings.accepted_keys or settings.admin_key is not None:
+        app.add_middleware(KeyMiddleware, keys=settings.accepted_keys, admin_key=settings.admin_key)
     app.add_middleware(CountedResponses)  # outermost
     install_handlers(app)
     app.include_router(router())

@@ -1,11 +1,12 @@
 """What an OpenAI request asks the cache to do, and the server's own view of prompts.
 
-A `CachedJob` is a question + documents under the server's system prompt; an `UncachedJob` is
-token ids, and why they cannot be cached. Chat messages map as: the system (or developer)
-message is the root's system prompt, the last user message is the question. With documents,
-nothing else may be in `messages` (earlier turns have no place in the cached layout: 400). A
-system prompt other than the server's is served uncached (same layout, that system prompt) and
-the response says so.
+A `CachedJob` is a question + documents in a prompt (its `Framing`: the server's layout with the
+request's system prompt, and the tenant's salt); an `UncachedJob` is token ids, and why they
+cannot be cached. Chat messages map as: the system (or developer) message is the root's system
+prompt (none: the server's `--system-prompt`), the last user message is the question. With
+documents, nothing else may be in `messages` (earlier turns have no place in the cached layout:
+400). Every system prompt is its own root in the knowledge tree, so no request is served
+uncached because its system prompt differs from the server's.
 
 `PromptRenderer` gives the token ids of what the server serves uncached and of what it sends
 to the cache (to check them against the context and size a default answer):
@@ -13,10 +14,9 @@ to the cache (to check them against the context and size a default answer):
     /v1/completions, no documents        tokenizer(prompt) with special tokens, as vLLM does
     /v1/chat/completions, no documents   the model's chat template over every message, as vLLM
       (or vLLM-shaped documents, no ids)   (the template's `documents` kwarg included)
-    documents + another system prompt    RAGCache's own prompt layout with that system prompt
-                                         (PromptBuilder), served uncached
-    documents + the server's prompt      built with the cache's PromptBuilder layout; the
-                                         cache builds (and caches) the same ids itself
+    documents                            built with the cache's PromptBuilder layout (that
+                                         system prompt, that salt); the cache builds (and
+                                         caches) the same ids itself
 
 It runs in the server's render lanes (`ServeState.render`), off the event loop; a prompt that
 cannot fit is refused before any of it is memoized, and a text too long for the context before
@@ -34,14 +34,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
+from ragcache_core.app_prompt import NO_FRAMING, AppPrompt, Framing, default_prompt
 from ragcache_core.config import PromptConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, PromptTooLong
@@ -49,7 +48,7 @@ from ragcache_core.runtime.prompt import PromptBuilder, check_text_fits
 from ragcache_core.serve.errors import bad_request
 from ragcache_core.serve.schemas import ChatMessage, ChatRequest, CompletionRequest, OpenAIRequest
 
-UncachedReason = Literal["no_documents", "system_prompt_differs", "template_documents"]
+UncachedReason = Literal["no_documents", "template_documents"]
 _SYSTEM_ROLES = ("system", "developer")
 COMPLETION_MAX_TOKENS = 16
 """`/v1/completions`' default `max_tokens`, as in vLLM and OpenAI."""
@@ -71,6 +70,7 @@ class CachedJob:
     documents: tuple[Document, ...]
     prompt_ids: tuple[int, ...]
     """The ids the cache will build (the renderer uses the cache's layout)."""
+    framing: Framing = NO_FRAMING
 
     @property
     def doc_ids(self) -> tuple[str, ...]:
@@ -141,7 +141,8 @@ class GenerationDefaults:
         return dict(self.values).get(name, _VLLM_DEFAULTS[name])
 
 
-def chat_job(request: ChatRequest, renderer: PromptRenderer) -> Job:
+def chat_job(request: ChatRequest, renderer: PromptRenderer, salt: str | None = None) -> Job:
+    """The job of a chat request; `salt` is the request's effective cache salt."""
     pairs = [(m, _text(m, i)) for i, m in enumerate(request.messages)]
     documents = request.doc_list()
     if documents is None:
@@ -168,21 +169,21 @@ def chat_job(request: ChatRequest, renderer: PromptRenderer) -> Job:
         )
     question = turns[0][1]
     system_prompt = "\n\n".join(system) if system else renderer.system_prompt
-    if system_prompt != renderer.system_prompt:
-        build = partial(renderer.with_system, system_prompt, question, documents)
-        job = _uncached(build, "system_prompt_differs", "messages")
-        return dataclasses.replace(job, doc_ids=tuple(d.id for d in documents))
-    return _cached(renderer, question, documents, "messages")
+    framing = Framing(renderer.server_prompt(system_prompt), salt)
+    return _cached(renderer, question, documents, "messages", framing)
 
 
-def completion_job(request: CompletionRequest, renderer: PromptRenderer) -> Job:
+def completion_job(
+    request: CompletionRequest, renderer: PromptRenderer, salt: str | None = None
+) -> Job:
+    """The job of a completions request; `salt` is the request's effective cache salt."""
     prompt = request.single_prompt()
     documents = request.doc_list()
     if documents is None:
         return _uncached(partial(renderer.completion, prompt), "no_documents", "prompt")
     if not isinstance(prompt, str):
         raise bad_request("with documents, the prompt is the question: a string", "prompt")
-    return _cached(renderer, prompt, documents, "prompt")
+    return _cached(renderer, prompt, documents, "prompt", Framing(None, salt))
 
 
 def answer_tokens(
@@ -282,13 +283,17 @@ def _text(message: ChatMessage, index: int) -> str:
 
 
 def _cached(
-    renderer: PromptRenderer, question: str, documents: tuple[Document, ...], param: str
+    renderer: PromptRenderer,
+    question: str,
+    documents: tuple[Document, ...],
+    param: str,
+    framing: Framing = NO_FRAMING,
 ) -> CachedJob:
     try:
-        ids = renderer.cached_ids(question, documents)
+        ids = renderer.cached_ids(question, documents, framing)
     except InputError as exc:
         raise bad_request(str(exc), param) from None
-    return CachedJob(question, documents, ids)
+    return CachedJob(question, documents, ids, framing)
 
 
 def _uncached(
@@ -298,10 +303,6 @@ def _uncached(
         return UncachedJob(tuple(build()), reason)
     except InputError as exc:
         raise bad_request(str(exc), param) from None
-
-
-_OTHER_PROMPTS = 8
-"""Builders kept for system prompts other than the server's (least recently used dropped)."""
 
 
 class PromptRenderer:
@@ -329,8 +330,6 @@ class PromptRenderer:
         self._model = model
         self._kv_dtype = kv_dtype
         self._root = builder or PromptBuilder(tokenizer, prompt, model, kv_dtype)
-        self._others: OrderedDict[str, PromptBuilder] = OrderedDict()
-        self._others_lock = threading.Lock()
         self.vocab_size = len(tokenizer)
         self.max_model_len = max_model_len
         self._max_prompt = None if max_model_len is None else max_model_len - 1
@@ -338,39 +337,42 @@ class PromptRenderer:
 
     @property
     def system_prompt(self) -> str:
-        """The tree root's system prompt: a request with another one is served uncached."""
+        """The server's system prompt (`--system-prompt`): the default root."""
         return self._prompt.system_prompt
 
-    def cached_length(self, question: str, documents: Sequence[Document]) -> int:
+    def server_prompt(self, system: str) -> AppPrompt | None:
+        """The server's layout with system prompt `system` (None: the server's own, the
+        default root); every system prompt is its own root in the tree."""
+        if system == self._prompt.system_prompt:
+            return None
+        chat = self._root.uses_chat_template
+        prompt = default_prompt(dataclasses.replace(self._prompt, system_prompt=system), chat)
+        if chat and self._root.default_prompt.messages[0]["role"] != "system":
+            # The template has no system role: the system prompt leads the user turn.
+            user = system + "\n\n" + str(prompt.messages[1]["content"])
+            prompt = dataclasses.replace(prompt, messages=({"role": "user", "content": user},))
+        return prompt
+
+    def cached_length(
+        self, question: str, documents: Sequence[Document], framing: Framing = NO_FRAMING
+    ) -> int:
         """Tokens of the prompt the cache will build for `question` over `documents`."""
+        return len(self.cached_ids(question, documents, framing))
+
+    def cached_ids(
+        self, question: str, documents: Sequence[Document], framing: Framing = NO_FRAMING
+    ) -> tuple[int, ...]:
+        """The ids of the prompt the cache will build for `question` over `documents`
+        (`PromptTooLong` when it cannot fit, before any of it is memoized)."""
         with self._in_context():
-            return self._root.build(question, documents, max_tokens=self._max_prompt).num_tokens
-
-    def cached_ids(self, question: str, documents: Sequence[Document]) -> tuple[int, ...]:
-        """The ids of the prompt the cache will build for `question` over `documents`."""
-        return tuple(self._root.build(question, documents).token_ids)
-
-    def with_system(self, system: str, question: str, documents: Sequence[Document]) -> list[int]:
-        """The cache's prompt layout with another system prompt (served uncached)."""
-        with self._others_lock:
-            builder = self._others.get(system)
-        if builder is None:
-            prompt = dataclasses.replace(self._prompt, system_prompt=system)
-            builder = PromptBuilder(
-                self._tokenizer,
-                prompt,
-                self._model,
-                self._kv_dtype,
-                memo=self._root.memo,
-                max_token_chars=self._root.max_token_chars,
+            built = self._root.build(
+                question,
+                documents,
+                framing.prompt,
+                framing.cache_salt,
+                max_tokens=self._max_prompt,
             )
-        with self._others_lock:
-            self._others[system] = builder
-            self._others.move_to_end(system)
-            if len(self._others) > _OTHER_PROMPTS:
-                self._others.popitem(last=False)
-        with self._in_context():
-            return builder.build(question, documents, max_tokens=self._max_prompt).token_ids
+        return tuple(built.token_ids)
 
     def chat(
         self, messages: list[dict[str, Any]], documents: list[dict[str, str]] | None = None

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from ragcache_core.app_prompt import AppPrompt, Framing
 from ragcache_core.client.wire import config_to_json, logprobs_to_json, result_to_json
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
@@ -75,15 +76,17 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state = state_of(request)
     _valid_text(body)
     state.check_model(body.model)
-    return await _serve(state, request, "chat", body, lambda: chat_job(body, state.renderer))
+    salt = state.salt_for(request, body.cache_salt)
+    return await _serve(state, request, "chat", body, lambda: chat_job(body, state.renderer, salt))
 
 
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = state_of(request)
     _valid_text(body)
     state.check_model(body.model)
+    salt = state.salt_for(request, body.cache_salt)
     return await _serve(
-        state, request, "completion", body, lambda: completion_job(body, state.renderer)
+        state, request, "completion", body, lambda: completion_job(body, state.renderer, salt)
     )
 
 
@@ -167,7 +170,13 @@ def _response_id(request: Request, body: OpenAIRequest) -> str:
 def open_stream(cache: RAGCache, job: Job, sampling: SamplingConfig) -> AsyncIterator[StreamChunk]:
     """The cache's stream for `job` (nothing runs until it is iterated)."""
     if isinstance(job, CachedJob):
-        return cache.astream(job.question, documents=job.documents, sampling=sampling)
+        return cache.astream(
+            job.question,
+            documents=job.documents,
+            sampling=sampling,
+            prompt=job.framing.prompt,
+            cache_salt=job.framing.cache_salt,
+        )
     return cache.astream_uncached(job.prompt_ids, sampling=sampling)
 
 
@@ -176,7 +185,13 @@ def whole_answer(cache: RAGCache, job: Job, sampling: SamplingConfig) -> Awaitab
     the client before the answer ends, so a try that loses its engine is retried like one
     before its first token (the cache knows no text was shown)."""
     if isinstance(job, CachedJob):
-        return cache.agenerate(job.question, job.documents, sampling=sampling)
+        return cache.agenerate(
+            job.question,
+            job.documents,
+            sampling=sampling,
+            prompt=job.framing.prompt,
+            cache_salt=job.framing.cache_salt,
+        )
     return cache.agenerate_uncached(job.prompt_ids, sampling=sampling)
 
 
@@ -213,6 +228,11 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     if documents is not None and body.top_k is not None:
         raise bad_request("top_k is for the server's search: with documents none runs", "top_k")
     sampling = _rag_sampling(body, cache.config.sampling, state.settings.config.max_model_len)
+    try:
+        prompt = None if body.prompt is None else AppPrompt.from_json(body.prompt)
+        framing = Framing(prompt, state.salt_for(request, body.cache_salt))
+    except InputError as exc:
+        raise bad_request(str(exc), "prompt") from None
     place = state.enter(QUERY)  # a full server refuses before any work
     chars = len(body.question) + sum(len(d.text) for d in documents or ())
 
@@ -223,22 +243,34 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
             param = f"sampling.{exc.param}" if exc.param else "sampling"
             raise bad_request(str(exc), param) from None
         if documents is not None:
-            _check_length(state, body.question, documents, sampling or cache.config.sampling)
+            _check_length(
+                state, body.question, documents, sampling or cache.config.sampling, framing
+            )
 
     try:
         await state.render(prepare, chars)
     except BaseException:
         place.release()
         raise
+    prompt, salt = framing.prompt, framing.cache_salt
     if body.stream:
         chunks = cache.astream(
-            body.question, documents=documents, top_k=body.top_k, sampling=sampling
+            body.question,
+            documents=documents,
+            top_k=body.top_k,
+            sampling=sampling,
+            prompt=prompt,
+            cache_salt=salt,
         )
         return responses.streamed(state, QUERY, place, _rag_events(chunks), "question")
     if documents is None:
-        work = cache.aquery(body.question, top_k=body.top_k, sampling=sampling)
+        work = cache.aquery(
+            body.question, top_k=body.top_k, sampling=sampling, prompt=prompt, cache_salt=salt
+        )
     else:
-        work = cache.agenerate(body.question, documents, sampling=sampling)
+        work = cache.agenerate(
+            body.question, documents, sampling=sampling, prompt=prompt, cache_salt=salt
+        )
     return await responses.whole(state, request, QUERY, place, work, result_to_json, "question")
 
 
@@ -300,13 +332,17 @@ async def cache_integrity(request: Request) -> Response:
 
 
 def _check_length(
-    state: ServeState, question: str, documents: tuple[Document, ...], sampling: SamplingConfig
+    state: ServeState,
+    question: str,
+    documents: tuple[Document, ...],
+    sampling: SamplingConfig,
+    framing: Framing,
 ) -> None:
     """400 (before anything runs) for a prompt that does not fit the context with the answer
     (refused before any of it is memoized: `PromptRenderer`; RAGCache's own API refuses it
     rather than clamp the answer, docs/deploy.md)."""
     try:
-        tokens = state.renderer.cached_length(question, documents)
+        tokens = state.renderer.cached_length(question, documents, framing)
         check_fits_context(tokens, sampling.max_tokens, state.settings.config.max_model_len)
     except PromptTooLong as exc:
         raise bad_request(str(exc), "documents") from None

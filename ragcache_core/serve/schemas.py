@@ -126,6 +126,10 @@ _COMMON: dict[str, Treatment] = {
     "return_token_ids": _h("token_ids per choice (per chunk when streamed), prompt_token_ids"),
     "return_tokens_as_token_ids": _h("logprob tokens written as 'token_id:N'"),
     "request_id": _h("the response id (the X-Request-Id header wins, as in vLLM)"),
+    "cache_salt": _h(
+        "salts the cached prompt's root: a salted request hits only KV stored under the same "
+        "salt (with --salt-per-key, within its key's tenant)"
+    ),
     "user": _i("accepted and ignored, as vLLM does"),
     "watermarking": _i("no watermark config: vLLM runs such a request unwatermarked too"),
     "length_penalty": _i("beam search only (refused)"),
@@ -139,7 +143,6 @@ _COMMON: dict[str, Treatment] = {
     "prompt_logprobs": _r("a cached prompt is loaded, not computed: no prompt logprobs", None),
     "priority": _r("no priority scheduling (vllm serve also needs --scheduling-policy)", 0, None),
     "routed_experts_prompt_start": _r("no routed-experts data", 0, None),
-    "cache_salt": _r("not yet: cache isolation comes with the app's-own-prompt issue", None),
     "kv_transfer_params": _r("it would write RAGCache's plan channel (extra_args)", None),
     "ec_transfer_params": _r("it would write RAGCache's plan channel (extra_args)", None),
     "vllm_xargs": _r("it would write RAGCache's plan channel (extra_args)", None),
@@ -210,12 +213,14 @@ class DocumentIn(BaseModel):
     text: StrictStr
     title: StrictStr | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    prompt_text: StrictStr | None = None
+    """Exactly how the prompt shows the document (None: the server's document template)."""
 
     def to_document(self) -> Document:
         metadata = dict(self.metadata)
         if self.title is not None:
             metadata["title"] = self.title
-        return Document(self.id, self.text, metadata)
+        return Document(self.id, self.text, metadata, prompt_text=self.prompt_text)
 
 
 class StreamOptions(BaseModel):
@@ -335,6 +340,8 @@ class _OpenAIRequest(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     request_id: StrictStr | None = None
     documents: list[DocumentIn] | None = None
+    cache_salt: NonEmpty | None = None
+    """vLLM's field: a salted request hits only KV stored under the same salt."""
     # Ignored, as vLLM ignores them here.
     user: StrictStr | None = None
     watermarking: bool | None = None
@@ -350,7 +357,6 @@ class _OpenAIRequest(BaseModel):
     prompt_logprobs: Any = None
     priority: Any = 0
     routed_experts_prompt_start: Any = 0
-    cache_salt: Any = None
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
     vllm_xargs: Any = None
@@ -717,6 +723,9 @@ class RagQueryRequest(BaseModel):
     top_k: Annotated[int, Field(ge=1)] | None = None
     sampling: SamplingIn | None = None
     stream: bool = False
+    prompt: dict[str, Any] | None = None
+    """The app's own prompt (`AppPrompt.to_json`); None: the server's layout."""
+    cache_salt: NonEmpty | None = None
 
 
 class InvalidateRequest(BaseModel):

@@ -35,6 +35,7 @@ from ragcache_core.config import CacheConfig
 from ragcache_core.errors import ConfigError
 from ragcache_core.serve.errors import ServeError
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
+from ragcache_core.serve.keys import ApiKey
 from ragcache_core.serve.queue import BoundedQueue, Place
 
 DEFAULT_MAX_WAITING = 64
@@ -53,9 +54,11 @@ class ServeSettings:
       route needs `documents`).
     - `api_key`: when set, every `/v1/...` route and the OpenAPI pages want
       `Authorization: Bearer <key>` (401 otherwise); `/health` and `/metrics` stay open for
-      probes, as in `vllm serve`.
+      probes, as in `vllm serve`. `api_keys` (a key file, `serve/keys.py`) accepts several
+      keys, each with its tenant; `salt_per_key` salts every request with its tenant (no
+      cross-tenant hits).
     - `admin_key`: when set, only it opens `/v1/cache/invalidate` and `/v1/cache/integrity`
-      (403 for the API key); without it the API key opens them (serve/auth.py).
+      (403 for the API keys); without it the API keys open them (serve/auth.py).
     - `served_model_name`: the name in `/v1/models` and in responses (None: the model
       folder's name); a request's `model` may be it or the model path.
     - `max_waiting`: in flight at most `config.max_num_seqs + max_waiting` requests (running
@@ -73,6 +76,8 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_keys: tuple[ApiKey, ...] = ()
+    salt_per_key: bool = False
     served_model_name: str | None = None
     max_waiting: int = DEFAULT_MAX_WAITING
     drain_timeout_s: float = 30.0
@@ -93,13 +98,21 @@ class ServeSettings:
             raise ConfigError("api_key cannot be empty (omit it to serve without a key)")
         if self.admin_key is not None and not self.admin_key:
             raise ConfigError("admin_key cannot be empty (omit it: the API key opens admin routes)")
-        if self.admin_key is not None and self.admin_key == self.api_key:
+        if self.admin_key is not None and self.admin_key in {k.key for k in self.accepted_keys}:
             raise ConfigError("admin_key must differ from api_key (else every key holder is admin)")
         if self.max_body_bytes < 1:
             raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         for name in ("header_timeout_s", "read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.salt_per_key and not self.accepted_keys:
+            raise ConfigError("salt_per_key needs API keys (--api-key or --api-key-file)")
+
+    @property
+    def accepted_keys(self) -> tuple[ApiKey, ...]:
+        """Every key the server accepts (`api_key` is the tenant "default")."""
+        single = () if self.api_key is None else (ApiKey(self.api_key, "default"),)
+        return single + self.api_keys
 
     @property
     def model_name(self) -> str:
@@ -139,6 +152,15 @@ class ServeState:
         characters of text) in its lane (`RenderLanes`)."""
         lane = self.lanes.lane_for(chars)
         return await asyncio.get_running_loop().run_in_executor(lane, work)
+
+    def salt_for(self, request: Request, given: str | None) -> str | None:
+        """The request's effective cache salt: with `salt_per_key`, its tenant's (combined
+        with the request's own `cache_salt`, which then separates within the tenant); else
+        the request's own."""
+        tenant = request.scope.get("ragcache_tenant")
+        if not self.settings.salt_per_key or tenant is None:
+            return given
+        return f"tenant:{tenant}" + ("" if given is None else f"\0{given}")
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve, as vLLM; the served name, the model
