@@ -56,10 +56,10 @@ def record_evictions(monkeypatch: pytest.MonkeyPatch) -> list[Eviction]:
     log: list[Eviction] = []
     evict = Placement._evict
 
-    def spy(placement: Placement, node: Node, tier: Tier, handle: object) -> None:
+    def spy(placement: Placement, node: Node, tier: Tier, *rest: object) -> None:
         children = sorted(node_path(c) for c in node.children.values() if tier in c.slots)
         log.append(Eviction(node_path(node), tier, tuple(children), node.pins > 0))
-        evict(placement, node, tier, handle)  # type: ignore[arg-type]
+        evict(placement, node, tier, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Placement, "_evict", spy)
     return log
