@@ -4,7 +4,10 @@ One JSON object per line, the format the simulator reads (`ragcache_core.trace`,
 defines `TraceRequest` and `write_trace` for both):
 `{"id": str, "arrival_s": float, "docs": [doc ids in prompt order], "doc_tokens": [int per doc],
 "question_tokens": int}`. Document tokens count the document as the prompt shows it
-(`render_document`), tokenized on its own, exactly as the controller will tokenize it.
+(`render_document`), tokenized on its own; the question's, the question alone. The runtime
+tokenizes each prompt whole (`runtime.prompt`), so a tree node's size differs from its
+document's count by the seams with its neighbours: a few tokens (demo sample, tiny model: 3
+fewer at the first document, at most 1 at the last), and its question piece holds the template.
 """
 
 from __future__ import annotations
