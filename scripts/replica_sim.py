@@ -32,7 +32,7 @@ from ragcache_core.sim import (
 )
 from ragcache_core.trace import TraceRequest
 
-GRID = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
+GRID = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 SEARCHED = ("round_robin", "prefix_affinity", "doc_affinity", "oracle")
 
 
@@ -135,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--length", type=int, default=32000)
+    parser.add_argument("--length", type=int, default=24000)
     parser.add_argument("--replicas", type=int, nargs="+", default=[8, 16, 64])
     parser.add_argument("--share", type=float, default=0.2)
     parser.add_argument("--load-factor", type=float, default=1.25)
