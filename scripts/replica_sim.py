@@ -4,9 +4,9 @@ For each trace (made by scripts/build_sim_traces.py), a stream of --length reque
 resampled with the trace's measured first-document skew (ragcache_core/sim/resample.py), then
 run through 8, 16 and 64 replicas with every routing policy. Memory: the replicas together hold
 --share of the stream's distinct prefix tokens (per replica M = share x W / N; a quarter GPU,
-three quarters host); the single-replica reference holds N x M. The memory search finds the
-smallest per-replica memory, as a multiple of M on a grid, that reaches the single replica's
-token hit rate.
+three quarters host, 16-token pages); the single-replica reference holds N x M. The memory
+search finds the smallest per-replica memory, as a multiple of M on a grid, that reaches the
+single replica's token hit rate.
 
     .venv/bin/python scripts/build_sim_traces.py --out /tmp/ragcache-traces
     .venv/bin/python scripts/replica_sim.py /tmp/ragcache-traces/{nq,mmlu}_top2.jsonl \\
@@ -48,8 +48,11 @@ def distinct_prefix_tokens(requests: list[TraceRequest]) -> int:
 
 
 def replica_config(memory: int, system_tokens: int) -> SimConfig:
+    """A quarter GPU, three quarters host; 16-token pages (twice as fast as 1-token ones)."""
     gpu = memory // 4
-    return SimConfig(gpu_tokens=gpu, host_tokens=memory - gpu, system_tokens=system_tokens)
+    return SimConfig(
+        gpu_tokens=gpu, host_tokens=memory - gpu, system_tokens=system_tokens, page_size=16
+    )
 
 
 def cluster_hit(

@@ -221,7 +221,10 @@ def _run(args: argparse.Namespace) -> int:
         wait_for(layout.router_url + "/readiness", [router], 60.0)
         print(
             f"ready: router {layout.router_url} ({args.router_policy}) -> "
-            + ", ".join(f"r{i} {u}" for i, u in enumerate(layout.replica_urls)),
+            + ", ".join(
+                f"r{i} {u} (pid {p.pid})"
+                for i, (u, p) in enumerate(zip(layout.replica_urls, replicas, strict=True))
+            ),
             flush=True,
         )
         _supervise(router, replicas, stopping)
