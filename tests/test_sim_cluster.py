@@ -124,11 +124,13 @@ def test_oracle_follows_the_replica_that_holds_the_document() -> None:
 def test_prefix_affinity_follows_the_matched_prefix_and_places_new_ones_on_the_smallest_tree() -> (
     None
 ):
-    requests = [req(0, "a", "b"), req(1, "c", "d"), req(2, "a", "x"), req(3, "c", "y")]
+    # Router trees after each request: r0 = a,b + question (21 tokens); r1 = c (11); the
+    # third matches "a" on r0 (10 of 21 tokens > 0.3) although r1's tree is smaller; the
+    # fourth matches nothing and goes to the smaller tree, r1.
+    requests = [req(0, "a", "b"), req(1, "c"), req(2, "a", "x"), req(3, "d")]
     result = simulate_cluster(requests, cluster(2, "prefix_affinity"))
     assert result.requests_per_replica == (2, 2)
-    per = [r.cached_docs for r in result.per_replica]
-    assert per == [1, 1]  # "a" hits on the replica of request 0, "c" on that of request 1
+    assert [r.cached_docs for r in result.per_replica] == [1, 0]
 
 
 def test_prefix_affinity_balances_when_loads_diverge() -> None:
