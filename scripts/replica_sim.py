@@ -11,6 +11,8 @@ single replica's token hit rate.
     .venv/bin/python scripts/build_sim_traces.py --out /tmp/ragcache-traces
     .venv/bin/python scripts/replica_sim.py /tmp/ragcache-traces/{nq,mmlu}_top2.jsonl \\
         --out /tmp/ragcache-replicas
+    .venv/bin/python scripts/replica_sim.py --report /tmp/ragcache-replicas/replicas.json \\
+        --plot docs/img/replicas-sim.png        # the markdown table and the plot
 """
 
 from __future__ import annotations
@@ -134,10 +136,74 @@ def run_trace(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def table(results: list[dict[str, Any]]) -> str:
+    """The markdown tables of docs/benchmarks.md, one per trace."""
+    lines = []
+    for res in results:
+        fit = res["fit"]
+        lines += [
+            f"\n**{res['trace']}** resampled to {res['length']:,} requests (one-off share "
+            f"{fit['one_off_share']:.2f}, Zipf s {fit['zipf_s']:.2f} over "
+            f"{fit['reused_groups']} x {fit['copies']} reused first documents); distinct "
+            f"prefix tokens W = {res['distinct_prefix_tokens']:,}; the replicas hold "
+            f"{res['share']:.0%} of W together.\n",
+            "| N | memory per replica M | one replica with N x M | routing | token hit | "
+            "doc hit | busiest share | imbalance mean / max | memory per replica to match |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for n, row in res["replicas"].items():
+            for routing in ROUTINGS:
+                r = row[routing]
+                multiple = r.get("memory_multiple", "-")
+                shown = (
+                    "-"
+                    if multiple == "-"
+                    else (f"> {n} M" if multiple is None else f"{multiple:g} M")
+                )
+                lines.append(
+                    f"| {n} | {row['memory_per_replica']:,} | {row['single_n_memory_hit']:.3f} | "
+                    f"{routing} | {r['token_hit_rate']:.3f} | {r['doc_hit_rate']:.3f} | "
+                    f"{r['busiest_share']:.3f} | {r['imbalance_mean']:.2f} / "
+                    f"{r['imbalance_max']:.2f} | {shown} |"
+                )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Token hit rate and load imbalance against N, one row per trace."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(10, 3.6 * len(results)), squeeze=False)
+    for row_axes, res in zip(axes, results, strict=True):
+        ns = [int(n) for n in res["replicas"]]
+        hit_ax, load_ax = row_axes
+        single = [res["replicas"][str(n)]["single_n_memory_hit"] for n in ns]
+        hit_ax.plot(ns, single, "k--", label="one replica, N x memory")
+        for routing in ROUTINGS:
+            rows = [res["replicas"][str(n)][routing] for n in ns]
+            hit_ax.plot(ns, [r["token_hit_rate"] for r in rows], "o-", label=routing)
+            load_ax.plot(ns, [r["imbalance_mean"] for r in rows], "o-", label=routing)
+        for ax, title in ((hit_ax, "token hit rate"), (load_ax, "max/mean requests per window")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ns, [str(n) for n in ns])
+            ax.set_xlabel("replicas N")
+            ax.set_title(f"{res['trace']}: {title}")
+            ax.grid(alpha=0.3)
+        hit_ax.set_ylim(bottom=0)
+        hit_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("traces", type=Path, nargs="+")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("traces", type=Path, nargs="*")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--report", type=Path, nargs="+", default=None, help="replicas.json")
+    parser.add_argument("--plot", type=Path, default=None, help="with --report: a PNG")
     parser.add_argument("--length", type=int, default=24000)
     parser.add_argument("--replicas", type=int, nargs="+", default=[8, 16, 64])
     parser.add_argument("--share", type=float, default=0.2)
@@ -146,6 +212,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-search", action="store_true", help="skip the memory search")
     args = parser.parse_args()
+    if args.report:
+        results = [r for path in args.report for r in json.loads(path.read_text())]
+        print(table(results))
+        if args.plot:
+            plot(results, args.plot)
+        return
+    if args.out is None or not args.traces:
+        parser.error("give traces and --out (or --report)")
     args.out.mkdir(parents=True, exist_ok=True)
     results = [run_trace(path, args) for path in args.traces]
     (args.out / "replicas.json").write_text(json.dumps(results, indent=1))
