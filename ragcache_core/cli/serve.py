@@ -44,7 +44,21 @@ def register(subparsers: Any) -> None:
         help=f"the only key that opens /v1/cache/invalidate and /integrity (env {ADMIN_KEY_ENV}; "
         "default: the API key opens them)",
     )
-    p.add_argument("--served-model-name", default=None, help="the name in /v1/models")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="several keys, one '<key> [tenant]' per line (docs/deploy.md, Tenants)",
+    )
+    p.add_argument(
+        "--salt-per-key",
+        action="store_true",
+        help="salt every request with its key's tenant: no cross-tenant cache hits",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the name in /v1/models (default: the folder's)"
+    )
     p.add_argument("--workers", type=int, default=1, help="must be 1: one process owns the engine")
     p.add_argument("--max-waiting", type=int, default=None, help="queue beyond max-num-seqs (64)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds (%(default)s)")
@@ -120,6 +134,7 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
     import dataclasses
 
     from ragcache_core.config import CacheConfig
+    from ragcache_core.serve.keys import read_key_file
     from ragcache_core.serve.state import DEFAULT_MAX_WAITING, ServeSettings
 
     config = CacheConfig()
@@ -153,6 +168,8 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
         port=args.port,
         api_key=args.api_key or None,
         admin_key=args.admin_key or None,
+        api_keys=() if args.api_key_file is None else read_key_file(args.api_key_file),
+        salt_per_key=args.salt_per_key,
         served_model_name=args.served_model_name,
         max_waiting=DEFAULT_MAX_WAITING if args.max_waiting is None else args.max_waiting,
         drain_timeout_s=args.drain_timeout,

@@ -14,7 +14,7 @@ As in `RAGCache`, the public calls come from `RAGCacheAPI` (api.py) over two asy
 (`_query`, `_answer`) on a private event loop (`LoopThread`, which also owns the HTTP
 connection pool): the async API awaits them, the sync API blocks on them, so the sync calls
 work inside notebooks. Errors:
-400/404 raise `InputError` (the server's message, naming the field), 429 is retried after
+400/404 raise `InputError` (the server's message; `param` the field), 429 is retried after
 its Retry-After (`busy_retries` times, then `ServerBusy`), anything else `RemoteError`.
 Needs only `httpx`.
 
@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from ragcache_core.api import RAGCacheAPI
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.client.affinity import (
     AFFINITY_HEADER,
     REPLICA_HEADER,
@@ -44,6 +45,7 @@ from ragcache_core.client.affinity import (
 from ragcache_core.client.wire import (
     config_from_json,
     document_to_json,
+    logprobs_from_json,
     result_from_json,
     sampling_to_json,
 )
@@ -102,7 +104,7 @@ class RAGCacheClient(RAGCacheAPI):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=10.0)
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
-        self._loop = LoopThread("ragcache-client")
+        self._loop = LoopThread("ragcache-client", owner="RAGCacheClient")
         try:
             info = self._loop.run(self._request("GET", "/v1/rag/config"))
         except BaseException:
@@ -148,11 +150,11 @@ class RAGCacheClient(RAGCacheAPI):
         return self._admin_headers
 
     def close(self) -> None:
-        """Close the connections and the private loop. Safe to call twice."""
-        if self._loop.loop.is_closed():
+        """Close the connections and the private loop. Safe to call twice; every call
+        afterwards raises `CacheClosedError`."""
+        if self._loop.closed:
             return
-        self._loop.run(self._http.aclose())
-        self._loop.stop()
+        self._loop.stop(self._http.aclose())
 
     # ------------------------------------------------------------------ bodies (on the loop)
 
@@ -163,15 +165,16 @@ class RAGCacheClient(RAGCacheAPI):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         if search is None:
-            return await self._ask(question, None, top_k, sampling, emit)
+            return await self._ask(question, None, top_k, sampling, emit, framing)
         if not isinstance(search, SearchSource):
             raise InputError(f"search must be a SearchSource, got {type(search).__name__}")
         started = time.perf_counter()
         final = await asyncio.to_thread(final_result, search, question, top_k or self.config.top_k)
         retrieval_s = time.perf_counter() - started
-        result = await self._ask(question, final.documents, None, sampling, emit)
+        result = await self._ask(question, final.documents, None, sampling, emit, framing)
         return dataclasses.replace(
             result, retrieval_s=retrieval_s, ttft_s=result.ttft_s + retrieval_s, scores=final.scores
         )
@@ -182,8 +185,9 @@ class RAGCacheClient(RAGCacheAPI):
         documents: Sequence[Document],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        return await self._ask(question, documents, None, sampling, emit)
+        return await self._ask(question, documents, None, sampling, emit, framing)
 
     async def _ask(
         self,
@@ -192,6 +196,7 @@ class RAGCacheClient(RAGCacheAPI):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """`POST /v1/rag/query`, whole or streamed into `emit`."""
         body: dict[str, Any] = {"question": question, "stream": emit is not None}
@@ -201,6 +206,10 @@ class RAGCacheClient(RAGCacheAPI):
             body["top_k"] = top_k
         if sampling is not None:
             body["sampling"] = sampling_to_json(sampling)
+        if framing.prompt is not None:
+            body["prompt"] = framing.prompt.to_json()
+        if framing.cache_salt is not None:
+            body["cache_salt"] = framing.cache_salt
         key = self._routing_key(documents)
         headers = {AFFINITY_HEADER: key} if key is not None else None
         if emit is None:
@@ -280,7 +289,8 @@ async def _read_events(response: httpx.Response, emit: Emit) -> QueryResult:
         if "error" in data:
             raise _error(500, data)
         if data.get("delta"):
-            emit(StreamChunk(data["delta"]))
+            tokens = tuple(int(t) for t in data.get("token_ids") or ())
+            emit(StreamChunk(data["delta"], None, tokens, logprobs_from_json(data.get("logprobs"))))
         if "result" in data:
             result = result_from_json(data["result"])
     if result is None:
@@ -313,5 +323,5 @@ def _error(status: int, data: Any) -> RAGCacheError:
     status = int(error.get("code") or status)
     message, param = str(error.get("message", "")), error.get("param")
     if status in (400, 404):
-        return InputError(message)
+        return InputError(message, param=param)
     return RemoteError(status, message, param)

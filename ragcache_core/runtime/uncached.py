@@ -53,6 +53,7 @@ class UncachedRunner:
         the context with the answer; `RAGCacheError` on a timeout or an engine death that
         cannot be retried (the engine is replaced either way)."""
         ids = _checked_ids(prompt_ids, sampling, self._config.max_model_len)
+        self._engines.engine.checker.check(sampling)
         started = time.perf_counter()
         retries = 0
         while True:
@@ -77,6 +78,7 @@ class UncachedRunner:
             prompt_tokens=len(ids),
             finish_reason=progress.finish_reason,
             retries=retries,
+            logprobs=progress.logprobs,
         )
 
     async def _attempt(
@@ -92,7 +94,8 @@ class UncachedRunner:
         try:
             stream = self._engines.engine.stream(request_id, ids, sampling)
             timeout = self._config.request_timeout_s
-            progress = await follow(stream, timeout, emit, lambda _: lease.release())
+            interval = sampling.stream_interval or 1
+            progress = await follow(stream, timeout, emit, lambda _: lease.release(), interval)
         except EngineDied:
             await self._engines.restart(epoch)
             raise

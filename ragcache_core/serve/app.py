@@ -36,7 +36,7 @@ from fastapi import FastAPI
 
 from ragcache_core.runtime.prompt import PromptBuilder
 from ragcache_core.serve.auth import KeyMiddleware
-from ragcache_core.serve.errors import install_handlers
+from ragcache_core.serve.errors import CountedResponses, install_handlers
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
 from ragcache_core.serve.limits import BodyLimitMiddleware, guarded_protocol
 from ragcache_core.serve.owner import reclaim_locks, sole_owner
@@ -78,15 +78,17 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
                 state.lanes.shutdown()
 
     app = FastAPI(title="RAGCache", lifespan=lifespan)
-    # Added innermost first: the keys are checked before the body is read.
+    # Added innermost first: the keys are checked before the body is read, and every
+    # response, the 401s and 413s included, is counted.
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.read_timeout_s,
     )
-    if settings.api_key is not None or settings.admin_key is not None:
-        app.add_middleware(KeyMiddleware, api_key=settings.api_key, admin_key=settings.admin_key)
-    app.add_middleware(ReplicaHeaderMiddleware, replica_id=settings.replica_name)
+    if settings.accepted_keys or settings.admin_key is not None:
+        app.add_middleware(KeyMiddleware, keys=settings.accepted_keys, admin_key=settings.admin_key)
+    app.add_middleware(CountedResponses)
+    app.add_middleware(ReplicaHeaderMiddleware, replica_id=settings.replica_name)  # outermost
     install_handlers(app)
     app.include_router(router())
     return app

@@ -17,6 +17,10 @@ invalidate it, and invalidation only drops cached KV (it costs recomputation, ne
 answer); docs/deploy.md says when to set one. `/health` and `/metrics` stay open, as in
 `vllm serve`, for load balancers and Prometheus (they reveal load, never content). OPTIONS
 (CORS preflight) is never guarded. Pure ASGI middleware, as `vllm serve`'s.
+
+"The API key" may be several (`--api-key-file`, serve/keys.py), each with its tenant: a request
+that presents one carries its tenant in its scope (`scope["ragcache_tenant"]`), where
+`ServeState.salt_for` reads it for `--salt-per-key`. The admin key belongs to no tenant.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ragcache_core.serve.errors import error_body
+from ragcache_core.serve.keys import ApiKey
 
 ADMIN_ROUTES = frozenset(
     {"/v1/cache/invalidate", "/v1/cache/invalidate/local", "/v1/cache/integrity"}
@@ -43,9 +48,11 @@ Role = Literal["user", "admin"]
 class KeyMiddleware:
     """Guards the routes by the table in the module docstring."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: tuple[ApiKey, ...] = (), admin_key: str | None = None
+    ) -> None:
         self.app = app
-        self._user = _digest(api_key) if api_key else None
+        self._users = [(_digest(k.key), k.tenant) for k in keys]
         self._admin = _digest(admin_key) if admin_key else None
 
     def needs(self, path: str) -> Role | None:
@@ -53,24 +60,27 @@ class KeyMiddleware:
         if path in ADMIN_ROUTES and self._admin is not None:
             return "admin"
         if path.startswith(GUARDED_PREFIX):
-            return "user" if self._user is not None else None
+            return "user" if bool(self._users) else None
         if path in DOC_ROUTES:
-            if self._user is not None:
+            if bool(self._users):
                 return "user"
             return "admin" if self._admin is not None else None
         return None
 
-    def role(self, headers: Headers) -> Role | None:
-        """The role the request's bearer key gives (None: no valid key)."""
+    def role(self, headers: Headers) -> tuple[Role | None, str | None]:
+        """The role the request's bearer key gives (None: no valid key) and, for an API key,
+        its tenant."""
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
-            return None
+            return None, None
         given = _digest(token.strip())
         if self._admin is not None and secrets.compare_digest(given, self._admin):
-            return "admin"
-        if self._user is not None and secrets.compare_digest(given, self._user):
-            return "user"
-        return None
+            return "admin", None
+        tenant = None
+        for digest, name in self._users:  # every key compared, in constant time each
+            if secrets.compare_digest(given, digest):
+                tenant = name
+        return ("user", tenant) if tenant is not None else (None, None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         need = None
@@ -79,8 +89,10 @@ class KeyMiddleware:
         if need is None:
             await self.app(scope, receive, send)
             return
-        role = self.role(Headers(scope=scope))
+        role, tenant = self.role(Headers(scope=scope))
         if role == "admin" or (role == "user" and need == "user"):
+            if tenant is not None:
+                scope["ragcache_tenant"] = tenant
             await self.app(scope, receive, send)
             return
         status, message = _refusal(need, role)

@@ -35,7 +35,8 @@ from ragcache_core.config import CacheConfig
 from ragcache_core.errors import ConfigError
 from ragcache_core.serve.errors import ServeError
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
-from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
+from ragcache_core.serve.keys import ApiKey
+from ragcache_core.serve.queue import BoundedQueue, Place
 
 DEFAULT_MAX_WAITING = 64
 """Requests that may wait beyond the engine's `max_num_seqs` running ones before 429."""
@@ -53,11 +54,13 @@ class ServeSettings:
       route needs `documents`).
     - `api_key`: when set, every `/v1/...` route and the OpenAPI pages want
       `Authorization: Bearer <key>` (401 otherwise); `/health` and `/metrics` stay open for
-      probes, as in `vllm serve`.
+      probes, as in `vllm serve`. `api_keys` (a key file, `serve/keys.py`) accepts several
+      keys, each with its tenant; `salt_per_key` salts every request with its tenant (no
+      cross-tenant hits).
     - `admin_key`: when set, only it opens `/v1/cache/invalidate` and `/v1/cache/integrity`
-      (403 for the API key); without it the API key opens them (serve/auth.py).
-    - `served_model_name`: the name in `/v1/models` and the `model` field requests must use
-      (None: `model` as given, as `vllm serve` does).
+      (403 for the API keys); without it the API keys open them (serve/auth.py).
+    - `served_model_name`: the name in `/v1/models` and in responses (None: the model
+      folder's name); a request's `model` may be it or the model path.
     - `max_waiting`: in flight at most `config.max_num_seqs + max_waiting` requests (running
       plus waiting in RAGCache's reordering queue); past it a request gets 429 with
       Retry-After at once, so the backlog is bounded.
@@ -76,6 +79,8 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_keys: tuple[ApiKey, ...] = ()
+    salt_per_key: bool = False
     served_model_name: str | None = None
     max_waiting: int = DEFAULT_MAX_WAITING
     drain_timeout_s: float = 30.0
@@ -101,18 +106,33 @@ class ServeSettings:
             raise ConfigError("api_key cannot be empty (omit it to serve without a key)")
         if self.admin_key is not None and not self.admin_key:
             raise ConfigError("admin_key cannot be empty (omit it: the API key opens admin routes)")
-        if self.admin_key is not None and self.admin_key == self.api_key:
+        if self.admin_key is not None and self.admin_key in {k.key for k in self.accepted_keys}:
             raise ConfigError("admin_key must differ from api_key (else every key holder is admin)")
         if self.max_body_bytes < 1:
             raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         for name in ("header_timeout_s", "read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.salt_per_key and not self.accepted_keys:
+            raise ConfigError("salt_per_key needs API keys (--api-key or --api-key-file)")
+
+    @property
+    def accepted_keys(self) -> tuple[ApiKey, ...]:
+        """Every key the server accepts (`api_key` is the tenant "default")."""
+        single = () if self.api_key is None else (ApiKey(self.api_key, "default"),)
+        return single + self.api_keys
 
     @property
     def model_name(self) -> str:
-        """The name clients use in `model`."""
-        return self.served_model_name or self.model
+        """The served name (`/v1/models`, responses): `served_model_name`, else the model
+        folder's name."""
+        return self.served_model_name or Path(self.model).name or self.model
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """What a request's `model` may be: the served name or the model path."""
+        path = Path(self.model)
+        return frozenset({self.model_name, self.model, str(path.resolve())})
 
     @property
     def replica_name(self) -> str:
@@ -146,18 +166,31 @@ class ServeState:
         lane = self.lanes.lane_for(chars)
         return await asyncio.get_running_loop().run_in_executor(lane, work)
 
+    def salt_for(self, request: Request, given: str | None) -> str | None:
+        """The request's effective cache salt: with `salt_per_key`, its tenant's (combined
+        with the request's own `cache_salt`, which then separates within the tenant); else
+        the request's own."""
+        tenant = request.scope.get("ragcache_tenant")
+        if not self.settings.salt_per_key or tenant is None:
+            return given
+        return f"tenant:{tenant}" + ("" if given is None else f"\0{given}")
+
     def check_model(self, model: str | None) -> None:
-        """404 for a model this server does not serve (None: the served one), as vLLM."""
-        if model is not None and model != self.settings.model_name:
-            raise ServeError(404, f"the model `{model}` does not exist", param="model")
+        """404 for a model this server does not serve, as vLLM; the served name, the model
+        path (as given or resolved: what a client of `vllm serve /path` sends), "" and None
+        pass."""
+        if model and model not in self.settings.model_names:
+            raise ServeError(
+                404,
+                f"The model `{model}` does not exist. Valid aliases: {self.settings.model_name}.",
+                param="model",
+            )
 
     def enter(self, route: str) -> Place:
         """A place in flight, or 429 (full: Retry-After) / 503 (shutting down)."""
         verdict = self.queue.try_enter()
         if isinstance(verdict, Place):
             return verdict
-        status = _refusal_status(verdict)
-        self.metrics.answered(route, status, 0.0)
         headers = {"Retry-After": str(verdict.retry_after_s)}
         if verdict.reason == "draining":
             raise ServeError(503, "the server is shutting down", headers=headers)
@@ -202,10 +235,6 @@ def state_of(request: Request) -> ServeState:
     return state
 
 
-def _refusal_status(refusal: Refusal) -> int:
-    return 503 if refusal.reason == "draining" else 429
-
-
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -237,6 +266,10 @@ class ServeMetrics:
         waiting = Gauge("ragcache_serve_waiting", "In flight beyond max_num_seqs", registry=r)
         waiting.set_function(lambda: queue.waiting)
 
-    def answered(self, route: str, status: int, seconds: float) -> None:
+    def answered(self, route: str, status: int) -> None:
+        """One response (every one, by `errors.CountedResponses`)."""
         self.requests.labels(route, str(status)).inc()
+
+    def timed(self, route: str, seconds: float) -> None:
+        """How long one answer of a generating route took, to the end of its response."""
         self.seconds.labels(route).observe(seconds)
