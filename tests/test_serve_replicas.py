@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ def run_in_thread(app: Any, port: int) -> tuple[uvicorn.Server, threading.Thread
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
         time.sleep(0.05)
@@ -181,36 +183,53 @@ class CountingCache:
         return None
 
 
-@pytest.fixture
-def replica_set(tiny_model: Path) -> Iterator[Callable[..., str]]:
-    started: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def start(port: int, cache: CountingCache, peers: tuple[str, ...], name: str) -> str:
-        settings = ServeSettings(
-            model=str(tiny_model),
-            port=port,
-            api_key="k",
-            admin_key="adm",
-            replica_id=name,
-            peers=peers,
-        )
-        started.append(run_in_thread(create_app(settings, cache_factory=lambda s: cache), port))
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server, thread in started:
-        server.should_exit = True
-        thread.join(30)
+@dataclass
+class Trio:
+    urls: list[str]
+    caches: list[CountingCache]
+    dead: str
 
 
-def test_an_invalidation_reaches_every_peer_and_names_the_one_it_could_not(
-    replica_set: Callable[..., str],
-) -> None:
+@pytest.fixture(scope="module")
+def trio(tiny_model: Path) -> Iterator[Trio]:
+    """r0 with peers r1 and r2, r1 with peer r0, r2 with a peer nobody listens on; every
+    server with an API key and an admin key (started at once: each loads the tokenizer)."""
+    from transformers import AutoTokenizer  # imported once here: lazy imports race in threads
+
+    assert AutoTokenizer is not None
     ports = [free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    caches = [CountingCache({"d": 2}), CountingCache({"d": 3}), CountingCache({})]
-    for i in range(3):
-        replica_set(ports[i], caches[i], tuple(u for j, u in enumerate(urls) if j != i), f"r{i}")
+    dead = f"http://127.0.0.1:{free_port()}"
+    peers = [(urls[1], urls[2]), (urls[0],), (dead,)]
+    caches = [CountingCache({}) for _ in range(3)]
+    apps = [
+        create_app(
+            ServeSettings(
+                model=str(tiny_model),
+                port=ports[i],
+                api_key="k",
+                admin_key="adm",
+                replica_id=f"r{i}",
+                peers=peers[i],
+            ),
+            cache_factory=lambda s, c=caches[i]: c,
+        )
+        for i in range(3)
+    ]
+    with ThreadPoolExecutor(3) as pool:
+        started = list(pool.map(run_in_thread, apps, ports))
+    try:
+        yield Trio(urls, caches, dead)
+    finally:
+        for server, thread in started:
+            server.should_exit = True
+            thread.join(30)
+
+
+def test_an_invalidation_reaches_every_peer_and_names_the_one_it_could_not(trio: Trio) -> None:
+    urls, caches = trio.urls, trio.caches
+    for cache, held in zip(caches, (2, 3, 0), strict=True):
+        cache.holds, cache.invalidated = ({"d": held} if held else {}), []
     answer = httpx.post(f"{urls[0]}/v1/cache/invalidate", json={"doc_id": "d"}, headers=ADMIN)
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-ragcache-replica"] == "r0"
@@ -223,18 +242,16 @@ def test_an_invalidation_reaches_every_peer_and_names_the_one_it_could_not(
         assert httpx.post(urls[1] + path, json={"doc_id": "d"}, headers=user).status_code == 403
 
 
-def test_an_unreachable_peer_is_a_502_that_lists_what_was_done(
-    replica_set: Callable[..., str],
-) -> None:
-    port, dead = free_port(), f"http://127.0.0.1:{free_port()}"
-    cache = CountingCache({"d": 1})
-    url = replica_set(port, cache, (dead,), "r0")
-    answer = httpx.post(f"{url}/v1/cache/invalidate", json={"doc_id": "d"}, headers=ADMIN)
+def test_an_unreachable_peer_is_a_502_that_lists_what_was_done(trio: Trio) -> None:
+    cache = trio.caches[2]
+    cache.holds, cache.invalidated = {"e": 1}, []
+    answer = httpx.post(f"{trio.urls[2]}/v1/cache/invalidate", json={"doc_id": "e"}, headers=ADMIN)
     assert answer.status_code == 502
     body = answer.json()
+    dead = trio.dead
     assert "retry the invalidation" in body["error"]["message"] and dead in body["error"]["message"]
-    assert body["replicas"]["r0"] == 1 and body["replicas"][dead].startswith("error: unreachable")
-    assert cache.invalidated == ["d"]  # done here all the same (idempotent: the retry is safe)
+    assert body["replicas"]["r2"] == 1 and body["replicas"][dead].startswith("error: unreachable")
+    assert cache.invalidated == ["e"]  # done here all the same (idempotent: the retry is safe)
 
 
 def test_peers_must_be_urls() -> None:
