@@ -257,3 +257,35 @@ def test_an_unreachable_peer_is_a_502_that_lists_what_was_done(trio: Trio) -> No
 def test_peers_must_be_urls() -> None:
     with pytest.raises(ConfigError, match=r"peer '127\.0\.0\.1:8001' must be an http"):
         ServeSettings(model="m", peers=("127.0.0.1:8001",))
+
+
+# ---------------------------------------------------------------------- ragcache replicas
+
+
+def test_replicas_commands_name_their_peers_and_the_router_flags(tmp_path: Path) -> None:
+    from ragcache_core.cli.replicas import Layout, router_command, serve_command
+
+    layout = Layout("127.0.0.1", 8000, (8001, 8002, 8003))
+    cmd = serve_command(layout, 1, tmp_path, "key", ["--gpu-pool-tokens", "64"])
+    i = cmd.index("--peers")
+    assert cmd[i + 1 : i + 3] == ["http://127.0.0.1:8001", "http://127.0.0.1:8003"]
+    assert cmd[cmd.index("--port") + 1] == "8002" and cmd[cmd.index("--replica-id") + 1] == "r1"
+    assert cmd[-2:] == ["--gpu-pool-tokens", "64"] and "key" in cmd
+    router = router_command("/bin/vllm-router", layout, "consistent_hash", 29000, None)
+    j = router.index("--worker-urls")
+    assert router[j + 1 : j + 4] == list(layout.replica_urls)
+    assert "--disable-retries" in router and "--api-key" not in router
+
+
+def test_replicas_refuses_what_it_sets_and_names_the_missing_router(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ragcache_core.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("RAGCACHE_VLLM_ROUTER", raising=False)
+    monkeypatch.setattr("sys.executable", str(tmp_path / "python"))
+    assert main(["replicas", "--model", str(tmp_path), "--", "--port", "9"]) == 2
+    assert "--port is set by ragcache replicas" in capsys.readouterr().err
+    assert main(["replicas", "--model", str(tmp_path)]) == 2
+    assert "vllm-router not found" in capsys.readouterr().err
