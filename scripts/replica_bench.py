@@ -174,6 +174,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(f"signal {signum}")  # the finally below stops the replicas
+
+    signal.signal(signal.SIGTERM, on_term)
     if args.model is None:
         from ragcache_core.testing.tiny_model import build_tiny_model
 
