@@ -129,12 +129,17 @@ def router_command(
     return cmd
 
 
-def wait_for(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    """Until GET `url` answers 200; `CliError` if a process in `procs` exits or time runs out."""
+def wait_for(
+    url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float, stopping: list[int]
+) -> None:
+    """Until GET `url` answers 200; `CliError` if a process in `procs` exits, a signal came
+    (`stopping`) or time runs out."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stopping:
+            raise CliError(f"stopped by signal {stopping[0]} while waiting for {url}")
         for proc in procs:
             if proc.poll() is not None:
                 raise CliError(
@@ -215,10 +220,10 @@ def _run(args: argparse.Namespace) -> int:
             cmd = serve_command(layout, i, args.model, args.api_key, extra)
             replicas.append(_spawn(cmd, env, _log(args.log_dir, f"replica-{i}")))
         for url in layout.replica_urls:
-            wait_for(url + "/health", replicas, args.startup_timeout)
+            wait_for(url + "/health", replicas, args.startup_timeout, stopping)
         cmd = router_command(binary, layout, args.router_policy, args.prometheus_port, args.api_key)
         router = _spawn(cmd, dict(os.environ), _log(args.log_dir, "router"))
-        wait_for(layout.router_url + "/readiness", [router], 60.0)
+        wait_for(layout.router_url + "/readiness", [router], 60.0, stopping)
         print(
             f"ready: router {layout.router_url} ({args.router_policy}) -> "
             + ", ".join(
