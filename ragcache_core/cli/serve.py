@@ -79,6 +79,18 @@ def register(subparsers: Any) -> None:
         default=None,
         help="seconds each part of a request body may take to arrive (30)",
     )
+    p.add_argument(
+        "--replica-id",
+        default=None,
+        help="this replica's name in the X-RAGCache-Replica response header (host:port)",
+    )
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=(),
+        metavar="URL",
+        help="the other replicas (http://host:port): an invalidation fans out to them",
+    )
     _cache_options(p)
     p.set_defaults(func=_serve)
 
@@ -162,6 +174,8 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
         max_waiting=DEFAULT_MAX_WAITING if args.max_waiting is None else args.max_waiting,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        replica_id=args.replica_id,
+        peers=tuple(args.peers),
         **_limits(args),
     )
 

@@ -47,6 +47,26 @@ def register(subparsers: Any) -> None:
         default="always",
         help="which computed documents are stored (%(default)s)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate N replicas behind a router (capacities are per replica)",
+    )
+    parser.add_argument(
+        "--routing",
+        default="doc_affinity",
+        help="with --replicas: round_robin, prefix_affinity, doc_affinity, "
+        "doc_affinity_unbounded or oracle (%(default)s)",
+    )
+    parser.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        metavar="C",
+        help="with --replicas: the load bound of doc_affinity and oracle (%(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=_run)
 
@@ -72,6 +92,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.profile
         else default_cost_model()
     )
+    if args.replicas is not None:
+        return _run_cluster(args, config, cost)
     simulator = Simulator(config, cost)  # validates the policy before reading the trace
     result = simulator.run(load_trace(args.trace))
     out: dict[str, Any] = {
@@ -87,7 +109,34 @@ def _run(args: argparse.Namespace) -> int:
         "store_policy": args.store_policy,
         "profile": str(args.profile) if args.profile else "analytic",
     }
-    if args.json:
+    return _print(out, args.json)
+
+
+def _run_cluster(args: argparse.Namespace, config: Any, cost: Any) -> int:
+    from ragcache_core.sim import ClusterConfig, ClusterSimulator, load_trace
+
+    cluster = ClusterConfig(
+        replicas=args.replicas,
+        replica=config,
+        routing=args.routing,
+        load_factor=args.load_factor,
+    )
+    simulator = ClusterSimulator(cluster, cost)  # validates before reading the trace
+    result = simulator.run(load_trace(args.trace))
+    out: dict[str, Any] = {
+        **result.to_json(),
+        "policy": args.policy,
+        "gpu_tokens_per_replica": args.gpu_tokens,
+        "host_tokens_per_replica": args.host_tokens,
+        "system_tokens": args.system_tokens,
+        "load_factor": args.load_factor,
+        "profile": str(args.profile) if args.profile else "analytic",
+    }
+    return _print(out, args.json)
+
+
+def _print(out: dict[str, Any], as_json: bool) -> int:
+    if as_json:
         print(json.dumps(out))
         return 0
     width = max(len(k) for k in out)

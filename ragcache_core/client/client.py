@@ -17,6 +17,10 @@ work inside notebooks. Errors:
 400/404 raise `InputError` (the server's message; `param` the field), 429 is retried after
 its Retry-After (`busy_retries` times, then `ServerBusy`), anything else `RemoteError`.
 Needs only `httpx`.
+
+Behind a router in front of many replicas, each `/v1/rag/query` with documents carries the
+document-affinity key of its first document in `X-Session-Id`, re-keyed past a load bound
+(client/affinity.py; `affinity=False` sends none).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ import httpx
 
 from ragcache_core.api import RAGCacheAPI
 from ragcache_core.app_prompt import NO_FRAMING, Framing
+from ragcache_core.client.affinity import (
+    AFFINITY_HEADER,
+    REPLICA_HEADER,
+    AffinityKeys,
+    affinity_key,
+)
 from ragcache_core.client.wire import (
     config_from_json,
     document_to_json,
@@ -72,7 +82,8 @@ class RAGCacheClient(RAGCacheAPI):
     The constructor reads the server's configuration (`GET /v1/rag/config`), so a wrong URL
     or key fails here, at once. `admin_key` is the server's `--admin-key`, sent only on the
     admin calls (`invalidate`, `check_integrity`); a server without one lets the API key
-    make them. Close with `close()` or `with`.
+    make them. `affinity`: send the document-affinity key (client/affinity.py) with the load
+    bound `load_factor`. Close with `close()` or `with`.
     """
 
     def __init__(
@@ -83,9 +94,12 @@ class RAGCacheClient(RAGCacheAPI):
         admin_key: str | None = None,
         timeout_s: float = 600.0,
         busy_retries: int = 2,
+        affinity: bool = True,
+        load_factor: float = 1.25,
     ) -> None:
         self.url = url.rstrip("/")
         self.busy_retries = busy_retries
+        self.affinity: AffinityKeys | None = AffinityKeys(load_factor) if affinity else None
         self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=10.0)
@@ -101,6 +115,8 @@ class RAGCacheClient(RAGCacheAPI):
         self.has_index = bool(info["has_index"])
         self.needs_admin_key = bool(info.get("admin_key", False))
         """Whether the server's admin calls need its admin key (it has `--admin-key`)."""
+        if self.affinity is not None:
+            self.affinity.replicas = int(info.get("replicas", 1))
 
     # ------------------------------------------------------------------ RAGCacheAPI
 
@@ -194,15 +210,36 @@ class RAGCacheClient(RAGCacheAPI):
             body["prompt"] = framing.prompt.to_json()
         if framing.cache_salt is not None:
             body["cache_salt"] = framing.cache_salt
+        key = self._routing_key(documents)
+        headers = {AFFINITY_HEADER: key} if key is not None else None
         if emit is None:
-            return result_from_json(await self._request("POST", QUERY, body))
-        return await self._stream(body, emit)
+            return result_from_json(await self._request("POST", QUERY, body, headers, key))
+        return await self._stream(body, emit, headers, key)
 
-    async def _stream(self, body: dict[str, Any], emit: Emit) -> QueryResult:
+    def _routing_key(self, documents: Sequence[Document] | None) -> str | None:
+        """The affinity key to send (None: no documents, or affinity off)."""
+        base = affinity_key(documents or ())
+        if base is None or self.affinity is None:
+            return None
+        return self.affinity.key_for(base)
+
+    def _observe(self, response: httpx.Response, key: str | None) -> None:
+        """Count the replica that answered a query (the load bound's input)."""
+        if self.affinity is not None:
+            self.affinity.observe(key, response.headers.get(REPLICA_HEADER))
+
+    async def _stream(
+        self,
+        body: dict[str, Any],
+        emit: Emit,
+        headers: dict[str, str] | None = None,
+        key: str | None = None,
+    ) -> QueryResult:
         """A streamed `POST /v1/rag/query`; 429 retried as in `_request`."""
         for attempt in range(self.busy_retries + 1):
             try:
-                async with self._http.stream("POST", QUERY, json=body) as response:
+                async with self._http.stream("POST", QUERY, json=body, headers=headers) as response:
+                    self._observe(response, key)
                     if response.status_code == 200:
                         return await _read_events(response, emit)
                     await response.aread()
@@ -213,14 +250,22 @@ class RAGCacheClient(RAGCacheAPI):
         raise AssertionError("unreachable")
 
     async def _request(
-        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        key: str | None = None,
     ) -> Any:
-        """One JSON request, 429 retried after its Retry-After (`busy_retries` times)."""
+        """One JSON request, 429 retried after its Retry-After (`busy_retries` times); a
+        query's answer is counted for the load bound (`key`: the affinity key it was sent)."""
         for attempt in range(self.busy_retries + 1):
             try:
                 response = await self._http.request(method, path, json=body, headers=headers)
             except httpx.HTTPError as exc:
                 raise RAGCacheError(f"cannot reach ragcache serve at {self.url}: {exc}") from exc
+            if path == QUERY:
+                self._observe(response, key)
             if response.status_code == 200:
                 return response.json()
             await self._wait_or_raise(_response_error(response), attempt)

@@ -16,7 +16,8 @@ shared-memory host pool removed). Draining:
 
 A second signal during the drain stops at once (uvicorn's force exit).
 
-Each request passes, outermost first: the keys (serve/auth.py: 401/403 before the body is
+Each response carries `X-RAGCache-Replica` (serve/replicas.py, outermost). Each request
+passes, outermost first: the keys (serve/auth.py: 401/403 before the body is
 read), the body limit (serve/limits.py: 413/408, the body read whole), then the routes. The
 header timeout sits below, in uvicorn's HTTP protocol (`guarded_protocol`).
 """
@@ -40,6 +41,7 @@ from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
 from ragcache_core.serve.limits import BodyLimitMiddleware, guarded_protocol
 from ragcache_core.serve.owner import reclaim_locks, sole_owner
 from ragcache_core.serve.queue import BoundedQueue
+from ragcache_core.serve.replicas import ReplicaHeaderMiddleware
 from ragcache_core.serve.routes import router
 from ragcache_core.serve.state import (
     CacheFactory,
@@ -85,7 +87,8 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
     )
     if settings.accepted_keys or settings.admin_key is not None:
         app.add_middleware(KeyMiddleware, keys=settings.accepted_keys, admin_key=settings.admin_key)
-    app.add_middleware(CountedResponses)  # outermost
+    app.add_middleware(CountedResponses)
+    app.add_middleware(ReplicaHeaderMiddleware, replica_id=settings.replica_name)  # outermost
     install_handlers(app)
     app.include_router(router())
     return app

@@ -4,8 +4,8 @@
     /health, /metrics                       open         open           open
     /v1/... (generation, config, stats)     open         api or admin   api or admin (open
                                                                         without --api-key)
-    /v1/cache/invalidate, /integrity        open         api or admin   admin only (403 for
-                                                                        the api key)
+    /v1/cache/invalidate (+ /local),        open         api or admin   admin only (403 for
+    /v1/cache/integrity                                                 the api key)
     /openapi.json, /docs, /redoc            open         api or admin   api or admin (admin
                                                                         without --api-key)
 
@@ -36,7 +36,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ragcache_core.serve.errors import error_body
 from ragcache_core.serve.keys import ApiKey
 
-ADMIN_ROUTES = frozenset({"/v1/cache/invalidate", "/v1/cache/integrity"})
+ADMIN_ROUTES = frozenset(
+    {"/v1/cache/invalidate", "/v1/cache/invalidate/local", "/v1/cache/integrity"}
+)
 DOC_ROUTES = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 GUARDED_PREFIX = "/v1"
 

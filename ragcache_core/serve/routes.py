@@ -11,9 +11,13 @@ RAGCache's own (what `RAGCacheClient` calls):
     POST /v1/rag/query         question (+ documents) in; answer, sources, hits, TTFT out
                                (`QueryResult` as JSON, client/wire.py); streamed: {"delta": ...}
                                events, the last with "result"
-    GET  /v1/rag/config        the served model's name and its `CacheConfig`
+    GET  /v1/rag/config        the served model's name, its `CacheConfig`, and the number of
+                               replicas (1 + --peers)
     GET  /v1/cache/stats       `RAGCache.stats()` plus the server's queue
-    POST /v1/cache/invalidate  {"doc_id": ...} -> {"doc_id", "removed"}
+    POST /v1/cache/invalidate  {"doc_id": ...} -> {"doc_id", "removed"}; with --peers also on
+                               every peer, + {"replicas": {id or URL: removed}} (502 if a
+                               peer failed; serve/replicas.py)
+    POST /v1/cache/invalidate/local  the same on this replica only (what peers call)
     GET  /v1/cache/integrity   the knowledge tree's invariants checked (500 naming a violation)
 
 Operations: `GET /health` (503 while starting, draining, or while the engine is dead or
@@ -43,7 +47,7 @@ from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, PromptTooLong, check_fits_context
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.serve import responses
-from ragcache_core.serve.errors import ServeError, bad_request, require_json
+from ragcache_core.serve.errors import ServeError, bad_request, error_body, require_json
 from ragcache_core.serve.jobs import (
     CachedJob,
     Job,
@@ -53,6 +57,7 @@ from ragcache_core.serve.jobs import (
     request_param,
     sampling_for,
 )
+from ragcache_core.serve.replicas import LOCAL_INVALIDATE, invalidate_peers
 from ragcache_core.serve.responses import Kind, LogprobsView, Reply, event
 from ragcache_core.serve.schemas import (
     ChatRequest,
@@ -299,6 +304,7 @@ async def rag_config(request: Request) -> dict[str, Any]:
         "model": state.settings.model_name,
         "has_index": state.has_index,
         "admin_key": state.settings.admin_key is not None,
+        "replicas": 1 + len(state.settings.peers),
         "config": config_to_json(state.cache.config),
     }
 
@@ -316,10 +322,34 @@ async def cache_stats(request: Request) -> dict[str, Any]:
     return stats
 
 
-async def cache_invalidate(body: InvalidateRequest, request: Request) -> dict[str, Any]:
+async def cache_invalidate_local(body: InvalidateRequest, request: Request) -> dict[str, Any]:
+    """Drop `doc_id` on this replica only (the peers' side of a fan-out)."""
     state = state_of(request)
     removed = await asyncio.to_thread(state.cache.invalidate, body.doc_id)
     return {"doc_id": body.doc_id, "removed": removed}
+
+
+async def cache_invalidate(body: InvalidateRequest, request: Request) -> Response:
+    """Drop `doc_id` here, then on every peer (serve/replicas.py); 502 naming the peers that
+    failed (the others have dropped it; the caller retries)."""
+    state = state_of(request)
+    local = await cache_invalidate_local(body, request)
+    settings = state.settings
+    if not settings.peers:
+        return JSONResponse(local)
+    keys = settings.accepted_keys
+    key = settings.admin_key or (keys[0].key if keys else None)  # the peers share the keys
+    report = await invalidate_peers(settings.peers, body.doc_id, key)
+    report.removed[settings.replica_name] = int(local["removed"])
+    answer = report.to_json(body.doc_id)
+    if not report.errors:
+        return JSONResponse(answer)
+    failed = ", ".join(sorted(report.errors))
+    message = (
+        f"{body.doc_id!r} was dropped here and on the reachable peers, but not on {failed}; "
+        "retry the invalidation"
+    )
+    return JSONResponse({**error_body(502, message, "doc_id"), **answer}, status_code=502)
 
 
 async def cache_integrity(request: Request) -> Response:
@@ -411,6 +441,9 @@ def router() -> APIRouter:
     routes.add_api_route("/v1/cache/stats", cache_stats, methods=["GET"])
     routes.add_api_route(
         "/v1/cache/invalidate", cache_invalidate, methods=["POST"], dependencies=json_body
+    )
+    routes.add_api_route(
+        LOCAL_INVALIDATE, cache_invalidate_local, methods=["POST"], dependencies=json_body
     )
     routes.add_api_route("/v1/cache/integrity", cache_integrity, methods=["GET"])
     routes.add_api_route("/health", health, methods=["GET"])

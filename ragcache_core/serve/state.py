@@ -68,6 +68,9 @@ class ServeSettings:
       requests in flight, then cancels the rest, then closes the engine and the shared memory.
     - `max_body_bytes`, `header_timeout_s`, `read_timeout_s`: what one connection may cost
       before its request is parsed (413, 408; serve/limits.py).
+    - `replica_id`: this server's name in the `X-RAGCache-Replica` response header (None:
+      `host:port`); `peers`: the other replicas' URLs, to which an invalidation fans out
+      (serve/replicas.py).
     """
 
     model: str
@@ -86,8 +89,13 @@ class ServeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    replica_id: str | None = None
+    peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for peer in self.peers:
+            if not peer.startswith(("http://", "https://")):
+                raise ConfigError(f"peer {peer!r} must be an http:// or https:// URL")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting cannot be negative, got {self.max_waiting}")
         if self.drain_timeout_s < 0:
@@ -125,6 +133,11 @@ class ServeSettings:
         """What a request's `model` may be: the served name or the model path."""
         path = Path(self.model)
         return frozenset({self.model_name, self.model, str(path.resolve())})
+
+    @property
+    def replica_name(self) -> str:
+        """The id in `X-RAGCache-Replica`: `replica_id`, else `host:port`."""
+        return self.replica_id or f"{self.host}:{self.port}"
 
 
 CacheFactory = Callable[[ServeSettings], "RAGCache"]

@@ -66,14 +66,14 @@ class SimResult:
         return asdict(self)
 
 
-def _p95(values: list[float]) -> float:
+def p95(values: list[float]) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-def _ratio(num: float, den: float) -> float:
+def ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
@@ -118,7 +118,7 @@ class Simulator:
         queue = make_queue(
             "cache_aware" if cfg.reorder else "fcfs", score=self.score, window=cfg.window
         )
-        tally = _Tally()
+        tally = Tally()
         now, next_index = 0.0, 0
         while next_index < len(pending) or len(queue):
             if not len(queue):
@@ -127,16 +127,17 @@ class Simulator:
                 queue.push(pending[next_index])
                 next_index += 1
             batch = [queue.pop() for _ in range(min(cfg.max_prefill_bs, len(queue)))]
-            batch_s = self._prefill(batch, tally)
+            batch_s = self.prefill_batch(batch, tally)
             for request in batch:
                 tally.waits.append(now - request.arrival_s)
                 tally.ttfts.append(now - request.arrival_s + batch_s)
             now += batch_s
         return tally.result(len(pending))
 
-    def _prefill(self, batch: list[TraceRequest], tally: _Tally) -> float:
+    def prefill_batch(self, batch: list[TraceRequest], tally: Tally) -> float:
         """One prefill batch: every request begins before any confirms (a request cannot hit
-        a batch-mate's stores). Returns the batch time."""
+        a batch-mate's stores). Mutates the cache and adds the batch's hits to `tally`.
+        Returns the batch time."""
         cfg = self.config
         handles = [
             self.cache.begin_request(cfg.system_tokens, self.specs(r), r.question_tokens)
@@ -153,8 +154,8 @@ class Simulator:
 
 
 @dataclass(slots=True)
-class _Tally:
-    """Running totals of one `Simulator.run`."""
+class Tally:
+    """Running totals of one `Simulator.run` (or of one replica of a `ClusterSimulator`)."""
 
     requested: int = 0
     cached: int = 0
@@ -182,15 +183,15 @@ class _Tally:
             requests=requests,
             requested_docs=self.requested,
             cached_docs=self.cached,
-            doc_hit_rate=_ratio(self.cached, self.requested),
-            token_hit_rate=_ratio(self.cached_doc_tokens, self.requested_tokens),
-            gpu_doc_hit_rate=_ratio(self.gpu_docs, self.requested),
-            host_doc_hit_rate=_ratio(self.host_docs, self.requested),
+            doc_hit_rate=ratio(self.cached, self.requested),
+            token_hit_rate=ratio(self.cached_doc_tokens, self.requested_tokens),
+            gpu_doc_hit_rate=ratio(self.gpu_docs, self.requested),
+            host_doc_hit_rate=ratio(self.host_docs, self.requested),
             recomputed_tokens=self.recomputed,
             estimated_prefill_s=self.prefill_s,
-            wait_mean_s=_ratio(sum(self.waits), len(self.waits)),
-            wait_p95_s=_p95(self.waits),
-            ttft_mean_s=_ratio(sum(self.ttfts), len(self.ttfts)),
+            wait_mean_s=ratio(sum(self.waits), len(self.waits)),
+            wait_p95_s=p95(self.waits),
+            ttft_mean_s=ratio(sum(self.ttfts), len(self.ttfts)),
         )
 
 

@@ -1,0 +1,251 @@
+"""`ragcache replicas`: N `ragcache serve` processes and vllm-router in front of them, on one
+machine, for tests and trials (docs/deploy.md, "Many replicas").
+
+    ragcache replicas --model DIR --replicas 2 [--port 8000] [--base-port 8001]
+        [--gpus 0,1] [--router-policy consistent_hash] [--log-dir DIR] -- [serve options]
+
+1. Replica i: `ragcache serve --host HOST --port BASE+i --replica-id r<i> --peers <the
+   others>` plus the serve options after `--` (cache sizes, --index, keys), with
+   `CUDA_VISIBLE_DEVICES=<gpus[i]>` when `--gpus` is given.
+2. Wait until every replica's `/health` is 200 (vllm-router counts a worker it never probed as
+   healthy).
+3. vllm-router (`--router`, `$RAGCACHE_VLLM_ROUTER`, or `vllm-router` on PATH or next to this
+   Python) on HOST:PORT with the flags `router_command` lists, then wait for its `/readiness`.
+4. Run until SIGINT/SIGTERM or the router's exit: the router is stopped first, then every
+   replica gets SIGTERM (each drains), then SIGKILL after `--stop-timeout`. A replica that
+   dies meanwhile is reported and left dead: the router routes around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from ragcache_core.cli import CliError
+
+ROUTER_ENV = "RAGCACHE_VLLM_ROUTER"
+ROUTER_VERSION = "0.1.17"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "replicas",
+        help="start N ragcache serve replicas and vllm-router in front of them (one machine)",
+        description=__doc__.split("\n\n", 1)[0] if __doc__ else None,
+    )
+    p.add_argument("--model", type=Path, required=True, metavar="DIR")
+    p.add_argument("--replicas", type=int, default=2, metavar="N")
+    p.add_argument("--host", default="127.0.0.1", help="router and replicas (%(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="the router's (%(default)s)")
+    p.add_argument("--base-port", type=int, default=8001, help="replica i: BASE+i (%(default)s)")
+    p.add_argument("--gpus", default=None, help="comma list: replica i sees GPU gpus[i]")
+    p.add_argument(
+        "--router-policy",
+        default="consistent_hash",
+        help="vllm-router --policy (%(default)s: document affinity on X-Session-Id)",
+    )
+    p.add_argument("--router", default=None, help=f"the vllm-router binary (${ROUTER_ENV})")
+    p.add_argument("--prometheus-port", type=int, default=29000, help="the router's metrics")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RAGCACHE_API_KEY"),
+        help="the replicas' API key; the router sends it on RAGCache's own routes",
+    )
+    p.add_argument("--log-dir", type=Path, default=None, help="one log file per process")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds (%(default)s)")
+    p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds (%(default)s)")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then ragcache serve options")
+    p.set_defaults(func=_run)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where everything listens."""
+
+    host: str
+    port: int
+    replica_ports: tuple[int, ...]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def replica_urls(self) -> tuple[str, ...]:
+        return tuple(f"http://{self.host}:{p}" for p in self.replica_ports)
+
+
+def find_router(given: str | None) -> str:
+    """The vllm-router binary, or `CliError` saying how to install it."""
+    candidates = [given, os.environ.get(ROUTER_ENV), shutil.which("vllm-router")]
+    candidates.append(str(Path(sys.executable).parent / "vllm-router"))
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
+            return candidate
+    raise CliError(
+        f"vllm-router not found (--router, ${ROUTER_ENV}, PATH): "
+        f"pip install 'vllm-router=={ROUTER_VERSION}' (or ragcache[replicas])"
+    )
+
+
+def serve_command(
+    layout: Layout, i: int, model: Path, api_key: str | None, extra: list[str]
+) -> list[str]:
+    peers = [u for j, u in enumerate(layout.replica_urls) if j != i]
+    cmd = [sys.executable, "-m", "ragcache_core", "serve", "--model", str(model)]
+    cmd += ["--host", layout.host, "--port", str(layout.replica_ports[i]), "--replica-id", f"r{i}"]
+    if peers:
+        cmd += ["--peers", *peers]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd + extra
+
+
+def router_command(
+    binary: str, layout: Layout, policy: str, prometheus_port: int, api_key: str | None
+) -> list[str]:
+    """vllm-router with the flags docs/deploy.md explains: health every 2 s (2 failures take
+    a replica out, 2 successes bring it back), no retries (under consistent_hash a retry hits
+    the same replica; RAGCacheClient retries 429 itself), a breaker of 5 failures."""
+    cmd = [binary, "--host", layout.host, "--port", str(layout.port)]
+    cmd += ["--worker-urls", *layout.replica_urls, "--policy", policy]
+    cmd += ["--health-check-endpoint", "/health", "--health-check-interval-secs", "2"]
+    cmd += ["--health-failure-threshold", "2", "--health-success-threshold", "2"]
+    cmd += ["--health-check-timeout-secs", "2", "--worker-startup-timeout-secs", "120"]
+    cmd += ["--worker-startup-check-interval", "1", "--disable-retries"]
+    cmd += ["--cb-failure-threshold", "5", "--cb-timeout-duration-secs", "10"]
+    cmd += ["--request-timeout-secs", "1800", "--prometheus-host", layout.host]
+    cmd += ["--prometheus-port", str(prometheus_port), "--log-level", "warning"]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd
+
+
+def wait_for(
+    url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float, stopping: list[int]
+) -> None:
+    """Until GET `url` answers 200; `CliError` if a process in `procs` exits, a signal came
+    (`stopping`) or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stopping:
+            raise CliError(f"stopped by signal {stopping[0]} while waiting for {url}")
+        for proc in procs:
+            if proc.poll() is not None:
+                raise CliError(
+                    f"process {proc.pid} exited ({proc.returncode}) before {url} answered "
+                    "(see its log, --log-dir)"
+                )
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise CliError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log: IO[bytes] | None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+
+
+def _log(log_dir: Path | None, name: str) -> IO[bytes] | None:
+    if log_dir is None:
+        return None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return (log_dir / f"{name}.log").open("ab")
+
+
+def stop(
+    router: subprocess.Popen[bytes] | None,
+    replicas: list[subprocess.Popen[bytes]],
+    timeout_s: float,
+) -> None:
+    """The router first, then SIGTERM to every replica (they drain), SIGKILL after `timeout_s`."""
+    if router is not None and router.poll() is None:
+        router.terminate()
+        try:
+            router.wait(10)
+        except subprocess.TimeoutExpired:
+            router.kill()
+    for proc in replicas:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in replicas:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise CliError(f"--replicas must be >= 1, got {args.replicas}")
+    extra = [a for a in args.serve_args if a != "--"]
+    for forbidden in ("--host", "--port", "--replica-id", "--peers", "--api-key"):
+        if forbidden in extra:
+            raise CliError(f"{forbidden} is set by ragcache replicas; drop it after --")
+    gpus = args.gpus.split(",") if args.gpus else None
+    if gpus is not None and len(gpus) < args.replicas:
+        raise CliError(f"--gpus lists {len(gpus)} GPU(s) for {args.replicas} replicas")
+    binary = find_router(args.router)
+    ports = tuple(args.base_port + i for i in range(args.replicas))
+    layout = Layout(args.host, args.port, ports)
+    replicas: list[subprocess.Popen[bytes]] = []
+    router: subprocess.Popen[bytes] | None = None
+    stopping: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for i in range(args.replicas):
+            env = dict(os.environ)
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+            cmd = serve_command(layout, i, args.model, args.api_key, extra)
+            replicas.append(_spawn(cmd, env, _log(args.log_dir, f"replica-{i}")))
+        for url in layout.replica_urls:
+            wait_for(url + "/health", replicas, args.startup_timeout, stopping)
+        cmd = router_command(binary, layout, args.router_policy, args.prometheus_port, args.api_key)
+        router = _spawn(cmd, dict(os.environ), _log(args.log_dir, "router"))
+        wait_for(layout.router_url + "/readiness", [router], 60.0, stopping)
+        print(
+            f"ready: router {layout.router_url} ({args.router_policy}) -> "
+            + ", ".join(
+                f"r{i} {u} (pid {p.pid})"
+                for i, (u, p) in enumerate(zip(layout.replica_urls, replicas, strict=True))
+            ),
+            flush=True,
+        )
+        _supervise(router, replicas, stopping)
+    finally:
+        stop(router, replicas, args.stop_timeout)
+    return 0 if stopping else 1
+
+
+def _supervise(
+    router: subprocess.Popen[bytes], replicas: list[subprocess.Popen[bytes]], stopping: list[int]
+) -> None:
+    """Until a signal or the router's exit; a replica's death is reported once."""
+    reported: set[int] = set()
+    while not stopping and router.poll() is None:
+        for i, proc in enumerate(replicas):
+            if proc.poll() is not None and i not in reported:
+                reported.add(i)
+                print(f"replica r{i} exited ({proc.returncode}); the router routes around it")
+        time.sleep(0.5)
