@@ -50,7 +50,9 @@ CASES: dict[str, tuple[str, tuple[Document, ...]]] = {
     "other_system": (QUESTIONS[3], (DOCS[6], DOCS[7])),
     "harmless": (QUESTIONS[4], (DOCS[8], DOCS[9])),
     "invalidate": (QUESTIONS[5], (DOCS[10], DOCS[11])),
+    "conversation": (QUESTIONS[7], (DOCS[12], DOCS[13])),
 }
+FOLLOW_UP = "And why?"
 PLAIN_PROMPT = "The capital of France is"
 PLAIN_CHAT = [{"role": "user", "content": "Say something."}]
 RAG_QUESTION = QUESTIONS[6]
@@ -91,9 +93,34 @@ def references(tiny_model: Path, index_dir: Path, engine_pool: Any) -> dict[str,
         other = dataclasses.replace(CONFIG.prompt, system_prompt=OTHER_SYSTEM)
         builder = PromptBuilder(tokenizer, other, str(tiny_model), cache.config.dtype or "")
         refs["other_system_plain"] = _plain(cache, builder.build(*CASES["other_system"]).token_ids)
+        refs["conversation"] = _conversation_refs(cache, greedy)
         rag = cache.query(RAG_QUESTION, search=LocalIndex.load(index_dir).source(), sampling=greedy)
         refs["rag"] = (rag.token_ids, [d.id for d in rag.sources])
     return refs
+
+
+def _conversation_refs(cache: Any, greedy: SamplingConfig) -> dict[str, Any]:
+    """Turn 1 (no history: the server's layout), then turn 2 over turn 1's answer, in
+    process, with plain vLLM on turn 2's ids."""
+    question, docs = CASES["conversation"]
+    first = cache.generate(question, docs, sampling=greedy)
+    history = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": first.answer},
+    ]
+    app = cache.prompts.conversation(history)
+    built = cache.prompts.build(FOLLOW_UP, docs, app)
+    ids = built.token_ids
+    second = cache.generate(FOLLOW_UP, docs, sampling=greedy, prompt=app)
+    return {
+        "first": first.token_ids,
+        "answer": first.answer,
+        "second": second.token_ids,
+        "second_plain": _plain(cache, ids),
+        "second_ids": ids,
+        "rest": list(built.question_ids),
+        "rest_text": cache.engine.tokenizer().decode(list(built.question_ids)),
+    }
 
 
 def _plain(cache: Any, ids: list[int]) -> tuple[int, ...]:
@@ -202,6 +229,46 @@ def test_chat_with_documents_equals_in_process_and_repeat_hits(
     assert again["ragcache"]["cache_hits"]["cached_tokens"] > 0
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert again["usage"]["completion_tokens"] == 8
+
+
+def test_a_conversation_caches_its_documents_and_computes_its_turns(
+    oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    """Documents with earlier turns (no longer a 400): turn 2 carries turn 1's answer; its
+    prompt ids hold that history after the documents, its answer is plain vLLM's on them, and
+    the documents hit when another conversation asks over them."""
+    question, docs = CASES["conversation"]
+    refs = references["conversation"]
+    first = _chat(oai, "conversation")
+    assert tuple(first["choices"][0]["token_ids"]) == refs["first"]
+    answer = first["choices"][0]["message"]["content"]
+    assert answer == refs["answer"]
+    history = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    second = _turn(oai, [*history, {"role": "user", "content": FOLLOW_UP}], docs)
+    assert second["ragcache"]["cached"] is True
+    assert tuple(second["choices"][0]["token_ids"]) == refs["second"] == refs["second_plain"]
+    prompt_ids = second["prompt_token_ids"]
+    assert prompt_ids == list(refs["second_ids"])
+    # The history is in the computed rest (after the documents), turn 1's answer included.
+    assert prompt_ids[-len(refs["rest"]) :] == refs["rest"]
+    assert answer in refs["rest_text"] and question in refs["rest_text"]
+    assert second["ragcache"]["cache_hits"]["computed_docs"] == 2
+    # Another conversation over the same documents: they hit, its own turns are computed.
+    other = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]
+    third = _turn(oai, [*other, {"role": "user", "content": FOLLOW_UP}], docs)
+    hits = third["ragcache"]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == 2
+    assert third["prompt_token_ids"] != prompt_ids
+
+
+def _turn(oai: openai.OpenAI, messages: list[dict[str, str]], docs: Any) -> dict[str, Any]:
+    return oai.chat.completions.create(  # type: ignore[no-any-return]
+        model=_model(oai),
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"documents": _docs_json(docs), "return_token_ids": True},
+    ).to_dict()
 
 
 def test_completions_with_documents_take_the_prompt_as_question(
@@ -428,16 +495,12 @@ BAD = [
     (
         "/v1/chat/completions",
         {
-            "messages": [
-                {"role": "user", "content": "a"},
-                {"role": "assistant", "content": "b"},
-                {"role": "user", "content": "q"},
-            ],
+            "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
             "documents": [{"id": "a", "text": "t"}],
         },
         400,
         "messages",
-        "earlier turns",
+        "the last message",
     ),
     (
         "/v1/chat/completions",

@@ -4,9 +4,10 @@ A `CachedJob` is a question + documents in a prompt (its `Framing`: the server's
 request's system prompt, and the tenant's salt); an `UncachedJob` is token ids, and why they
 cannot be cached. Chat messages map as: the system (or developer) message is the root's system
 prompt (none: the server's `--system-prompt`), the last user message is the question. With
-documents, nothing else may be in `messages` (earlier turns have no place in the cached layout:
-400). Every system prompt is its own root in the knowledge tree, so no request is served
-uncached because its system prompt differs from the server's.
+documents, earlier turns take the conversation layout (`PromptBuilder.conversation`): system
+prompt, documents, the turns as sent, the question: the documents are cached nodes and the
+turns are computed with the question. Every system prompt is its own root in the knowledge
+tree, so no request is served uncached because its system prompt differs from the server's.
 
 `PromptRenderer` gives the token ids of what the server serves uncached and of what it sends
 to the cache (to check them against the context and size a default answer):
@@ -161,15 +162,19 @@ def chat_job(request: ChatRequest, renderer: PromptRenderer, salt: str | None = 
             )
     system = [t for m, t in pairs if m.role in _SYSTEM_ROLES]
     turns = [(m, t) for m, t in pairs if m.role not in _SYSTEM_ROLES]
-    if len(turns) != 1 or turns[0][0].role != "user":
+    if not turns or turns[-1][0].role != "user":
         raise bad_request(
-            "with documents, messages must be an optional system message and one user message "
-            "(the question): earlier turns have no place in the cached prompt",
+            "with documents, the last message (after any system message) is the user's question",
             "messages",
         )
-    question = turns[0][1]
+    question = turns[-1][1]
     system_prompt = "\n\n".join(system) if system else renderer.system_prompt
-    framing = Framing(renderer.server_prompt(system_prompt), salt)
+    history = [{"role": m.role, "content": t} for m, t in turns[:-1]]
+    try:
+        prompt = renderer.conversation(history, system_prompt) if history else None
+    except InputError as exc:
+        raise bad_request(str(exc), "messages") from None
+    framing = Framing(prompt or renderer.server_prompt(system_prompt), salt)
     return _cached(renderer, question, documents, "messages", framing)
 
 
@@ -352,6 +357,10 @@ class PromptRenderer:
             user = system + "\n\n" + str(prompt.messages[1]["content"])
             prompt = dataclasses.replace(prompt, messages=({"role": "user", "content": user},))
         return prompt
+
+    def conversation(self, history: list[dict[str, Any]], system: str) -> AppPrompt:
+        """The cache's conversation layout (system prompt, documents, `history`, question)."""
+        return self._root.conversation(history, system)
 
     def cached_length(
         self, question: str, documents: Sequence[Document], framing: Framing = NO_FRAMING
