@@ -53,6 +53,14 @@ CASES: dict[str, tuple[str, tuple[Document, ...]]] = {
     "conversation": (QUESTIONS[7], (DOCS[12], DOCS[13])),
 }
 FOLLOW_UP = "And why?"
+FOUND = (DOCS[16], DOCS[17])
+FOUND_MESSAGES = [
+    {"role": "system", "content": "Answer from the context."},
+    {
+        "role": "user",
+        "content": "Context:\n\n" + "\n\n".join(d.text for d in FOUND) + "\n\nWho is it about?",
+    },
+]
 PLAIN_PROMPT = "The capital of France is"
 PLAIN_CHAT = [{"role": "user", "content": "Say something."}]
 RAG_QUESTION = QUESTIONS[6]
@@ -94,6 +102,11 @@ def references(tiny_model: Path, index_dir: Path, engine_pool: Any) -> dict[str,
         builder = PromptBuilder(tokenizer, other, str(tiny_model), cache.config.dtype or "")
         refs["other_system_plain"] = _plain(cache, builder.build(*CASES["other_system"]).token_ids)
         refs["conversation"] = _conversation_refs(cache, greedy)
+        found_text = tokenizer.apply_chat_template(
+            FOUND_MESSAGES, tokenize=False, add_generation_prompt=True
+        )
+        refs["found_ids"] = tokenizer.encode(found_text, add_special_tokens=False)
+        refs["found_plain"] = _plain(cache, refs["found_ids"])
         rag = cache.query(RAG_QUESTION, search=LocalIndex.load(index_dir).source(), sampling=greedy)
         refs["rag"] = (rag.token_ids, [d.id for d in rag.sources])
     return refs
@@ -269,6 +282,59 @@ def _turn(oai: openai.OpenAI, messages: list[dict[str, str]], docs: Any) -> dict
         temperature=0,
         extra_body={"documents": _docs_json(docs), "return_token_ids": True},
     ).to_dict()
+
+
+def test_an_unchanged_openai_client_hits_on_the_index_documents_it_pastes(
+    server: ServerProcess, oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    """No documents field: the server finds the --index documents pasted in the messages and
+    caches them; the prompt ids are the ones vLLM makes of the same messages and the answer
+    is plain vLLM's on them (exact for the ids sent); a repeat hits; the report, the headers
+    and the metric say so."""
+    reports = []
+    for _ in range(2):
+        raw = oai.chat.completions.with_raw_response.create(
+            model=_model(oai),
+            messages=FOUND_MESSAGES,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        response = raw.parse().to_dict()
+        assert response["prompt_token_ids"] == references["found_ids"]
+        assert tuple(response["choices"][0]["token_ids"]) == references["found_plain"]
+        report = response["ragcache"]
+        assert report["cached"] and report["found_documents"]
+        assert report["documents"] == [d.id for d in FOUND]
+        reports.append((report["cache_hits"], raw.headers))
+    (first, _), (again, headers) = reports
+    assert first["computed_docs"] == 2 and again["gpu_docs"] + again["host_docs"] == 2
+    assert headers["x-ragcache-found-documents"] == "true"
+    assert headers["x-ragcache-hit-documents"] == "2"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'ragcache_serve_found_documents_total{result="found"}' in metrics
+
+
+def test_chat_openai_changed_only_in_base_url_hits_on_repeat(
+    server: ServerProcess, references: dict[str, Any]
+) -> None:
+    """LangChain's ChatOpenAI pointed at the server (nothing else changed) hits on a repeat;
+    the hit counts reach it through the response headers."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key=KEY,
+        model=server_model(server),
+        max_tokens=8,
+        temperature=0,
+        include_response_headers=True,
+    )
+    messages = [(m["role"], m["content"]) for m in FOUND_MESSAGES]
+    llm.invoke(messages)
+    again = llm.invoke(messages)
+    headers = again.response_metadata["headers"]
+    assert headers["x-ragcache-found-documents"] == "true"
+    assert headers["x-ragcache-hit-documents"] == "2"
 
 
 def test_completions_with_documents_take_the_prompt_as_question(
