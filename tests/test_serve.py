@@ -925,6 +925,8 @@ def test_every_serve_metric_moved(server: ServerProcess) -> None:
     assert samples[f'ragcache_serve_requests_total{{{chat},status="200"}}'] > 0
     assert samples[f'ragcache_serve_requests_total{{{chat},status="499"}}'] >= 2
     assert samples['ragcache_serve_uncached_total{reason="no_documents"}'] > 0
+    assert samples['ragcache_serve_found_documents_total{result="found"}'] >= 2
+    assert samples['ragcache_serve_found_documents_total{result="none"}'] > 0
     assert samples["ragcache_roots"] >= 3  # the server's, another system prompt's, salted ones
     assert samples[f"ragcache_serve_disconnects_total{{{chat}}}"] >= 2
     assert samples[f"ragcache_serve_request_seconds_count{{{chat}}}"] > 0
