@@ -6,7 +6,10 @@
         | StrOutputParser()
     )
 
-Input `{"context": list[Document], "question": str}`, output the answer text. Give it the
+Input `{"context": list[Document], "question": str}` (or create_retrieval_chain's `"input"`;
+a `"chat_history"` of earlier turns goes to the prompt: the app's `MessagesPlaceholder`, or
+RAGCache's conversation layout without `prompt`), output the answer text. A context that is
+one pre-joined string raises `InputError` (its documents cannot be cached apart). Give it the
 chain's own prompt, `RAGCacheRunnable(cache=cache, prompt=prompt)`, and RAGCache renders it as
 the chain would (`prompts.app_prompt`: its messages and roles through the model's chat template,
 every other input variable filled in, each document through `document_prompt`, joined by
