@@ -431,7 +431,7 @@ def test_message_history_in_the_caches_own_layout(cache: Any, flat_store: FAISS)
     )
     question = QUESTIONS[3]
     follow = question + " Tell me more."
-    docs = _shown(flat_store.similarity_search(follow, k=2))
+    docs = tuple(to_ragcache(d) for d in flat_store.similarity_search(follow, k=2))
     one = chat.invoke({"input": question}, config={"configurable": {"session_id": "a"}})
     record = Record()
     two = chat.invoke(
