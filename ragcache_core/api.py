@@ -20,10 +20,10 @@ wire); without `search=` the server searches its own `--index`.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import Any, Self
 
-from ragcache_core.app_prompt import NO_FRAMING, AppPrompt, Framing
+from ragcache_core.app_prompt import NO_FRAMING, AppPrompt, Framing, conversation_prompt
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import wrong_type
@@ -65,6 +65,14 @@ class RAGCacheAPI(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the engine (or the connections) and the private loop. Safe to call twice."""
+
+    def conversation_prompt(self, history: Sequence[Mapping[str, Any]]) -> AppPrompt:
+        """The cache's own layout for a conversation whose earlier turns are `history`
+        (role/content messages before the final user turn): the system prompt, the documents
+        (cached), then the turns and the question (computed). Pure; `InputError` for a bad
+        turn. Over HTTP the server's template is assumed to take a system message."""
+        prompt = self.config.prompt
+        return conversation_prompt(prompt.system_prompt, history, document=prompt.document)
 
     def __enter__(self) -> Self:
         return self

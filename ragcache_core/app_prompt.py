@@ -183,3 +183,70 @@ class Framing:
 
 
 NO_FRAMING = Framing()
+
+
+HISTORY_ROLES = ("user", "assistant", "tool")
+"""The roles an earlier turn of a conversation may have."""
+
+
+def history_messages(turns: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], ...]:
+    """Earlier turns of a conversation as `AppPrompt` messages: each a mapping with a `role`
+    among `HISTORY_ROLES` and a string `content`. Raises `InputError` naming the turn that is
+    not one, or a turn holding one of the markers (its text would be taken for the context)."""
+    out = []
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, Mapping):
+            raise InputError(f"history turn {index} must be a mapping, got {type(turn).__name__}")
+        role, content = turn.get("role"), turn.get("content")
+        if role not in HISTORY_ROLES:
+            raise InputError(
+                f"history turn {index} has role {role!r}: earlier turns are "
+                f"{', '.join(HISTORY_ROLES)} (a system prompt is given apart)"
+            )
+        if not isinstance(content, str):
+            raise InputError(f"history turn {index} needs a string 'content'")
+        if CONTEXT in content or QUESTION in content:
+            raise InputError(f"history turn {index} holds a RAGCache marker")
+        out.append(MappingProxyType({"role": role, "content": content}))
+    return tuple(out)
+
+
+def conversation_prompt(
+    system_prompt: str,
+    history: Sequence[Mapping[str, Any]],
+    *,
+    document: DocumentTemplate = DEFAULT_DOC_TEMPLATE,
+    separator: str = "",
+    system_role: bool = True,
+) -> AppPrompt:
+    """RAGCache's layout for a conversation (docs/design.md 3.3): the documents right after the
+    system prompt, then the earlier turns as they were, then the question as the final user
+    turn, all through the model's chat template:
+
+        system: <system_prompt>\\n\\n<documents>  ─ root, then one cached node per document
+        <turn 1> ... <turn n>                     ─ computed (the rest)
+        user: <question>                          ─ computed
+
+    The turns follow the documents so that they are never part of a cached path: the same
+    documents hit whatever conversation retrieves them. `system_role` False (a chat template
+    without a system role): the system prompt and the documents lead the first user turn.
+    Raises `InputError` for a turn that is not a user/assistant/tool message."""
+    turns = history_messages(history)
+    head = system_prompt + "\n\n" + CONTEXT if system_prompt else CONTEXT
+    if system_role:
+        messages = (
+            {"role": "system", "content": head},
+            *turns,
+            {"role": "user", "content": QUESTION},
+        )
+    elif not turns:
+        messages = ({"role": "user", "content": head + "\n\n" + QUESTION},)
+    elif turns[0]["role"] == "user":
+        first = {"role": "user", "content": head + "\n\n" + str(turns[0]["content"])}
+        messages = (first, *turns[1:], {"role": "user", "content": QUESTION})
+    else:
+        raise InputError(
+            "the model's chat template has no system role and the history does not start "
+            "with a user turn: there is no place for the documents before the turns"
+        )
+    return AppPrompt(messages=messages, document=document, separator=separator)

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import warnings
 from collections.abc import Iterator
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,13 @@ import numpy as np
 import pytest
 from _integration_helpers import CONFIG, corpus, import_with_version, questions, reference
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document as LCDocument
+from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.output_parsers import StrOutputParser
-from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
+from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
+from langchain_core.runnables.history import RunnableWithMessageHistory
 from packaging.specifiers import SpecifierSet
 
 from ragcache_core.app_prompt import AppPrompt
@@ -269,7 +273,7 @@ def test_llm_wrapper_answers_uncached_when_it_finds_nothing(
         first = llm.invoke(prompt)
         llm.invoke(prompt)
     assert first == reference(cache, prompt, (), AppPrompt(text=prompt, chat=False)).text
-    assert caplog.text.count("without caching any") == 1  # said once
+    assert caplog.text.count("llm.watch(retriever)") == 2  # said whenever it applies
 
 
 @pytest.mark.vllm
@@ -326,3 +330,177 @@ def test_unsupported_langchain_version_fails_at_import(tmp_path: Path) -> None:
     assert "0.3.9 is installed" in done.stderr
     with pytest.raises(UnsupportedFrameworkError, match="supports"):
         check_version(DISTRIBUTION, SpecifierSet("<1"))
+
+
+# ---------------------------------------------------------------------- chat (issue 23)
+
+CHAT_PROMPT = ChatPromptTemplate.from_messages(
+    [
+        ("system", "Use the given context to answer the question. Context: {context}"),
+        MessagesPlaceholder("chat_history"),
+        ("human", "{input}"),
+    ]
+)
+
+
+class LLMRecord(BaseCallbackHandler):
+    """What an LLM was sent and what it reported."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+        self.infos: list[dict[str, Any]] = []
+
+    def on_llm_start(self, serialized: Any, prompts: list[str], **kwargs: Any) -> None:
+        self.prompts.extend(prompts)
+
+    def on_llm_end(self, response: Any, **kwargs: Any) -> None:
+        self.infos.extend(g[0].generation_info for g in response.generations)
+
+
+def _shown(docs: list[LCDocument]) -> tuple[Document, ...]:
+    return tuple(
+        Document(d.id, d.text, d.metadata, prompt_text=d.text)
+        for d in (to_ragcache(x) for x in docs)
+    )
+
+
+@pytest.mark.vllm
+def test_retrieval_chain_with_message_history_sends_the_history_and_hits(
+    cache: Any, flat_store: FAISS
+) -> None:
+    """create_retrieval_chain (keys input, chat_history, context) around RAGCacheRunnable, in
+    RunnableWithMessageHistory: turn 2 carries turn 1's answer in its prompt ids (after the
+    documents, computed), its answer is plain vLLM's on those ids, and its documents (the
+    same as turn 1's) hit."""
+    chains = pytest.importorskip("langchain_classic.chains")
+    retriever = flat_store.as_retriever(search_kwargs={"k": 2})
+    runnable = RAGCacheRunnable(cache=cache, prompt=CHAT_PROMPT)
+    chain = chains.create_retrieval_chain(retriever, runnable)
+    histories: dict[str, InMemoryChatMessageHistory] = {}
+    chat = RunnableWithMessageHistory(
+        chain,
+        lambda session: histories.setdefault(session, InMemoryChatMessageHistory()),
+        input_messages_key="input",
+        history_messages_key="chat_history",
+        output_messages_key="answer",
+    )
+    session = {"configurable": {"session_id": "s1"}}
+    question = QUESTIONS[2]
+    follow = question + " Tell me more."
+    docs = flat_store.similarity_search(question, k=2)
+    assert [d.id for d in flat_store.similarity_search(follow, k=2)] == [d.id for d in docs]
+    first, second = Record(), Record()
+    one = chat.invoke({"input": question}, config={**session, "callbacks": [first]})
+    two = chat.invoke({"input": follow}, config={**session, "callbacks": [second]})
+    history = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": one["answer"]},
+    ]
+    app = runnable._framing({"input": follow, "chat_history": history}).prompt
+    built = cache.prompts.build(follow, _shown(docs), app)
+    rest = cache.prompts._tokenizer.decode(built.question_ids)
+    assert question in rest and one["answer"].strip() in rest  # the history, computed
+    expected = reference(cache, follow, _shown(docs), app)
+    assert two["answer"] == expected.text
+    assert second.reports[0]["token_ids"] == list(expected.token_ids)
+    assert second.reports[0]["prompt_tokens"] == built.num_tokens
+    assert (
+        first.reports[0]["cache_hits"]["computed_docs"] + first.reports[0]["cache_hits"]["gpu_docs"]
+        == 2
+    )
+    hits = second.reports[0]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == 2  # turn 1's documents hit
+    assert len(histories["s1"].messages) == 4
+
+
+@pytest.mark.vllm
+def test_message_history_in_the_caches_own_layout(cache: Any, flat_store: FAISS) -> None:
+    """Without prompt=, a chain's chat_history takes the cache's conversation layout (it was
+    silently dropped): the turns follow the documents, the documents hit in a second
+    conversation."""
+    retriever = flat_store.as_retriever(search_kwargs={"k": 2})
+    chain = RunnablePassthrough.assign(context=itemgetter("input") | retriever) | RAGCacheRunnable(
+        cache=cache
+    )
+    histories: dict[str, InMemoryChatMessageHistory] = {}
+    chat = RunnableWithMessageHistory(
+        chain,
+        lambda session: histories.setdefault(session, InMemoryChatMessageHistory()),
+        input_messages_key="input",
+        history_messages_key="chat_history",
+    )
+    question = QUESTIONS[3]
+    follow = question + " Tell me more."
+    docs = tuple(to_ragcache(d) for d in flat_store.similarity_search(follow, k=2))
+    one = chat.invoke({"input": question}, config={"configurable": {"session_id": "a"}})
+    record = Record()
+    two = chat.invoke(
+        {"input": follow}, config={"configurable": {"session_id": "a"}, "callbacks": [record]}
+    )
+    history = [{"role": "user", "content": question}, {"role": "assistant", "content": one}]
+    app = cache.prompts.conversation(history)
+    assert two == reference(cache, follow, docs, app).text
+    rest = cache.prompts._tokenizer.decode(cache.prompts.build(follow, docs, app).question_ids)
+    assert one.strip() in rest
+    histories["b"] = InMemoryChatMessageHistory(messages=[HumanMessage("Hello."), AIMessage("Hi.")])
+    other = Record()
+    chat.invoke(
+        {"input": follow}, config={"configurable": {"session_id": "b"}, "callbacks": [other]}
+    )
+    hits = other.reports[0]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == 2  # another conversation, the same nodes
+
+
+@pytest.mark.vllm
+def test_history_aware_retriever_with_the_llm_wrapper(
+    cache: Any, flat_store: FAISS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """create_history_aware_retriever + create_stuff_documents_chain on RAGCacheLLM: the
+    rephrase step (no documents) is answered uncached and logged truly (no "attach the
+    retriever" warning: it is attached), the answer step finds the documents, turn 2's
+    prompt holds turn 1's answer, and a repeat hits."""
+    chains = pytest.importorskip("langchain_classic.chains")
+    combine = pytest.importorskip("langchain_classic.chains.combine_documents")
+    llm = RAGCacheLLM(cache=cache)
+    retriever = llm.watch(flat_store.as_retriever(search_kwargs={"k": 2}))
+    rephrase = ChatPromptTemplate.from_messages(
+        [MessagesPlaceholder("chat_history"), ("human", "{input}"), ("human", "Rephrase:")]
+    )
+    aware = chains.create_history_aware_retriever(llm, retriever, rephrase)
+    chain = chains.create_retrieval_chain(
+        aware, combine.create_stuff_documents_chain(llm, CHAT_PROMPT)
+    )
+    question = QUESTIONS[1]
+    one = chain.invoke({"input": question, "chat_history": []})
+    history = [("human", question), ("ai", one["answer"])]
+    asked = {"input": "And then?", "chat_history": history}
+    record = LLMRecord()
+    with caplog.at_level(logging.INFO):
+        two = chain.invoke(asked, config={"callbacks": [record]})
+    assert "attach the retriever" not in caplog.text
+    assert caplog.text.count("a step without documents") == 1  # the rephrase, said truly
+    rephrased, answered = record.prompts
+    assert one["answer"] in rephrased and one["answer"] in answered  # the history reaches both
+    found = llm.memory.find(answered)
+    assert [d.id for d in found] == [d.id for d in two["context"]]
+    assert record.infos[1]["documents"] == [d.id for d in two["context"]]
+    again = LLMRecord()
+    chain.invoke(asked, config={"callbacks": [again]})
+    hits = again.infos[1]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == len(two["context"]) > 0
+
+
+@pytest.mark.vllm
+def test_chain_keys_and_pre_joined_context_are_named(cache: Any) -> None:
+    runnable = RAGCacheRunnable(cache=cache)
+    doc = LC_DOCS[0]
+    with pytest.raises(InputError, match=r"'question' or 'input'.*\['context', 'query'\]"):
+        runnable.invoke({"context": [doc], "query": "q"})
+    with pytest.raises(InputError, match="format_docs"):
+        runnable.invoke({"context": "one joined string", "question": "q"})
+    with pytest.raises(InputError, match="no such variable: the history would be dropped"):
+        RAGCacheRunnable(cache=cache, prompt=RETRIEVAL_PROMPT).invoke(
+            {"context": [doc], "input": "q", "chat_history": [("human", "hi")]}
+        )
+    with pytest.raises(InputError, match="role 'system'"):
+        runnable.invoke({"context": [doc], "input": "q", "chat_history": [("system", "x")]})

@@ -37,6 +37,7 @@ from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_integrations.llama_index import (
     OfflineEmbedding,
     RAGCacheQueryEngine,
+    as_chat_engine,
     as_query_engine,
     node_to_document,
     prompt_config,
@@ -305,3 +306,48 @@ def test_unsupported_llama_index_version_fails_at_import(tmp_path: Path) -> None
         check_version(DISTRIBUTION, SpecifierSet(">=99"))
     with pytest.raises(UnsupportedFrameworkError, match="not installed"):
         check_version("no-such-distribution-ragcache", SpecifierSet(">=0"))
+
+
+# ---------------------------------------------------------------------- chat (issue 23)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["context", "condense_plus_context"])
+def test_chat_engine_two_turns_send_the_history_and_hit(
+    cache: Any, simple_index: VectorStoreIndex, mode: str
+) -> None:
+    """as_chat_engine(index, cache=): turn 2's prompt holds turn 1 (after the documents,
+    computed), its answer is plain vLLM's on those ids, and another conversation with the same
+    turns hits its documents. condense_plus_context searches the rephrased question."""
+    engine = as_chat_engine(simple_index, cache=cache, chat_mode=mode, similarity_top_k=2)
+    question = QUESTIONS[0]
+    follow = question + " Tell me more."
+    one = engine.chat(question)
+    two = engine.chat(follow)
+    history = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": one.response},
+    ]
+    app, docs = engine._prompt(history, two.source_nodes)
+    built = cache.prompts.build(follow, docs, app)
+    rest = cache.prompts._tokenizer.decode(built.question_ids)
+    assert question in rest and one.response.strip() in rest
+    expected = reference(cache, follow, docs, app)
+    assert two.response == expected.text
+    assert two.metadata["token_ids"] == list(expected.token_ids)
+    assert two.metadata["prompt_tokens"] == built.num_tokens
+    if mode == "condense_plus_context":
+        assert two.metadata["searched"] != follow  # the standalone question was searched
+    else:
+        assert two.metadata["searched"] == follow
+    assert len(engine.chat_history) == 4
+    other = as_chat_engine(simple_index, cache=cache, chat_mode=mode, similarity_top_k=2)
+    again = other.chat(follow, chat_history=engine.chat_history[:2])
+    assert again.response == two.response
+    hits = again.metadata["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == len(docs) > 0
+    assert other.chat_history == []  # a given history is used, not kept
+    with pytest.raises(TypeError, match="streaming"):
+        as_chat_engine(simple_index, cache=cache, streaming=True)
+    with pytest.raises(NotImplementedError, match="condense_question"):
+        as_chat_engine(simple_index, cache=cache, chat_mode="condense_question")  # type: ignore[arg-type]

@@ -260,3 +260,46 @@ def test_the_token_memo_is_bounded_in_bytes(tokenizer) -> None:  # type: ignore[
     small = TokenMemo(max_bytes=10)
     small.put("big", _Encoded(tuple(range(100)), tuple(range(100)), tuple(range(100))))
     assert len(small) == 0 and small.nbytes == 0  # larger than the whole bound: not kept
+
+
+def test_a_conversation_keeps_its_turns_out_of_the_cached_path(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Earlier turns (issue 23): the documents follow the system prompt (root, then nodes), the
+    turns and the question are the computed rest; two conversations over the same documents
+    share root and nodes, and the ids are the whole rendered conversation's."""
+    builder = _builder(tokenizer, chat_template=True)
+    turns = [
+        {"role": "user", "content": "Where is Paris?"},
+        {"role": "assistant", "content": "In France."},
+    ]
+    app = builder.conversation(turns)
+    built = builder.build("And Lyon?", _docs(), app)
+    text = builder.render("And Lyon?", _docs(), app)
+    assert built.token_ids == tokenizer.encode(text, add_special_tokens=False)
+    rest = tokenizer.decode(built.question_ids)
+    assert "Where is Paris?" in rest and "In France." in rest and "And Lyon?" in rest
+    assert "Where is Paris?" not in tokenizer.decode(built.root_ids)
+    assert built.unplaced_docs == 0 and len(built.doc_specs) == 3
+    other = builder.build(
+        "Why?", _docs(), builder.conversation([*turns[:1], {"role": "assistant", "content": "No."}])
+    )
+    assert other.root_key == built.root_key and other.doc_specs == built.doc_specs
+    assert other.question_ids != built.question_ids
+    # Without a system role, the documents lead the first user turn (still before the turns).
+    folded = builder.conversation(turns, "Be brief.")
+    assert folded.messages[0]["role"] == "system"
+    with pytest.raises(InputError, match="role 'system'"):
+        builder.conversation([{"role": "system", "content": "x"}])
+    with pytest.raises(InputError, match="chat template"):
+        _builder(tokenizer, chat_template=False).conversation(turns)
+
+
+def test_a_conversation_without_a_system_role() -> None:
+    from ragcache_core.app_prompt import conversation_prompt
+
+    turns = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}]
+    app = conversation_prompt("S", turns, system_role=False)
+    assert [m["role"] for m in app.messages] == ["user", "assistant", "user"]
+    assert app.messages[0]["content"] == "S\n\n" + CONTEXT + "\n\nu1"
+    assert app.messages[-1]["content"] == QUESTION
+    with pytest.raises(InputError, match="does not start with a user turn"):
+        conversation_prompt("S", turns[1:], system_role=False)

@@ -72,8 +72,10 @@ def test_llama_index_exports() -> None:
 
     assert sorted(li.__all__) == [
         "OfflineEmbedding",
+        "RAGCacheChatEngine",
         "RAGCacheQueryEngine",
         "UnsupportedFrameworkError",
+        "as_chat_engine",
         "as_query_engine",
         "node_to_document",
         "prompt_config",

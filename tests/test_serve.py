@@ -50,7 +50,17 @@ CASES: dict[str, tuple[str, tuple[Document, ...]]] = {
     "other_system": (QUESTIONS[3], (DOCS[6], DOCS[7])),
     "harmless": (QUESTIONS[4], (DOCS[8], DOCS[9])),
     "invalidate": (QUESTIONS[5], (DOCS[10], DOCS[11])),
+    "conversation": (QUESTIONS[7], (DOCS[12], DOCS[13])),
 }
+FOLLOW_UP = "And why?"
+FOUND = (DOCS[16], DOCS[17])
+FOUND_MESSAGES = [
+    {"role": "system", "content": "Answer from the context."},
+    {
+        "role": "user",
+        "content": "Context:\n\n" + "\n\n".join(d.text for d in FOUND) + "\n\nWho is it about?",
+    },
+]
 PLAIN_PROMPT = "The capital of France is"
 PLAIN_CHAT = [{"role": "user", "content": "Say something."}]
 RAG_QUESTION = QUESTIONS[6]
@@ -91,9 +101,39 @@ def references(tiny_model: Path, index_dir: Path, engine_pool: Any) -> dict[str,
         other = dataclasses.replace(CONFIG.prompt, system_prompt=OTHER_SYSTEM)
         builder = PromptBuilder(tokenizer, other, str(tiny_model), cache.config.dtype or "")
         refs["other_system_plain"] = _plain(cache, builder.build(*CASES["other_system"]).token_ids)
+        refs["conversation"] = _conversation_refs(cache, greedy)
+        found_text = tokenizer.apply_chat_template(
+            FOUND_MESSAGES, tokenize=False, add_generation_prompt=True
+        )
+        refs["found_ids"] = tokenizer.encode(found_text, add_special_tokens=False)
+        refs["found_plain"] = _plain(cache, refs["found_ids"])
         rag = cache.query(RAG_QUESTION, search=LocalIndex.load(index_dir).source(), sampling=greedy)
         refs["rag"] = (rag.token_ids, [d.id for d in rag.sources])
     return refs
+
+
+def _conversation_refs(cache: Any, greedy: SamplingConfig) -> dict[str, Any]:
+    """Turn 1 (no history: the server's layout), then turn 2 over turn 1's answer, in
+    process, with plain vLLM on turn 2's ids."""
+    question, docs = CASES["conversation"]
+    first = cache.generate(question, docs, sampling=greedy)
+    history = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": first.answer},
+    ]
+    app = cache.prompts.conversation(history)
+    built = cache.prompts.build(FOLLOW_UP, docs, app)
+    ids = built.token_ids
+    second = cache.generate(FOLLOW_UP, docs, sampling=greedy, prompt=app)
+    return {
+        "first": first.token_ids,
+        "answer": first.answer,
+        "second": second.token_ids,
+        "second_plain": _plain(cache, ids),
+        "second_ids": ids,
+        "rest": list(built.question_ids),
+        "rest_text": cache.engine.tokenizer().decode(list(built.question_ids)),
+    }
 
 
 def _plain(cache: Any, ids: list[int]) -> tuple[int, ...]:
@@ -202,6 +242,99 @@ def test_chat_with_documents_equals_in_process_and_repeat_hits(
     assert again["ragcache"]["cache_hits"]["cached_tokens"] > 0
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert again["usage"]["completion_tokens"] == 8
+
+
+def test_a_conversation_caches_its_documents_and_computes_its_turns(
+    oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    """Documents with earlier turns (no longer a 400): turn 2 carries turn 1's answer; its
+    prompt ids hold that history after the documents, its answer is plain vLLM's on them, and
+    the documents hit when another conversation asks over them."""
+    question, docs = CASES["conversation"]
+    refs = references["conversation"]
+    first = _chat(oai, "conversation")
+    assert tuple(first["choices"][0]["token_ids"]) == refs["first"]
+    answer = first["choices"][0]["message"]["content"]
+    assert answer == refs["answer"]
+    history = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    second = _turn(oai, [*history, {"role": "user", "content": FOLLOW_UP}], docs)
+    assert second["ragcache"]["cached"] is True
+    assert tuple(second["choices"][0]["token_ids"]) == refs["second"] == refs["second_plain"]
+    prompt_ids = second["prompt_token_ids"]
+    assert prompt_ids == list(refs["second_ids"])
+    # The history is in the computed rest (after the documents), turn 1's answer included.
+    assert prompt_ids[-len(refs["rest"]) :] == refs["rest"]
+    assert answer in refs["rest_text"] and question in refs["rest_text"]
+    assert second["ragcache"]["cache_hits"]["computed_docs"] == 2
+    # Another conversation over the same documents: they hit, its own turns are computed.
+    other = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]
+    third = _turn(oai, [*other, {"role": "user", "content": FOLLOW_UP}], docs)
+    hits = third["ragcache"]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == 2
+    assert third["prompt_token_ids"] != prompt_ids
+
+
+def _turn(oai: openai.OpenAI, messages: list[dict[str, str]], docs: Any) -> dict[str, Any]:
+    return oai.chat.completions.create(  # type: ignore[no-any-return]
+        model=_model(oai),
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"documents": _docs_json(docs), "return_token_ids": True},
+    ).to_dict()
+
+
+def test_an_unchanged_openai_client_hits_on_the_index_documents_it_pastes(
+    server: ServerProcess, oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    """No documents field: the server finds the --index documents pasted in the messages and
+    caches them; the prompt ids are the ones vLLM makes of the same messages and the answer
+    is plain vLLM's on them (exact for the ids sent); a repeat hits; the report, the headers
+    and the metric say so."""
+    reports = []
+    for _ in range(2):
+        raw = oai.chat.completions.with_raw_response.create(
+            model=_model(oai),
+            messages=FOUND_MESSAGES,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        response = raw.parse().to_dict()
+        assert response["prompt_token_ids"] == references["found_ids"]
+        assert tuple(response["choices"][0]["token_ids"]) == references["found_plain"]
+        report = response["ragcache"]
+        assert report["cached"] and report["found_documents"]
+        assert report["documents"] == [d.id for d in FOUND]
+        reports.append((report["cache_hits"], raw.headers))
+    (first, _), (again, headers) = reports
+    assert first["computed_docs"] == 2 and again["gpu_docs"] + again["host_docs"] == 2
+    assert headers["x-ragcache-found-documents"] == "true"
+    assert headers["x-ragcache-hit-documents"] == "2"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'ragcache_serve_found_documents_total{result="found"}' in metrics
+
+
+def test_chat_openai_changed_only_in_base_url_hits_on_repeat(
+    server: ServerProcess, references: dict[str, Any]
+) -> None:
+    """LangChain's ChatOpenAI pointed at the server (nothing else changed) hits on a repeat;
+    the hit counts reach it through the response headers."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key=KEY,
+        model=server_model(server),
+        max_tokens=8,
+        temperature=0,
+        include_response_headers=True,
+    )
+    messages = [(m["role"], m["content"]) for m in FOUND_MESSAGES]
+    llm.invoke(messages)
+    again = llm.invoke(messages)
+    headers = again.response_metadata["headers"]
+    assert headers["x-ragcache-found-documents"] == "true"
+    assert headers["x-ragcache-hit-documents"] == "2"
 
 
 def test_completions_with_documents_take_the_prompt_as_question(
@@ -428,16 +561,12 @@ BAD = [
     (
         "/v1/chat/completions",
         {
-            "messages": [
-                {"role": "user", "content": "a"},
-                {"role": "assistant", "content": "b"},
-                {"role": "user", "content": "q"},
-            ],
+            "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
             "documents": [{"id": "a", "text": "t"}],
         },
         400,
         "messages",
-        "earlier turns",
+        "the last message",
     ),
     (
         "/v1/chat/completions",
@@ -796,6 +925,8 @@ def test_every_serve_metric_moved(server: ServerProcess) -> None:
     assert samples[f'ragcache_serve_requests_total{{{chat},status="200"}}'] > 0
     assert samples[f'ragcache_serve_requests_total{{{chat},status="499"}}'] >= 2
     assert samples['ragcache_serve_uncached_total{reason="no_documents"}'] > 0
+    assert samples['ragcache_serve_found_documents_total{result="found"}'] >= 2
+    assert samples['ragcache_serve_found_documents_total{result="none"}'] > 0
     assert samples["ragcache_roots"] >= 3  # the server's, another system prompt's, salted ones
     assert samples[f"ragcache_serve_disconnects_total{{{chat}}}"] >= 2
     assert samples[f"ragcache_serve_request_seconds_count{{{chat}}}"] > 0

@@ -329,15 +329,70 @@ def test_chat_maps_system_and_last_user_message(renderer: PromptRenderer, tokeni
     assert list(plain.prompt_ids) == tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_chat_with_documents_refuses_earlier_turns(renderer: PromptRenderer) -> None:
+def test_chat_with_documents_and_earlier_turns_takes_the_conversation_layout(
+    renderer: PromptRenderer, tokenizer: Any
+) -> None:
+    """Issue 23: earlier turns with documents are no longer a 400: system prompt, documents,
+    the turns, the question; only a last message that is not the user's is refused."""
     turns = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},
         {"role": "user", "content": "Where is Paris?"},
     ]
+    job = chat_job(_chat(turns, documents=_documents()), renderer)
+    assert isinstance(job, CachedJob) and job.question == "Where is Paris?"
+    assert job.framing.prompt is not None
+    assert [m["role"] for m in job.framing.prompt.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+    ]
+    text = tokenizer.decode(list(job.prompt_ids))
+    assert text.index("Paris is in France.") < text.index("hi") < text.index("Where is Paris?")
     with pytest.raises(ServeError) as refused:
-        chat_job(_chat(turns, documents=_documents()), renderer)
+        chat_job(_chat(turns[:2], documents=_documents()), renderer)
     assert refused.value.status == 400 and refused.value.param == "messages"
+
+
+def test_known_documents_are_found_in_plain_requests(tokenizer: Any, tiny_model: Path) -> None:
+    """A plain request (no documents field) with known documents pasted in: a cached job
+    whose ids are exactly the uncached ones (vLLM's), documents found in order, as shown;
+    a tenant's sent documents are found for that tenant only; nothing found: uncached."""
+    from ragcache_core.serve.known import KnownDocuments
+
+    long = [
+        Document(f"k{i}", f"Document {i} tells a long story about the river number {i}, " * 2)
+        for i in range(3)
+    ]
+    known = KnownDocuments()
+    known.add_index(long[:2])
+    renderer = PromptRenderer(
+        tokenizer, CacheConfig().prompt, str(tiny_model), "float32", known=known
+    )
+    body = "Context:\n" + long[1].text + "\n\n" + long[0].text + "\nQuestion: which river?"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": body}]
+    job = chat_job(_chat(messages), renderer)
+    assert isinstance(job, CachedJob) and job.found and job.doc_ids == ("k1", "k0")
+    assert job.documents[0].prompt_text == long[1].text.strip()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert list(job.prompt_ids) == tokenizer.encode(text, add_special_tokens=False)
+    completion = completion_job(CompletionRequest.model_validate({"prompt": body}), renderer)
+    assert isinstance(completion, CachedJob) and completion.doc_ids == ("k1", "k0")
+    assert list(completion.prompt_ids) == tokenizer.encode(body, add_special_tokens=True)
+    # A document a tenant sent is known to that tenant only.
+    sent = [{"id": "k2", "text": long[2].text}]
+    chat_job(_chat([{"role": "user", "content": "q"}], documents=sent), renderer, "tenant-a")
+    pasted = [{"role": "user", "content": "See: " + long[2].text}]
+    assert isinstance(chat_job(_chat(pasted), renderer, "tenant-a"), CachedJob)
+    other = chat_job(_chat(pasted), renderer, "tenant-b")
+    assert isinstance(other, UncachedJob) and other.reason == "no_documents"
+    # Edited text is not the document; short documents are never looked for.
+    edited = [{"role": "user", "content": long[0].text.replace("river", "lake")}]
+    assert isinstance(chat_job(_chat(edited), renderer), UncachedJob)
+    known.add_index([Document("short", "Paris is the capital of France.")])
+    short = [{"role": "user", "content": "Paris is the capital of France."}]
+    assert isinstance(chat_job(_chat(short), renderer), UncachedJob)
 
 
 def test_text_parts_are_joined_and_other_parts_refused(

@@ -180,10 +180,7 @@ class LocalIndex:
             faiss_index = faiss.read_index(str(folder / "index.faiss"))
         except RuntimeError as exc:
             raise InputError(f"{folder}/index.faiss: cannot read: {exc}") from exc
-        documents = [
-            Document(id=str(r["id"]), text=str(r["text"]), metadata=r.get("metadata", {}))
-            for r in _read_jsonl(folder / "documents.jsonl")
-        ]
+        documents = load_documents(folder)
         return cls(
             documents,
             TfidfSvdEmbedder.load(folder),
@@ -191,6 +188,14 @@ class LocalIndex:
             settings,
             BuildTimes(**manifest["build_times_s"]),
         )
+
+
+def load_documents(folder: Path | str) -> list[Document]:
+    """The documents of an index folder written by `LocalIndex.save` (no vectors read)."""
+    return [
+        Document(id=str(r["id"]), text=str(r["text"]), metadata=r.get("metadata", {}))
+        for r in _read_jsonl(Path(folder) / "documents.jsonl")
+    ]
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

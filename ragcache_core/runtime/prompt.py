@@ -36,7 +36,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt, default_prompt
+from ragcache_core.app_prompt import (
+    CONTEXT,
+    QUESTION,
+    AppPrompt,
+    conversation_prompt,
+    default_prompt,
+)
 from ragcache_core.config import PromptConfig
 from ragcache_core.documents import Document, render_document
 from ragcache_core.errors import InputError, PromptTooLong
@@ -207,6 +213,29 @@ class PromptBuilder:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tokenizer, "chat_template", None))
+
+    @property
+    def system_role(self) -> bool:
+        """Whether the layout's chat template takes a system message."""
+        messages = self.default_prompt.messages
+        return bool(messages) and messages[0]["role"] == "system"
+
+    def conversation(
+        self, history: Sequence[Mapping[str, Any]], system_prompt: str | None = None
+    ) -> AppPrompt:
+        """The cache's layout for a conversation with earlier turns `history` (role/content
+        messages before the final user turn): `app_prompt.conversation_prompt` with the
+        configured (or given) system prompt and document template. Pure. Raises `InputError`
+        for a bad turn, or a model without a chat template (turns need roles)."""
+        if not self.uses_chat_template:
+            raise InputError(
+                "earlier turns need the model's chat template (this layout renders text): "
+                "send the conversation as the app's own AppPrompt(text=...)"
+            )
+        system = self.config.system_prompt if system_prompt is None else system_prompt
+        return conversation_prompt(
+            system, history, document=self.config.document, system_role=self.system_role
+        )
 
     def _checked_default(self, config: PromptConfig, chat: bool) -> AppPrompt:
         prompt = default_prompt(config, chat)

@@ -23,13 +23,13 @@ import atexit
 import contextlib
 import os
 import weakref
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ragcache_core.api import RAGCacheAPI
-from ragcache_core.app_prompt import NO_FRAMING, Framing
+from ragcache_core.app_prompt import NO_FRAMING, AppPrompt, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import AsyncEngine
@@ -213,6 +213,11 @@ class RAGCache(RAGCacheAPI):
     def stats(self) -> dict[str, Any]:
         """Counters (hits per tier, tokens saved, speculation, TTFT) and tree occupancy."""
         return self._loop.run(self._stats())
+
+    def conversation_prompt(self, history: Sequence[Mapping[str, Any]]) -> AppPrompt:
+        """`RAGCacheAPI.conversation_prompt` with this model's chat template (a template
+        without a system role puts the documents in the first user turn)."""
+        return self.prompts.conversation(history)
 
     def invalidate(self, doc_id: str) -> int:
         """Drop every cached node of `doc_id` (and what was computed after it). Returns the

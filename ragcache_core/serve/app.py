@@ -38,6 +38,7 @@ from ragcache_core.runtime.prompt import PromptBuilder
 from ragcache_core.serve.auth import KeyMiddleware
 from ragcache_core.serve.errors import CountedResponses, install_handlers
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
+from ragcache_core.serve.known import KnownDocuments
 from ragcache_core.serve.limits import BodyLimitMiddleware, guarded_protocol
 from ragcache_core.serve.owner import reclaim_locks, sole_owner
 from ragcache_core.serve.queue import BoundedQueue
@@ -104,6 +105,11 @@ def build_state(settings: ServeSettings, factory: CacheFactory) -> ServeState:
         assert config.dtype is not None  # resolved by the cache
         tokenizer = AutoTokenizer.from_pretrained(settings.model)
         builder = getattr(cache, "prompts", None)  # the cache's own: one memo for both
+        known = KnownDocuments()
+        if settings.index is not None:
+            from ragcache_core.retrieval.index_store import load_documents
+
+            known.add_index(load_documents(settings.index))
         renderer = PromptRenderer(
             tokenizer,
             config.prompt,
@@ -111,6 +117,7 @@ def build_state(settings: ServeSettings, factory: CacheFactory) -> ServeState:
             config.dtype,
             max_model_len=config.max_model_len,
             builder=builder if isinstance(builder, PromptBuilder) else None,
+            known=known,
         )
         queue = BoundedQueue(config.max_num_seqs + settings.max_waiting, config.max_num_seqs)
         return ServeState(

@@ -4,9 +4,10 @@ A `CachedJob` is a question + documents in a prompt (its `Framing`: the server's
 request's system prompt, and the tenant's salt); an `UncachedJob` is token ids, and why they
 cannot be cached. Chat messages map as: the system (or developer) message is the root's system
 prompt (none: the server's `--system-prompt`), the last user message is the question. With
-documents, nothing else may be in `messages` (earlier turns have no place in the cached layout:
-400). Every system prompt is its own root in the knowledge tree, so no request is served
-uncached because its system prompt differs from the server's.
+documents, earlier turns take the conversation layout (`PromptBuilder.conversation`): system
+prompt, documents, the turns as sent, the question: the documents are cached nodes and the
+turns are computed with the question. Every system prompt is its own root in the knowledge
+tree, so no request is served uncached because its system prompt differs from the server's.
 
 `PromptRenderer` gives the token ids of what the server serves uncached and of what it sends
 to the cache (to check them against the context and size a default answer):
@@ -46,10 +47,13 @@ from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, PromptTooLong
 from ragcache_core.runtime.prompt import PromptBuilder, check_text_fits
 from ragcache_core.serve.errors import bad_request
+from ragcache_core.serve.known import KnownDocuments, found_documents
 from ragcache_core.serve.schemas import ChatMessage, ChatRequest, CompletionRequest, OpenAIRequest
 
 UncachedReason = Literal["no_documents", "template_documents"]
 _SYSTEM_ROLES = ("system", "developer")
+_MARKER = "\u2063{ragcache:"
+"""How RAGCache's prompt markers begin: a text holding one is never matched."""
 COMPLETION_MAX_TOKENS = 16
 """`/v1/completions`' default `max_tokens`, as in vLLM and OpenAI."""
 _CONTEXT_OVER = (
@@ -71,6 +75,8 @@ class CachedJob:
     prompt_ids: tuple[int, ...]
     """The ids the cache will build (the renderer uses the cache's layout)."""
     framing: Framing = NO_FRAMING
+    found: bool = False
+    """The documents were found in a plain request's text (`known.KnownDocuments`), not sent."""
 
     @property
     def doc_ids(self) -> tuple[str, ...]:
@@ -148,6 +154,10 @@ def chat_job(request: ChatRequest, renderer: PromptRenderer, salt: str | None = 
     if documents is None:
         messages = [{"role": m.role, "content": t, **m.template_extras()} for m, t in pairs]
         template_docs = request.template_documents or None
+        plain = not template_docs and not any(m.template_extras() for m, _ in pairs)
+        found = _found_chat(renderer, messages, salt) if plain else None
+        if found is not None:
+            return found
         build = partial(renderer.chat, messages, template_docs)
         reason: UncachedReason = "template_documents" if template_docs else "no_documents"
         return _uncached(build, reason, "messages")
@@ -161,15 +171,20 @@ def chat_job(request: ChatRequest, renderer: PromptRenderer, salt: str | None = 
             )
     system = [t for m, t in pairs if m.role in _SYSTEM_ROLES]
     turns = [(m, t) for m, t in pairs if m.role not in _SYSTEM_ROLES]
-    if len(turns) != 1 or turns[0][0].role != "user":
+    if not turns or turns[-1][0].role != "user":
         raise bad_request(
-            "with documents, messages must be an optional system message and one user message "
-            "(the question): earlier turns have no place in the cached prompt",
+            "with documents, the last message (after any system message) is the user's question",
             "messages",
         )
-    question = turns[0][1]
+    question = turns[-1][1]
+    renderer.known.add_seen(documents, salt)
     system_prompt = "\n\n".join(system) if system else renderer.system_prompt
-    framing = Framing(renderer.server_prompt(system_prompt), salt)
+    history = [{"role": m.role, "content": t} for m, t in turns[:-1]]
+    try:
+        prompt = renderer.conversation(history, system_prompt) if history else None
+    except InputError as exc:
+        raise bad_request(str(exc), "messages") from None
+    framing = Framing(prompt or renderer.server_prompt(system_prompt), salt)
     return _cached(renderer, question, documents, "messages", framing)
 
 
@@ -180,10 +195,42 @@ def completion_job(
     prompt = request.single_prompt()
     documents = request.doc_list()
     if documents is None:
+        found = _found_completion(renderer, prompt, salt) if isinstance(prompt, str) else None
+        if found is not None:
+            return found
         return _uncached(partial(renderer.completion, prompt), "no_documents", "prompt")
     if not isinstance(prompt, str):
         raise bad_request("with documents, the prompt is the question: a string", "prompt")
+    renderer.known.add_seen(documents, salt)
     return _cached(renderer, prompt, documents, "prompt", Framing(None, salt))
+
+
+def _found_chat(
+    renderer: PromptRenderer, messages: list[dict[str, Any]], salt: str | None
+) -> CachedJob | None:
+    """A plain chat request as a cached job when known documents are in its messages: the
+    messages exactly as sent (the ids `vllm serve` makes of them), the documents found as
+    nodes. None when nothing known is found."""
+    texts = [str(m["content"]) for m in messages]
+    found = tuple(f for text in texts for f in renderer.known.find(text, salt))
+    if not found or any(_MARKER in text for text in texts):
+        return None
+    users = [t for m, t in zip(messages, texts, strict=True) if m["role"] == "user" and t.strip()]
+    question = users[-1] if users else texts[-1]
+    framing = Framing(AppPrompt(messages=tuple(messages)), salt)
+    job = _cached(renderer, question or "?", found_documents(found), "messages", framing)
+    return dataclasses.replace(job, found=True)
+
+
+def _found_completion(renderer: PromptRenderer, prompt: str, salt: str | None) -> CachedJob | None:
+    """A plain completion prompt as a cached job when known documents are in it (the prompt
+    tokenized whole with the tokenizer's special tokens, as vLLM's completions do)."""
+    found = renderer.known.find(prompt, salt)
+    if not found or _MARKER in prompt or not prompt.strip():
+        return None
+    framing = Framing(AppPrompt(text=prompt, chat=False), salt)
+    job = _cached(renderer, prompt, found_documents(found), "prompt", framing)
+    return dataclasses.replace(job, found=True)
 
 
 def answer_tokens(
@@ -324,6 +371,7 @@ class PromptRenderer:
         *,
         max_model_len: int | None = None,
         builder: PromptBuilder | None = None,
+        known: KnownDocuments | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._prompt = prompt
@@ -331,6 +379,8 @@ class PromptRenderer:
         self._kv_dtype = kv_dtype
         self._root = builder or PromptBuilder(tokenizer, prompt, model, kv_dtype)
         self.vocab_size = len(tokenizer)
+        self.known = known if known is not None else KnownDocuments()
+        """The documents found in plain requests (the index's, and those requests sent)."""
         self.max_model_len = max_model_len
         self._max_prompt = None if max_model_len is None else max_model_len - 1
         """A prompt must leave room for one token of answer."""
@@ -352,6 +402,10 @@ class PromptRenderer:
             user = system + "\n\n" + str(prompt.messages[1]["content"])
             prompt = dataclasses.replace(prompt, messages=({"role": "user", "content": user},))
         return prompt
+
+    def conversation(self, history: list[dict[str, Any]], system: str) -> AppPrompt:
+        """The cache's conversation layout (system prompt, documents, `history`, question)."""
+        return self._root.conversation(history, system)
 
     def cached_length(
         self, question: str, documents: Sequence[Document], framing: Framing = NO_FRAMING

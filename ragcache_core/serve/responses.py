@@ -16,7 +16,12 @@ outcome counted, and the OpenAI bodies it is written in. Shared by every route t
   TTFT. A stream carries it on its last choice chunk (the one with `finish_reason`):
 
     "ragcache": {"cached": true, "uncached_reason": null, "documents": ["d1", "d2"],
-                 "cache_hits": {...}, "ttft_s": 0.05, "queue_wait_s": 0.0, "prompt_tokens": 212}
+                 "found_documents": false, "cache_hits": {...}, "ttft_s": 0.05,
+                 "queue_wait_s": 0.0, "prompt_tokens": 212}
+
+  A whole answer also carries the counts as headers (`report_headers`: x-ragcache-cached,
+  -found-documents, -documents, -hit-documents, -cached-tokens); a stream's headers are sent
+  before its hits are known, so it has them in its last chunk only.
 """
 
 from __future__ import annotations
@@ -65,7 +70,25 @@ async def whole(
     finally:
         place.release()
         state.metrics.timed(route, time.perf_counter() - started)
-    return JSONResponse(render(result))
+    body = render(result)
+    return JSONResponse(body, headers=report_headers(body.get("ragcache")))
+
+
+def report_headers(report: object) -> dict[str, str]:
+    """The `ragcache` report's counts as response headers (for clients that drop unknown body
+    fields, such as `ChatOpenAI(include_response_headers=True)`); none without a report."""
+    if not isinstance(report, dict):
+        return {}
+    hits = report.get("cache_hits") or {}
+    return {
+        "x-ragcache-cached": str(bool(report.get("cached"))).lower(),
+        "x-ragcache-found-documents": str(bool(report.get("found_documents"))).lower(),
+        "x-ragcache-documents": str(len(report.get("documents") or ())),
+        "x-ragcache-hit-documents": str(
+            int(hits.get("gpu_docs", 0)) + int(hits.get("host_docs", 0))
+        ),
+        "x-ragcache-cached-tokens": str(int(hits.get("cached_tokens", 0))),
+    }
 
 
 def streamed(
@@ -394,6 +417,7 @@ def cache_report(job: Job, result: QueryResult) -> dict[str, Any]:
         "cached": isinstance(job, CachedJob),
         "uncached_reason": None if isinstance(job, CachedJob) else job.reason,
         "documents": list(job.doc_ids),
+        "found_documents": isinstance(job, CachedJob) and job.found,
         "cache_hits": dataclasses.asdict(result.hits),
         "ttft_s": result.ttft_s,
         "queue_wait_s": result.queue_wait_s,

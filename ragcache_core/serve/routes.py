@@ -148,6 +148,10 @@ async def _serve(
     )
     if not isinstance(job, CachedJob):
         state.metrics.uncached.labels(job.reason).inc()
+        if job.reason == "no_documents":
+            state.metrics.found.labels("none").inc()
+    elif job.found:
+        state.metrics.found.labels("found").inc()
     if body.streamed:
         chunks = open_stream(state.cache, job, sampling)  # nothing runs until it is iterated
         events = _completion_events(reply, chunks, body.include_usage)

@@ -251,6 +251,12 @@ class ServeMetrics:
         self.uncached = Counter(
             "ragcache_serve_uncached", "Requests served without the cache", ["reason"], registry=r
         )
+        self.found = Counter(
+            "ragcache_serve_found_documents",
+            "Requests without a documents field, by whether known documents were found in them",
+            ["result"],
+            registry=r,
+        )
         self.disconnects = Counter(
             "ragcache_serve_disconnects", "Clients gone before the end", ["route"], registry=r
         )

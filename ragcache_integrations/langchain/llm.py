@@ -11,8 +11,10 @@ returned (register it with `llm.watch(retriever)`, or pass `llm.memory` as a cal
 The prompt is sent exactly as LangChain rendered it (as a completions LLM would send it to
 `vllm serve`: tokenized whole, with the tokenizer's special tokens); the documents found in it
 become cached nodes, the text before the first one the root. A prompt in which no remembered
-document is found is answered without caching any document, and the first such prompt is
-logged. (A chat prompt reaches an LLM as LangChain's "System: ...\\nHuman: ..." text; a chat
+document is found is answered without caching any document, and every such prompt is logged:
+a warning when no retriever reports to the memory (attach one), an info line when one does
+(a step without documents, such as create_history_aware_retriever's rephrase). (A chat
+prompt reaches an LLM as LangChain's "System: ...\\nHuman: ..." text; a chat
 app keeps its roles with `RAGCacheRunnable(prompt=...)`.)
 """
 
@@ -31,13 +33,16 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.callbacks.manager import (
     AsyncCallbackManagerForLLMRun,
+    AsyncCallbackManagerForRetrieverRun,
     CallbackManagerForLLMRun,
+    CallbackManagerForRetrieverRun,
 )
 from langchain_core.documents import Document as LCDocument
 from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableLambda
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from ragcache_core.api import RAGCacheAPI, require_cache
 from ragcache_core.app_prompt import AppPrompt
@@ -75,6 +80,10 @@ class DocumentMemory(BaseCallbackHandler):
         self.max_separator = max_separator
         self._docs: OrderedDict[str, Document] = OrderedDict()
         self._lock = threading.Lock()
+        self.attached = False
+        """Whether a retriever reports here (`watch`, this handler on a run, or `remember`):
+        a prompt without remembered documents is then a step without documents, not a
+        missing attachment."""
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -82,12 +91,24 @@ class DocumentMemory(BaseCallbackHandler):
     def remember(self, documents: Iterable[LCDocument]) -> None:
         """Record `documents` (documents without text are skipped: they cannot be cached)."""
         converted = [to_ragcache(d) for d in documents if d.page_content.strip()]
+        self.attached = True
         with self._lock:
             for doc in converted:
                 self._docs[doc.text] = doc
                 self._docs.move_to_end(doc.text)
             while len(self._docs) > self.max_documents:
                 self._docs.popitem(last=False)
+
+    def on_retriever_start(
+        self,
+        serialized: dict[str, Any],
+        query: str,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.attached = True
 
     def on_retriever_end(
         self,
@@ -192,7 +213,6 @@ class RAGCacheLLM(LLM):
     sampling: SamplingConfig | None = None
     cache_salt: str | None = None
     memory: DocumentMemory = Field(default_factory=DocumentMemory)
-    _warned_uncached: bool = PrivateAttr(default=False)
 
     @property
     def _llm_type(self) -> str:
@@ -203,7 +223,12 @@ class RAGCacheLLM(LLM):
         return {"model": self.ragcache.model, "sampling": repr(self.sampling)}
 
     def watch(self, retriever: Runnable[Any, Any]) -> Runnable[Any, Any]:
-        """`retriever` with `memory` attached, so the documents it returns are recognised."""
+        """`retriever` with `memory` attached, so the documents it returns are recognised. A
+        `BaseRetriever` stays one (`WatchedRetriever`), so chains that treat retrievers apart
+        (create_retrieval_chain gives a retriever the "input" only) keep doing so."""
+        self.memory.attached = True
+        if isinstance(retriever, BaseRetriever):
+            return WatchedRetriever(inner=retriever, memory=self.memory)
         return retriever.with_config(callbacks=[self.memory])
 
     @property
@@ -305,13 +330,49 @@ class RAGCacheLLM(LLM):
         if stop:
             sampling = replace(sampling, stop=tuple(stop))
         documents = self.memory.find(prompt)
-        if not documents and not self._warned_uncached:
-            self._warned_uncached = True
-            logger.warning(
-                "RAGCacheLLM found no remembered documents in the prompt: answering without "
-                "caching any (attach the retriever with llm.watch(retriever))"
-            )
+        if not documents:
+            self._say_uncached()
         return prompt, documents, sampling, AppPrompt(text=prompt, chat=False)
+
+    def _say_uncached(self) -> None:
+        """Say, on every prompt it applies to, why a prompt is answered without caching."""
+        if not self.memory.attached:
+            logger.warning(
+                "RAGCacheLLM found no remembered documents in the prompt and no retriever "
+                "reports to its memory: answering without caching any (attach the retriever "
+                "with llm.watch(retriever))"
+            )
+        else:
+            logger.info(
+                "RAGCacheLLM: none of the %d documents the retriever returned is in this "
+                "prompt (a step without documents, such as a question rephrase): answering "
+                "without caching any",
+                len(self.memory),
+            )
+
+
+class WatchedRetriever(BaseRetriever):
+    """A retriever whose documents `memory` remembers (`RAGCacheLLM.watch`): it returns
+    what `inner` returns, through LangChain's retriever callbacks."""
+
+    inner: BaseRetriever
+    memory: DocumentMemory
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[LCDocument]:
+        documents = self.inner.invoke(query, config={"callbacks": run_manager.get_child()})
+        self.memory.remember(documents)
+        return documents
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[LCDocument]:
+        documents = await self.inner.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        self.memory.remember(documents)
+        return documents
 
 
 def _info(result: QueryResult) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from langchain_core.messages import (
     HumanMessage,
     SystemMessage,
     ToolMessage,
+    convert_to_messages,
 )
 from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
 from langchain_core.prompts.chat import BaseChatPromptTemplate
@@ -85,7 +86,8 @@ def app_prompt(
             f"the prompt has no {{{context_key}}} variable to put the documents in "
             f"(its variables: {sorted(prompt.input_variables)})"
         )
-    values = {k: v for k, v in inputs.items() if k in prompt.input_variables}
+    variables = prompt_variables(prompt)
+    values = {k: v for k, v in inputs.items() if k in variables}
     values[context_key] = CONTEXT
     try:
         if isinstance(prompt, BaseChatPromptTemplate):
@@ -95,6 +97,29 @@ def app_prompt(
         return AppPrompt(text=prompt.format(**values), separator=separator, document=VERBATIM)
     except KeyError as exc:
         raise InputError(f"the prompt needs the input {exc.args[0]!r}") from None
+
+
+def prompt_variables(prompt: BasePromptTemplate) -> set[str]:
+    """The variables `prompt` formats: required and optional (an optional
+    `MessagesPlaceholder`, as in LangChain's chat-history recipes)."""
+    return {*prompt.input_variables, *getattr(prompt, "optional_variables", ())}
+
+
+def history_dicts(history: object) -> list[dict[str, Any]]:
+    """A chain's chat history (LangChain messages, `(role, text)` pairs or OpenAI dicts, as
+    `RunnableWithMessageHistory` and create_retrieval_chain pass it) as role/content dicts.
+    None or empty: no history. Raises `InputError` for anything else."""
+    if history is None:
+        return []
+    if not isinstance(history, list | tuple):
+        raise InputError(
+            f"the chat history must be a list of messages, got {type(history).__name__}"
+        )
+    try:
+        messages = convert_to_messages(list(history))
+    except (ValueError, NotImplementedError) as exc:
+        raise InputError(f"the chat history cannot be read as messages: {exc}") from None
+    return [message_dict(m) for m in messages]
 
 
 def shown_documents(

@@ -6,7 +6,10 @@
         | StrOutputParser()
     )
 
-Input `{"context": list[Document], "question": str}`, output the answer text. Give it the
+Input `{"context": list[Document], "question": str}` (or create_retrieval_chain's `"input"`;
+a `"chat_history"` of earlier turns goes to the prompt: the app's `MessagesPlaceholder`, or
+RAGCache's conversation layout without `prompt`), output the answer text. A context that is
+one pre-joined string raises `InputError` (its documents cannot be cached apart). Give it the
 chain's own prompt, `RAGCacheRunnable(cache=cache, prompt=prompt)`, and RAGCache renders it as
 the chain would (`prompts.app_prompt`: its messages and roles through the model's chat template,
 every other input variable filled in, each document through `document_prompt`, joined by
@@ -48,17 +51,22 @@ from ragcache_core.errors import InputError, wrong_type
 from ragcache_core.results import QueryResult
 from ragcache_core.search import SearchSource
 from ragcache_integrations.langchain.adapters import search_source
-from ragcache_integrations.langchain.documents import (
-    content_digest,
-    to_langchain,
-    to_ragcache_all,
+from ragcache_integrations.langchain.documents import to_langchain, to_ragcache_all
+from ragcache_integrations.langchain.prompts import (
+    DEFAULT_SEPARATOR,
+    app_prompt,
+    history_dicts,
+    prompt_variables,
+    shown_documents,
 )
-from ragcache_integrations.langchain.prompts import DEFAULT_SEPARATOR, app_prompt, shown_documents
 
 logger = logging.getLogger(__name__)
 
 EVENT_NAME = "ragcache"
 RunnableInput = dict[str, Any] | str
+QUESTION_KEYS = ("question", "input")
+"""Where the question is looked for when `question_key` is not set: an LCEL chain's
+"question", then create_retrieval_chain's "input"."""
 
 
 class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
@@ -85,7 +93,8 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
     document_prompt: Any = Field(default=None, description="how each document is formatted")
     document_separator: str = DEFAULT_SEPARATOR
     document_variable_name: str = "context"
-    question_key: str = "question"
+    question_key: str | None = None
+    history_key: str = "chat_history"
     cache_salt: str | None = None
     _warned_no_context: bool = PrivateAttr(default=False)
 
@@ -269,26 +278,23 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         inputs: Mapping[str, Any] = {}
         if isinstance(input, str):
             question: object = input
-            inputs = {self.question_key: input}
+            inputs = {self.question_key or "question": input}
         elif isinstance(input, Mapping):
             inputs = input
-            question = input.get(self.question_key)
+            question = self._question(input)
             context = input.get(self.document_variable_name)
         else:
             raise InputError(
-                'the input must be {"context": [Document, ...], "question": str} or a question '
-                f"string, got {type(input).__name__}"
-            )
-        if not isinstance(question, str) or not question.strip():
-            raise InputError(
-                f"the question ({self.question_key!r}) must be a non-empty string, got {question!r}"
+                'the input must be {"context": [Document, ...], "question": str} (or '
+                'create_retrieval_chain\'s "input") or a question string, got '
+                f"{type(input).__name__}"
             )
         framing = self._framing(inputs)
         if context is None:
             if self.search is None:
                 raise InputError(
                     f'no "{self.document_variable_name}" in the input and no search: pass '
-                    f'{{"{self.document_variable_name}": documents, "{self.question_key}": ...}}'
+                    f'{{"{self.document_variable_name}": documents, "question": ...}}'
                     " or build the runnable with from_vectorstore"
                 )
             if self.document_prompt is not None and self.prompt is not None:
@@ -304,9 +310,33 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
             logger.warning("the retriever returned no documents: answering without context")
         return question, documents, framing
 
+    def _question(self, inputs: Mapping[str, Any]) -> str:
+        """The question: `question_key`'s value, else (no key set) "question", else
+        create_retrieval_chain's "input". `InputError` naming the key otherwise."""
+        keys = (self.question_key,) if self.question_key else QUESTION_KEYS
+        key = next((k for k in keys if k in inputs), keys[0])
+        question = inputs.get(key)
+        if not isinstance(question, str) or not question.strip():
+            named = " or ".join(repr(k) for k in keys)
+            raise InputError(
+                f"the question ({named}) must be a non-empty string, got {question!r} "
+                f"(the input has {sorted(map(str, inputs))}; set question_key= to the key "
+                "your chain uses)"
+            )
+        return question
+
     def _framing(self, inputs: Mapping[str, Any]) -> Framing:
+        history = history_dicts(inputs.get(self.history_key))
         if self.prompt is None:
+            if history:
+                return Framing(self.cache.conversation_prompt(history), self.cache_salt)
             return Framing(None, self.cache_salt) if self.cache_salt else NO_FRAMING
+        if history and self.history_key not in prompt_variables(self.prompt):
+            raise InputError(
+                f"the input has a {self.history_key!r} but the prompt has no such variable: "
+                f"the history would be dropped (add MessagesPlaceholder({self.history_key!r}) "
+                "to the prompt, or set history_key=)"
+            )
         prompt = app_prompt(
             self.prompt,
             inputs,
@@ -317,7 +347,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
 
     def _documents(self, context: object) -> tuple[Document, ...]:
         documents = _documents(context)
-        if self.prompt is None or isinstance(context, str):
+        if self.prompt is None:
             return documents
         if isinstance(context, LCDocument):
             return shown_documents([context], self.document_prompt)
@@ -329,12 +359,16 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
 
 
 def _documents(context: object) -> tuple[Document, ...]:
-    """The context as documents: a list of LangChain documents (the retriever's output), one
-    document, or an already formatted string (one document keyed by its content)."""
+    """The context as documents: a list of LangChain documents (the retriever's output) or
+    one document. A pre-joined string (`retriever | format_docs`) raises `InputError`: its
+    documents can no longer be told apart, so none could be cached on its own."""
     if isinstance(context, str):
-        if not context.strip():
-            return ()
-        return (Document(id=content_digest(context), text=context),)
+        raise InputError(
+            "the context is one string (a `retriever | format_docs` step?): RAGCacheRunnable "
+            "caches each document on its own, so give it the retriever's documents (drop "
+            "format_docs; the prompt's document_prompt and document_separator format them), or "
+            "keep format_docs and use RAGCacheLLM, which finds the documents in the prompt"
+        )
     if isinstance(context, LCDocument):
         return to_ragcache_all([context])
     if isinstance(context, list | tuple):
