@@ -39,6 +39,8 @@ class Counters:
     speculation_aborted: int = 0
     speculation_used: int = 0
     search_hidden_s: float = 0.0
+    speculation_aborted_s: float = 0.0
+    """Time the aborted speculations were in flight (started to aborted): wasted work."""
     ttft_sum_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -129,15 +131,20 @@ class Metrics:
         self.restarts.inc()
 
     def record_speculation(
-        self, outcome: Literal["started", "aborted", "used"], *, search_hidden_s: float = 0.0
+        self,
+        outcome: Literal["started", "aborted", "used"],
+        *,
+        search_hidden_s: float = 0.0,
+        in_flight_s: float = 0.0,
     ) -> None:
-        """A speculative generation `started`, was `aborted` (wrong documents) or `used`
-        (`search_hidden_s`: the search time it overlapped)."""
+        """A speculative generation `started`, was `aborted` (wrong documents; `in_flight_s`:
+        how long it ran) or `used` (`search_hidden_s`: the search time it overlapped)."""
         c = self.counters
         if outcome == "started":
             c.speculation_started += 1
         elif outcome == "aborted":
             c.speculation_aborted += 1
+            c.speculation_aborted_s += in_flight_s
         elif outcome == "used":
             c.speculation_used += 1
             c.search_hidden_s += search_hidden_s

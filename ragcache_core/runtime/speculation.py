@@ -86,6 +86,9 @@ class SpeculativeQuery:
         search_done = time.perf_counter()
         generation = await self._use(spec, final, emit, search_done)
         speculative = generation is not None
+        hidden = (
+            max(0.0, search_done - max(started, spec.started_at)) if spec and speculative else 0.0
+        )
         if generation is None:
             prompt = self._generator.build(question, final.documents, sampling)
             generation = await self._generator.generate(prompt, sampling, emit, final=True)
@@ -97,7 +100,7 @@ class SpeculativeQuery:
             retrieval_s=search_done - started,
             speculative=speculative,
         )
-        return dataclasses.replace(result, scores=final.scores)
+        return dataclasses.replace(result, scores=final.scores, search_hidden_s=hidden)
 
     async def _search(
         self, question: str, source: SearchSource, k: int, sampling: SamplingConfig
@@ -180,7 +183,8 @@ class SpeculativeQuery:
 
     async def _abort(self, run: _Run) -> None:
         await _cancel(run)
-        self._metrics.record_speculation("aborted")
+        in_flight = time.perf_counter() - run.started_at
+        self._metrics.record_speculation("aborted", in_flight_s=in_flight)
 
 
 async def _cancel(run: _Run) -> None:
