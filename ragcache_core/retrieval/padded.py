@@ -136,6 +136,8 @@ class PaddedIndex:
         self.model = model
         self.settings = settings
         self.times = times
+        self.folder: Path | None = None
+        """Where it is saved (set by `load`), for results worth keeping beside it."""
 
     @property
     def n_real(self) -> int:
@@ -303,7 +305,7 @@ class PaddedIndex:
             raise InputError(f"{folder}: built for other documents")
         raw = dict(manifest["settings"])
         settings = PaddedSettings(**{**raw, "embedder": EmbedderConfig(**raw["embedder"])})
-        return cls(
+        index = cls(
             documents,
             TfidfSvdEmbedder.load(folder),
             faiss_index,
@@ -311,6 +313,8 @@ class PaddedIndex:
             settings,
             BuildTimes(**manifest["build_times_s"]),
         )
+        index.folder = folder
+        return index
 
     @classmethod
     def cached(
@@ -332,6 +336,7 @@ class PaddedIndex:
                 os.replace(partial, folder)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
+        index.folder = folder
         return index, True
 
 
