@@ -13,6 +13,10 @@ from typing import Any
 from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate
 from ragcache_core.errors import ConfigError
 
+SPECULATION_MIN_SEARCH_S = 0.0
+"""Speculation's gate by default: searches under 100 ms have too little to hide (the figures:
+docs/benchmarks.md, "Search-heavy")."""
+
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents below."
 )
@@ -94,6 +98,10 @@ class CacheConfig:
     requests in prefill within `max_num_batched_tokens` (vLLM's per-step budget); the rest
     wait in the reordering queue. Speculation starts only while both have room."""
     speculation: bool = True
+    speculation_min_search_s: float = SPECULATION_MIN_SEARCH_S
+    """Speculate only while this RAGCache's recent searches (a moving mean per search source,
+    `runtime.speculation.SearchClock`) took at least this long; 0 always speculates. Below it
+    there is too little search to hide (docs/benchmarks.md, "Search-heavy")."""
     top_k: int = 2
 
     # Prompt and sampling.
@@ -139,6 +147,10 @@ class CacheConfig:
             raise ConfigError(f"max_cached_depth cannot be negative, got {self.max_cached_depth}")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if not self.speculation_min_search_s >= 0:  # NaN too
+            raise ConfigError(
+                f"speculation_min_search_s cannot be negative, got {self.speculation_min_search_s}"
+            )
         if self.max_retries < 0:
             raise ConfigError(f"max_retries cannot be negative, got {self.max_retries}")
 

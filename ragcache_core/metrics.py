@@ -38,6 +38,9 @@ class Counters:
     speculation_started: int = 0
     speculation_aborted: int = 0
     speculation_used: int = 0
+    speculation_gated: int = 0
+    """Searches that could speculate but did not: recent searches were faster than
+    `CacheConfig.speculation_min_search_s`."""
     search_hidden_s: float = 0.0
     speculation_aborted_s: float = 0.0
     """Time the aborted speculations were in flight (started to aborted): wasted work."""
@@ -132,13 +135,14 @@ class Metrics:
 
     def record_speculation(
         self,
-        outcome: Literal["started", "aborted", "used"],
+        outcome: Literal["started", "aborted", "used", "gated"],
         *,
         search_hidden_s: float = 0.0,
         in_flight_s: float = 0.0,
     ) -> None:
         """A speculative generation `started`, was `aborted` (wrong documents; `in_flight_s`:
-        how long it ran) or `used` (`search_hidden_s`: the search time it overlapped)."""
+        how long it ran) or `used` (`search_hidden_s`: the search time it overlapped); or a
+        search did not speculate because searches were fast (`gated`)."""
         c = self.counters
         if outcome == "started":
             c.speculation_started += 1
@@ -148,6 +152,8 @@ class Metrics:
         elif outcome == "used":
             c.speculation_used += 1
             c.search_hidden_s += search_hidden_s
+        elif outcome == "gated":
+            c.speculation_gated += 1
         else:
             raise ValueError(f"unknown speculation outcome {outcome!r}")
         self.speculation.labels(outcome).inc()

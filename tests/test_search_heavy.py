@@ -27,9 +27,11 @@ from ragcache_core.bench.search_heavy import (
     search_stats,
 )
 from ragcache_core.bench.workloads import Request
-from ragcache_core.errors import InputError
+from ragcache_core.config import CacheConfig
+from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.retrieval.embedder import EmbedderConfig
 from ragcache_core.retrieval.padded import GaussianModel, PaddedIndex, PaddedSettings, SearchRecord
+from ragcache_core.runtime.speculation import SearchClock
 from ragcache_core.search import final_result
 
 SMALL = PaddedSettings(
@@ -118,6 +120,31 @@ def test_synthetic_rows_follow_the_real_embeddings_distribution() -> None:
     assert np.allclose(np.linalg.norm(block, axis=1), 1.0, atol=1e-5)
     assert np.array_equal(block, model.block(0, 0, 20_000))  # regenerated, not stored
     assert np.abs(block.mean(axis=0) - real.mean(axis=0)).max() < 0.05
+
+
+def test_the_speculation_gate_follows_each_sources_recent_searches() -> None:
+    class Source:
+        can_speculate = True
+
+    class Slotted:
+        __slots__ = ("can_speculate",)
+
+    clock, a, b = SearchClock(), Source(), Source()
+    assert clock.mean_s(a) is None and clock.slow_enough(a, 0.1)  # not measured: speculate
+    clock.observe(a, 0.5)
+    clock.observe(b, 0.01)
+    assert clock.mean_s(a) == 0.5 and clock.slow_enough(a, 0.1)
+    assert not clock.slow_enough(b, 0.1) and clock.slow_enough(b, 0.0)  # 0: always
+    for _ in range(20):  # the mean follows the recent searches
+        clock.observe(a, 0.02)
+    assert clock.mean_s(a) == pytest.approx(0.02, abs=0.01) and not clock.slow_enough(a, 0.1)
+    shared = Slotted()  # not weakly referenceable: measured together with its kind
+    clock.observe(shared, 0.3)
+    assert clock.mean_s(Slotted()) == 0.3
+    with pytest.raises(ConfigError, match="speculation_min_search_s"):
+        CacheConfig(speculation_min_search_s=-1)
+    with pytest.raises(ConfigError, match="speculation_min_search_s"):
+        CacheConfig(speculation_min_search_s=float("nan"))
 
 
 def _record(rows: list[tuple[int, ...]], question: str = "q") -> SearchRecord:

@@ -96,7 +96,12 @@ def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[
     if mode.workloads == (HEAVY_NAME,):
         from ragcache_core.bench.search_heavy import run_search_heavy
 
-        document = run_search_heavy(mode.name, args, model, config, document["settings"], bar, log)
+        def checkpoint(done: dict[str, Any]) -> None:  # what is done survives a later failure
+            _write_json(done, args.out, started)
+
+        document = run_search_heavy(
+            mode.name, args, model, config, document["settings"], bar, log, checkpoint
+        )
         _write_json(document, args.out, started)
         return document
     engines = Engines(model, config, log)

@@ -29,7 +29,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -70,6 +70,7 @@ class HeavyMode:
     systems: tuple[str, ...]
     warmup: int
     requests: int
+    """Measured requests of each Poisson point (0: light load only, `--light-only`)."""
     light: int
     repeats: int
     start_fraction: float
@@ -128,6 +129,8 @@ def resolve(mode_name: str, args: argparse.Namespace) -> HeavyMode:
     for name in ("warmup", "requests", "repeats", "rate"):
         if getattr(args, name, None) is not None:
             changes[name] = getattr(args, name)
+    if getattr(args, "light_only", False):
+        changes["requests"] = 0
     if getattr(args, "systems", None):
         changes["systems"] = tuple(n.strip() for n in args.systems.split(",") if n.strip())
     if getattr(args, "search_ratios", None):
@@ -373,7 +376,17 @@ def _ratio(bench: Bench, ratio: float, rate: float | None) -> dict[str, Any]:
     if rate is None:
         service = statistics.median(p["service_mean_s"] for p in ref_points)
         rate = round(bench.heavy.start_fraction / service, 2)
-    loaded, loaded_answers = _rounds(bench, source, (SPEC, NOSPEC), rate, f"{label} {rate:.2f}/s")
+    loaded: list[dict[str, Any]] = []
+    part: dict[str, Any] | None = None
+    if bench.heavy.requests > 0:  # --requests 0: light load only
+        loaded, answers = _rounds(bench, source, (SPEC, NOSPEC), rate, f"{label} {rate:.2f}/s")
+        part = {
+            "rate_rps": rate,
+            "points": loaded,
+            "answers": answers,
+            "ttft": compare_key(loaded, "ttft_mean_s"),
+            "non_overlapped": compare_key(loaded, "non_overlapped_search_mean_s"),
+        }
     records_all = [p["search"] for p in light + loaded]
     return {
         "ratio": ratio,
@@ -391,13 +404,7 @@ def _ratio(bench: Bench, ratio: float, rate: float | None) -> dict[str, Any]:
                 _of(light, (SPEC, NOSPEC)), "non_overlapped_search_mean_s"
             ),
         },
-        "loaded": {
-            "rate_rps": rate,
-            "points": loaded,
-            "answers": loaded_answers,
-            "ttft": compare_key(loaded, "ttft_mean_s"),
-            "non_overlapped": compare_key(loaded, "non_overlapped_search_mean_s"),
-        },
+        "loaded": part,
         "searches": _pool_search(records_all),
     }
 
@@ -467,6 +474,10 @@ def exact_answers(
     path = kb.folder / f"exact-{digest}.json" if kb.folder else None
     if path is not None and path.is_file():
         return {q: tuple(rows) for q, rows in json.loads(path.read_text(encoding="utf-8"))}
+    for kept in sorted(kb.folder.glob("exact-*.json")) if kb.folder else ():
+        stored = {q: tuple(rows) for q, rows in json.loads(kept.read_text(encoding="utf-8"))}
+        if all(len(rows) == k for rows in stored.values()) and set(questions) <= set(stored):
+            return {q: stored[q] for q in questions}  # a longer stream's answers hold these
     _, rows = kb.exact_topk(kb.embedder.embed(questions), k)
     exact = {q: tuple(int(x) for x in row) for q, row in zip(questions, rows, strict=True)}
     if path is not None:
@@ -484,8 +495,10 @@ def run_search_heavy(
     settings: dict[str, Any],
     bar: Recorder,
     log: TextIO,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """The whole ablation (module doc); returns the JSON document."""
+    """The whole ablation (module doc); returns the JSON document, also passed to
+    `checkpoint` after each search ratio (to save what is done)."""
     from ragcache_core.retrieval.trace import tokenizer_counter
 
     heavy = resolve(mode_name, args)
@@ -532,8 +545,10 @@ def run_search_heavy(
         rate = heavy.rate
         for ratio in sorted(heavy.ratios, reverse=True):  # the highest calibrates the rate
             result = _ratio(bench, ratio, rate)
-            rate = result["loaded"]["rate_rps"]
+            rate = result["loaded"]["rate_rps"] if result["loaded"] else rate
             document["ratios"].append(result)
+            if checkpoint is not None:
+                checkpoint(document)
     finally:
         engines.close()
     document["ratios"].sort(key=lambda r: r["ratio"])
@@ -580,6 +595,8 @@ def print_search_heavy(document: dict[str, Any], out: TextIO) -> None:
         print(f"\n  {load}: TTFT mean ms and non-overlapped search ms, median (min..max)", file=out)
         for r in document["ratios"]:
             part = r[load]
+            if part is None:
+                continue
             rate = "one at a time" if load == "light" else f"{part['rate_rps']:.2f}/s"
             for key, c in (("TTFT", part["ttft"]), ("not overlapped", part["non_overlapped"])):
                 if c is None:

@@ -75,6 +75,11 @@ def register(bench_subparsers: Any) -> None:
     heavy.add_argument("--kb-dimension", type=int, default=None, help="embedding dimension")
     heavy.add_argument("--kb-codes", choices=("sq8", "fp16", "float32"), default=None)
     heavy.add_argument(
+        "--light-only",
+        action="store_true",
+        help="one request at a time only (no Poisson stream per ratio)",
+    )
+    heavy.add_argument(
         "--no-core-split",
         dest="core_split",
         action="store_false",

@@ -1,7 +1,8 @@
 """Dynamic speculative pipelining (the paper's Algorithm 2) around one query.
 
     staged search ─► after each stage whose top-k changed: abort the stale speculation and
-        │            start one on the new top-k if prefill has room nobody waits for
+        │            start one on the new top-k if prefill has room nobody waits for (only
+        │            when this source's recent searches took speculation_min_search_s or more)
         ▼  final top-k
     the speculation had exactly these documents ─► adopt it: its buffered text is streamed,
         │                                          then the rest live
@@ -19,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -36,6 +38,41 @@ from ragcache_core.search import SearchSource, StageResult, astages
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class SearchClock:
+    """A moving mean of each search source's recent search times: speculation's gate.
+
+    `observe` after every search (mutates the source's mean); `slow_enough` says whether a
+    search of that source is worth speculating on. A source not measured yet is (the first
+    search measures it). Sources are held weakly; one that cannot be is measured with every
+    other such source together."""
+
+    WEIGHT = 0.2
+    """The newest search's weight in the mean (about the last 5-10 searches count)."""
+
+    def __init__(self) -> None:
+        self._means: weakref.WeakKeyDictionary[SearchSource, float] = weakref.WeakKeyDictionary()
+        self._shared: float | None = None
+
+    def mean_s(self, source: SearchSource) -> float | None:
+        """The source's mean search time in seconds; None before its first search."""
+        try:
+            return self._means.get(source)
+        except TypeError:  # not weakly referenceable
+            return self._shared
+
+    def observe(self, source: SearchSource, seconds: float) -> None:
+        old = self.mean_s(source)
+        new = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        try:
+            self._means[source] = new
+        except TypeError:
+            self._shared = new
+
+    def slow_enough(self, source: SearchSource, threshold_s: float) -> bool:
+        mean = self.mean_s(source)
+        return threshold_s <= 0 or mean is None or mean >= threshold_s
 
 
 @dataclass
@@ -66,6 +103,8 @@ class SpeculativeQuery:
         self._admission = admission
         self._lifecycle = lifecycle
         self._metrics = metrics
+        self.clock = SearchClock()
+        """Search times per source, for the gate (`CacheConfig.speculation_min_search_s`)."""
 
     async def run(
         self,
@@ -84,6 +123,7 @@ class SpeculativeQuery:
         started = time.perf_counter()
         final, spec = await self._search(question, source, top_k or self._config.top_k, sampling)
         search_done = time.perf_counter()
+        self.clock.observe(source, search_done - started)
         generation = await self._use(spec, final, emit, search_done)
         speculative = generation is not None
         hidden = (
@@ -108,6 +148,9 @@ class SpeculativeQuery:
         """Run the staged search; returns the final stage and the speculation still running
         (on the last intermediate top-k), if any."""
         speculate = self._config.speculation and source.can_speculate
+        if speculate and not self.clock.slow_enough(source, self._config.speculation_min_search_s):
+            speculate = False
+            self._metrics.record_speculation("gated")
         current: tuple[str, ...] = ()
         spec: _Run | None = None
         try:
