@@ -14,22 +14,26 @@ Environment overrides (the tests use them to stay quick):
 from __future__ import annotations
 
 import os
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
-from langchain_community.docstore.in_memory import InMemoryDocstore
-from langchain_community.vectorstores import FAISS
-from langchain_community.vectorstores.utils import DistanceStrategy
+
+with warnings.catch_warnings():  # langchain-community's sunset notice (its FAISS store works)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from langchain_community.docstore.in_memory import InMemoryDocstore
+    from langchain_community.vectorstores import FAISS
+    from langchain_community.vectorstores.utils import DistanceStrategy
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
-from ragcache_core import RAGCache
+from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
 from ragcache_core.retrieval.corpus import load_corpus, load_questions
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
@@ -49,6 +53,12 @@ def sample_file(name: str) -> Path:
     return Path(str(resources.files("ragcache_core") / "data" / name))
 
 
+def ivf_lists(n: int) -> int:
+    """IVF lists for `n` vectors: Faiss trains each list's centroid on at least 39 of them
+    (fewer train noisy centroids, and Faiss warns), so 300 documents get 7 lists."""
+    return max(1, n // 39)
+
+
 def build_store() -> FAISS:
     """A LangChain FAISS store over the shipped sample, on a Faiss IVF index."""
     corpus = load_corpus([sample_file("demo_corpus.jsonl")])
@@ -58,9 +68,10 @@ def build_store() -> FAISS:
     dim = vectors.shape[1]
     # IVF: RAGCache searches it a few clusters at a time and starts generating on the
     # intermediate top-k (speculative pipelining); a flat index is searched in one step.
-    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, 16, faiss.METRIC_INNER_PRODUCT)
+    lists = ivf_lists(len(texts))
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, lists, faiss.METRIC_INNER_PRODUCT)
     ivf.train(vectors)
-    ivf.nprobe = 4
+    ivf.nprobe = min(4, ivf.nlist)
     store = FAISS(
         embeddings,
         ivf,
@@ -86,6 +97,8 @@ def show(question: str, answer: str, report: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    # vLLM's own log lines go to a file (RAGCACHE_VLLM_LOG chooses it); here only results.
+    print(f"vLLM's log: {quiet_vllm()}")
     store = build_store()
     retriever = store.as_retriever(search_kwargs={"k": 2})
     questions = [q.text for q in load_questions(sample_file("demo_questions.jsonl"))]
@@ -96,8 +109,8 @@ def main() -> None:
         gpu_pool_tokens=8192,
         host_pool_tokens=32768,
         sampling=SamplingConfig(max_tokens=16),
-        # Keep the prompt's question text verbatim (the RAGCacheLLM part below passes the
-        # app's own "Question: ..." line through).
+        # RAGCache's own layout (used where the chain brings no prompt of its own), with
+        # the question text verbatim.
         prompt=PromptConfig(question="{question}"),
     )
     with RAGCache(model, config) as cache:
@@ -158,5 +171,5 @@ class Collect(BaseCallbackHandler):
             self.reports.append(data)
 
 
-if __name__ == "__main__":  # vLLM starts its engine in a child process (spawn)
+if __name__ == "__main__":  # vLLM's engine processes import this file again: guard the start
     main()

@@ -23,7 +23,7 @@ from llama_index.core import StorageContext, VectorStoreIndex
 from llama_index.core.schema import TextNode
 from llama_index.vector_stores.faiss import FaissVectorStore
 
-from ragcache_core import RAGCache
+from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.retrieval.corpus import load_corpus, load_questions
@@ -39,6 +39,12 @@ def sample_file(name: str) -> Path:
     return Path(str(resources.files("ragcache_core") / "data" / name))
 
 
+def ivf_lists(n: int) -> int:
+    """IVF lists for `n` vectors: Faiss trains each list's centroid on at least 39 of them
+    (fewer train noisy centroids, and Faiss warns), so 300 documents get 7 lists."""
+    return max(1, n // 39)
+
+
 def build_index(documents: tuple[Document, ...]) -> VectorStoreIndex:
     """A LlamaIndex VectorStoreIndex over a Faiss IVF index (what an app already has)."""
     texts = [d.text for d in documents]
@@ -47,15 +53,18 @@ def build_index(documents: tuple[Document, ...]) -> VectorStoreIndex:
     dim = vectors.shape[1]
     # IVF: RAGCache searches it a few clusters at a time and starts generating on the
     # intermediate top-k (speculative pipelining); a flat index is searched in one step.
-    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, 16, faiss.METRIC_INNER_PRODUCT)
+    lists = ivf_lists(len(texts))
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, lists, faiss.METRIC_INNER_PRODUCT)
     ivf.train(vectors)
-    ivf.nprobe = 4
+    ivf.nprobe = min(4, ivf.nlist)
     nodes = [TextNode(id_=d.id, text=d.text, metadata={"title": d.title}) for d in documents]
     storage = StorageContext.from_defaults(vector_store=FaissVectorStore(faiss_index=ivf))
     return VectorStoreIndex(nodes, storage_context=storage, embed_model=embed_model)
 
 
 def main() -> None:
+    # vLLM's own log lines go to a file (RAGCACHE_VLLM_LOG chooses it); here only results.
+    print(f"vLLM's log: {quiet_vllm()}")
     documents = load_corpus([sample_file("demo_corpus.jsonl")])
     questions = [q.text for q in load_questions(sample_file("demo_questions.jsonl"))]
     index = build_index(documents)
@@ -97,5 +106,5 @@ def main() -> None:
         )
 
 
-if __name__ == "__main__":  # vLLM starts its engine in a child process (spawn)
+if __name__ == "__main__":  # vLLM's engine processes import this file again: guard the start
     main()

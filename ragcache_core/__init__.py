@@ -9,7 +9,9 @@ facade, admission, speculation, the lifecycle); `client/` (the same API over HTT
 
 The public API is importable from here: `RAGCache`, `RAGCacheClient` (the same API over
 HTTP, `ragcache serve`), `RAGCacheAPI` (the abstract base both implement), `CacheConfig`,
-`PromptConfig`, `SamplingConfig`, `Document`, `QueryResult` (loaded on first use, so
+`PromptConfig`, `SamplingConfig`, `Document`, `AppPrompt` (the app's own prompt, with the
+`CONTEXT` and `QUESTION` markers), `QueryResult`, `quiet_vllm` (vLLM's output to a log file)
+and the errors (`RAGCacheError` and its subclasses; the classes are loaded on first use, so
 `import ragcache_core` stays light).
 """
 
@@ -17,13 +19,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ragcache_core.errors import ConfigError, InputError, ModelError, RAGCacheError
+from ragcache_core.errors import (
+    CacheClosedError,
+    ConfigError,
+    InputError,
+    MainGuardError,
+    ModelError,
+    RAGCacheError,
+)
 
 if TYPE_CHECKING:
     from ragcache_core.api import RAGCacheAPI
+    from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
     from ragcache_core.client import RAGCacheClient
     from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
     from ragcache_core.documents import Document
+    from ragcache_core.engine.logs import quiet_vllm
     from ragcache_core.results import CacheHits, QueryResult, StreamChunk
     from ragcache_core.runtime.ragcache import RAGCache
 
@@ -40,14 +51,23 @@ _LAZY = {
     "Document": "ragcache_core.documents",
     "RAGCacheAPI": "ragcache_core.api",
     "RAGCacheClient": "ragcache_core.client",
+    "quiet_vllm": "ragcache_core.engine.logs",
+    "AppPrompt": "ragcache_core.app_prompt",
+    "CONTEXT": "ragcache_core.app_prompt",
+    "QUESTION": "ragcache_core.app_prompt",
 }
 
 __all__ = [
+    "CONTEXT",
+    "QUESTION",
+    "AppPrompt",
+    "CacheClosedError",
     "CacheConfig",
     "CacheHits",
     "ConfigError",
     "Document",
     "InputError",
+    "MainGuardError",
     "ModelError",
     "PromptConfig",
     "QueryResult",
@@ -58,6 +78,7 @@ __all__ = [
     "SamplingConfig",
     "StreamChunk",
     "__version__",
+    "quiet_vllm",
 ]
 
 

@@ -23,13 +23,15 @@ import abc
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any, Self
 
+from ragcache_core.app_prompt import NO_FRAMING, AppPrompt, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
+from ragcache_core.errors import wrong_type
 from ragcache_core.loop import Emit, LoopThread, astream_from, iterate_on
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.search import SearchSource
 
-__all__ = ["RAGCacheAPI"]
+__all__ = ["RAGCacheAPI", "require_cache"]
 
 
 class RAGCacheAPI(abc.ABC):
@@ -38,6 +40,11 @@ class RAGCacheAPI(abc.ABC):
     Every call raises `InputError` for bad input (an empty question, documents that are not
     `Document`s, a prompt longer than the context) and `RAGCacheError` when the request failed
     (timed out, lost its engine, or the server refused it); nothing already cached is harmed.
+
+    Every call that answers takes `prompt=`, the app's own prompt (`AppPrompt`: its messages or
+    text with the documents spliced in where it puts its context; None: the cache's
+    `CacheConfig.prompt` layout), and `cache_salt=`, a tenant's salt: a salted request hits
+    only KV stored under the same salt (docs/design.md 2.1).
     """
 
     config: CacheConfig
@@ -73,6 +80,7 @@ class RAGCacheAPI(abc.ABC):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """Retrieve for `question` (with `search`, else the default source) and answer."""
 
@@ -83,6 +91,7 @@ class RAGCacheAPI(abc.ABC):
         documents: Sequence[Document],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """Answer with the caller's `documents`."""
 
@@ -93,9 +102,12 @@ class RAGCacheAPI(abc.ABC):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> QueryResult:
         """Retrieve the top-k documents for `question` and answer with them."""
-        return await self._loop.arun(self._query(question, search, top_k, sampling, None))
+        framing = Framing(prompt, cache_salt)
+        return await self._loop.arun(self._query(question, search, top_k, sampling, None, framing))
 
     def query(
         self,
@@ -104,9 +116,12 @@ class RAGCacheAPI(abc.ABC):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> QueryResult:
         """Blocking `aquery`."""
-        return self._loop.run(self._query(question, search, top_k, sampling, None))
+        framing = Framing(prompt, cache_salt)
+        return self._loop.run(self._query(question, search, top_k, sampling, None, framing))
 
     async def agenerate(
         self,
@@ -114,9 +129,12 @@ class RAGCacheAPI(abc.ABC):
         documents: Sequence[Document],
         *,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
-        return await self._loop.arun(self._answer(question, documents, sampling, None))
+        framing = Framing(prompt, cache_salt)
+        return await self._loop.arun(self._answer(question, documents, sampling, None, framing))
 
     def generate(
         self,
@@ -124,9 +142,12 @@ class RAGCacheAPI(abc.ABC):
         documents: Sequence[Document],
         *,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> QueryResult:
         """Blocking `agenerate`."""
-        return self._loop.run(self._answer(question, documents, sampling, None))
+        framing = Framing(prompt, cache_salt)
+        return self._loop.run(self._answer(question, documents, sampling, None, framing))
 
     async def astream(
         self,
@@ -136,14 +157,17 @@ class RAGCacheAPI(abc.ABC):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream the answer as text deltas; the last chunk carries the `QueryResult`.
         With `documents` no retrieval runs. Closing the iterator early aborts the request."""
+        framing = Framing(prompt, cache_salt)
 
         def work(emit: Emit) -> Any:
             if documents is not None:
-                return self._answer(question, documents, sampling, emit)
-            return self._query(question, search, top_k, sampling, emit)
+                return self._answer(question, documents, sampling, emit, framing)
+            return self._query(question, search, top_k, sampling, emit, framing)
 
         async for chunk in astream_from(self._loop, work):
             yield chunk
@@ -156,9 +180,32 @@ class RAGCacheAPI(abc.ABC):
         search: SearchSource | None = None,
         top_k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: AppPrompt | None = None,
+        cache_salt: str | None = None,
     ) -> Iterator[StreamChunk]:
         """Blocking `astream`: an iterator of `StreamChunk`s."""
         chunks = self.astream(
-            question, documents=documents, search=search, top_k=top_k, sampling=sampling
+            question,
+            documents=documents,
+            search=search,
+            top_k=top_k,
+            sampling=sampling,
+            prompt=prompt,
+            cache_salt=cache_salt,
         )
         return iterate_on(self._loop, chunks)
+
+
+def require_cache(cache: object, where: str) -> RAGCacheAPI:
+    """`cache` when it is a `RAGCacheAPI`; else the `TypeError` naming what `where` (an
+    integration's constructor) expects and what it got, e.g. a retriever or an index passed
+    as `cache=` by mistake."""
+    if isinstance(cache, RAGCacheAPI):
+        return cache
+    raise wrong_type(
+        where,
+        "a RAGCache or a RAGCacheClient (a ragcache_core.RAGCacheAPI)",
+        cache,
+        "build the cache first (cache = RAGCache(model_folder)) and pass it as cache=; the "
+        "index, store or retriever goes in the other argument",
+    )

@@ -7,11 +7,13 @@ engine (vLLM) and fault tolerance.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate
-from ragcache_core.errors import ConfigError
+from ragcache_core.errors import ConfigError, SamplingError
 
 SPECULATION_MIN_SEARCH_S = 0.0
 """Speculation's gate by default: searches under 100 ms have too little to hide (the figures:
@@ -48,9 +50,91 @@ class PromptConfig:
             raise ConfigError(f"the head template must contain '{{system}}': {self.head!r}")
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""The seeds vLLM accepts (its engine's transport carries 64-bit integers); -1 is random."""
+LOGIT_BIAS_LIMIT = 100.0
+"""vLLM clamps every logit bias to [-100, 100]."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrained decoding (vLLM's `StructuredOutputsParams`): exactly one of `json` (a JSON
+    schema, as a dict or its text), `regex`, `choice`, `grammar` (EBNF), `json_object` (any
+    JSON object) or `structural_tag`; the other fields tune it."""
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    CONSTRAINTS: ClassVar[tuple[str, ...]] = (
+        "json",
+        "regex",
+        "choice",
+        "grammar",
+        "json_object",
+        "structural_tag",
+    )
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in self.CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise SamplingError(
+                "structured outputs take exactly one constraint (json, regex, choice, grammar, "
+                f"json_object or structural_tag), got {len(given)}: {given}",
+                param="structured_outputs",
+            )
+
+
+@dataclass(frozen=True)
+class RepetitionDetection:
+    """Stop when the output repeats an n-gram (vLLM's `RepetitionDetectionParams`): patterns of
+    `min_pattern_size`..`max_pattern_size` tokens seen `min_count` times in a row."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_pattern_size <= self.max_pattern_size:
+            raise SamplingError(
+                "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= "
+                "max_pattern_size. Set both to 0 to disable repetitive pattern detection.",
+                param="repetition_detection",
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise SamplingError(
+                "min_count must be >= 2 to detect repetitive patterns in engine output. If you "
+                "do not wish to detect repetitive patterns, set max_pattern_size to 0.",
+                param="repetition_detection.min_count",
+            )
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Generation settings of one request."""
+    """Generation settings of one request: vLLM's `SamplingParams`, field for field (the same
+    names, defaults and ranges; `ragcache serve` maps OpenAI requests onto it as `vllm serve`
+    maps them onto `SamplingParams`, docs/deploy.md). Out-of-range values raise
+    `SamplingError` (a `ConfigError` and an `InputError`) naming the field, with vLLM's
+    message, before anything runs. Checks that need the model (token ids in the vocabulary,
+    the logprobs limit, a grammar) run when a request starts (`RAGCache.check_sampling`).
+
+    - `temperature` 0 is greedy; `top_k` 0 (or -1) and `min_p` 0 turn those filters off.
+    - `seed` in [-2^63, 2^63 - 1]; None or -1: random.
+    - `logprobs`: None (none), 0 (the sampled token's), N (and the N most likely), -1 (all).
+    - `logit_bias`: token id -> bias, clamped to [-100, 100] as vLLM does.
+    - `stop_token_ids`, `bad_words`, `allowed_token_ids`, `min_tokens`,
+      `include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`,
+      `logprob_token_ids`, `structured_outputs`, `repetition_detection`, `stream_interval`:
+      as in vLLM.
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -58,14 +142,196 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | Mapping[str, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    repetition_detection: RepetitionDetection | None = None
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature cannot be negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        self._normalize()
+        _check_sampling(self)
+
+    def _normalize(self) -> None:
+        """Sequences as tuples, the bias as a {token id: clamped float} dict (as vLLM)."""
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise SamplingError(f"{name} must be a sequence, not a string", param=name)
+            object.__setattr__(self, name, tuple(value or ()))
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _clamped_bias(self.logit_bias))
+
+
+def _check_sampling(s: SamplingConfig) -> None:
+    """vLLM's `SamplingParams._verify_args` ranges, each error naming its field."""
+    _check_ints(s)
+    _check_floats(s)
+    for name, low, high in (
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+        ("min_p", 0.0, 1.0),
+    ):
+        if not low <= getattr(s, name) <= high:
+            raise SamplingError(
+                f"{name} must be in [{low:g}, {high:g}], got {getattr(s, name)}.", param=name
+            )
+    if s.repetition_penalty <= 0:
+        raise SamplingError(
+            f"repetition_penalty must be greater than zero, got {s.repetition_penalty}.",
+            param="repetition_penalty",
+        )
+    if s.temperature < 0:
+        raise SamplingError(
+            f"temperature must be non-negative, got {s.temperature}.", param="temperature"
+        )
+    if s.temperature > 2:
+        raise SamplingError(
+            f"temperature must be in [0, 2], got {s.temperature}.", param="temperature"
+        )
+    if not 0 < s.top_p <= 1:
+        raise SamplingError(f"top_p must be in (0, 1], got {s.top_p}.", param="top_p")
+    _check_counts(s)
+    _check_tokens_and_words(s)
+
+
+def _check_ints(s: SamplingConfig) -> None:
+    names = ("max_tokens", "top_k", "min_tokens")
+    optional = ("seed", "logprobs", "stream_interval")
+    for name in (*names, *optional):
+        value = getattr(s, name)
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SamplingError(
+                f"{name} must be an integer, got {type(value).__name__}", param=name
+            )
+    for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+        for token in getattr(s, name) or ():
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise SamplingError(
+                    f"{name} must contain only integers, got {token!r}.", param=name
+                )
+
+
+def _check_floats(s: SamplingConfig) -> None:
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SamplingError(f"{name} must be a number, got {type(value).__name__}", param=name)
+        if not math.isfinite(value):
+            raise SamplingError(f"{name} must be a finite number, got {value}.", param=name)
+
+
+def _check_counts(s: SamplingConfig) -> None:
+    if s.max_tokens < 1:
+        raise SamplingError(
+            f"max_tokens must be at least 1, got {s.max_tokens}.", param="max_tokens"
+        )
+    if s.top_k < -1:
+        raise SamplingError(
+            f"top_k must be 0 (disable), or at least 1, got {s.top_k}.", param="top_k"
+        )
+    if s.min_tokens < 0:
+        raise SamplingError(
+            f"min_tokens must be greater than or equal to 0, got {s.min_tokens}.",
+            param="min_tokens",
+        )
+    if s.min_tokens > s.max_tokens:
+        raise SamplingError(
+            f"min_tokens must be less than or equal to max_tokens={s.max_tokens}, got "
+            f"{s.min_tokens}.",
+            param="min_tokens",
+        )
+    if s.seed is not None and not SEED_MIN <= s.seed <= SEED_MAX:
+        raise SamplingError(
+            f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {s.seed}.", param="seed"
+        )
+    if s.logprobs is not None and s.logprobs < -1:
+        raise SamplingError(
+            f"logprobs must be non-negative or -1, got {s.logprobs}.", param="logprobs"
+        )
+    if s.stream_interval is not None and s.stream_interval < 1:
+        raise SamplingError(
+            f"stream_interval must be at least 1, got {s.stream_interval}.",
+            param="stream_interval",
+        )
+
+
+def _check_tokens_and_words(s: SamplingConfig) -> None:
+    for name in ("stop", "bad_words"):
+        for word in getattr(s, name):
+            if not isinstance(word, str):
+                raise SamplingError(f"{name} must contain only strings, got {word!r}.", param=name)
+    if any(not word for word in s.stop):
+        raise SamplingError("stop cannot contain an empty string.", param="stop")
+    if any(not word for word in s.bad_words):
+        raise SamplingError(
+            f"bad_words cannot contain an empty string. Got bad_words={list(s.bad_words)}",
+            param="bad_words",
+        )
+    for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+        bad = [t for t in getattr(s, name) or () if t < 0]
+        if bad:
+            raise SamplingError(f"{name} cannot contain negative token ids: {bad}", param=name)
+    if s.allowed_token_ids is not None and not s.allowed_token_ids:
+        raise SamplingError("allowed_token_ids is not None and empty!", param="allowed_token_ids")
+
+
+def _clamped_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
+    """{token id: bias in [-100, 100]}, as vLLM's `SamplingParams.from_optional` makes it."""
+    if not isinstance(bias, Mapping):
+        raise SamplingError(
+            f"logit_bias must map token ids to biases, got {type(bias).__name__}",
+            param="logit_bias",
+        )
+    out: dict[int, float] = {}
+    bad_keys = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            bad_keys.append(key)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise SamplingError(
+                f"logit_bias[{key!r}] must be a number, got {value!r}",
+                param=f"logit_bias.{key}",
+            )
+        if token < 0:
+            raise SamplingError(f"logit_bias has a negative token id: {token}", param="logit_bias")
+        out[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    if bad_keys:
+        raise SamplingError(
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: "
+            f"{bad_keys!r}",
+            param="logit_bias",
+        )
+    return out
 
 
 @dataclass(frozen=True)

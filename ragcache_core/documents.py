@@ -2,10 +2,11 @@
 
 A `Document` is what retrieval returns and what the cache keys on: a string id, its text and
 free-form metadata (the title, the source file, whatever the corpus carried). The prompt shows a
-document through a `DocumentTemplate` that never mentions its position ("Title: ...", never
-"[2]"), so a document's tokens are the same wherever it sits in the prompt; the knowledge tree
-caches exactly those tokens. Retrieval counts tokens of `render_document(doc)` for traces and the
-controller tokenizes the same string for the engine, so both agree by construction.
+document as the application formats it: `prompt_text` when a framework integration rendered it
+(LlamaIndex with its metadata, a LangChain `document_prompt`), else through a `DocumentTemplate`
+("Title: {title}\n{text}\n\n" by default). A template may number documents with `{position}`
+("[2] ..."): the tree is keyed by path, and a node at depth i is always at position i, so
+numbering from the front costs no reuse (docs/design.md 3.3).
 """
 
 from __future__ import annotations
@@ -24,17 +25,22 @@ class Document:
 
     `metadata` is copied into a read-only mapping at construction (the caller's dict may change
     afterwards without effect). The title, when the corpus has one, is `metadata["title"]`.
+    `prompt_text`, when set, is exactly how the prompt shows this document (a framework's own
+    rendering, metadata included); None shows it through the prompt's `DocumentTemplate`.
     """
 
     id: str
     text: str
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    prompt_text: str | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
             raise InputError(f"document id must be a non-empty string, got {self.id!r}")
         if not isinstance(self.text, str):
             raise InputError(f"document {self.id!r}: text must be a string")
+        if self.prompt_text is not None and not isinstance(self.prompt_text, str):
+            raise InputError(f"document {self.id!r}: prompt_text must be a string or None")
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
 
     @property
@@ -49,7 +55,7 @@ class DocumentTemplate:
     """How a document appears in the prompt; both forms must contain `{text}`.
 
     `titled` is used when the document has a non-empty title (it may use `{title}`),
-    `untitled` otherwise. Neither may depend on the document's position in the prompt.
+    `untitled` otherwise. Both may use `{position}` (1 for the first document).
     """
 
     titled: str = "Title: {title}\n{text}\n\n"
@@ -64,9 +70,13 @@ class DocumentTemplate:
 DEFAULT_DOC_TEMPLATE = DocumentTemplate()
 
 
-def render_document(doc: Document, template: DocumentTemplate = DEFAULT_DOC_TEMPLATE) -> str:
-    """The exact text of `doc` as the prompt shows it (pure; tokenize this string on its own)."""
+def render_document(
+    doc: Document, template: DocumentTemplate = DEFAULT_DOC_TEMPLATE, position: int = 1
+) -> str:
+    """The exact text of `doc` as the prompt shows it at `position` (1-based). Pure."""
+    if doc.prompt_text is not None:
+        return doc.prompt_text
     title = doc.title.strip()
     if title:
-        return template.titled.format(title=title, text=doc.text)
-    return template.untitled.format(title="", text=doc.text)
+        return template.titled.format(title=title, text=doc.text, position=position)
+    return template.untitled.format(title="", text=doc.text, position=position)

@@ -18,9 +18,10 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
+from ragcache_core.errors import CacheClosedError
 from ragcache_core.results import QueryResult, StreamChunk
 
 T = TypeVar("T")
@@ -36,10 +37,18 @@ _Item = StreamChunk | BaseException | None
 
 
 class LoopThread:
-    """A daemon thread running one event loop (see the module docstring)."""
+    """A daemon thread running one event loop (see the module docstring).
 
-    def __init__(self, name: str = "ragcache-loop") -> None:
+    `owner` names what the loop serves ("RAGCache", "RAGCacheClient") in the errors it raises.
+    After `stop()` every call (`run`, `arun`, `submit`) raises `CacheClosedError` without
+    running its coroutine, and a call that `stop()` cut short raises it instead of a bare
+    `CancelledError`.
+    """
+
+    def __init__(self, name: str = "ragcache-loop", owner: str = "RAGCache") -> None:
+        self.owner = owner
         self.loop = asyncio.new_event_loop()
+        self._stopping = False
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -54,7 +63,25 @@ class LoopThread:
     def is_current(self) -> bool:
         return threading.current_thread() is self._thread
 
+    @property
+    def closed(self) -> bool:
+        """Whether `stop()` was called: no new work is taken."""
+        return self._stopping
+
+    def closed_error(self, cut_short: bool = False) -> CacheClosedError:
+        """The error a call gets once the loop is stopping (`cut_short`: the call was running)."""
+        if cut_short:
+            return CacheClosedError(f"the {self.owner} was closed while this call ran")
+        return CacheClosedError(
+            f"this {self.owner} is closed: create a new {self.owner} to run more calls"
+        )
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Schedule `coro` on the loop. Raises `CacheClosedError` (and closes `coro`, unrun)
+        once `stop()` was called."""
+        if self._stopping:
+            coro.close()
+            raise self.closed_error()
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -62,21 +89,46 @@ class LoopThread:
         if self.is_current:
             coro.close()
             raise RuntimeError("LoopThread.run called from its own loop: await the coroutine")
-        return self.submit(coro).result()
+        future = self.submit(coro)
+        try:
+            return future.result()
+        except CancelledError:
+            if self._stopping:
+                raise self.closed_error(cut_short=True) from None
+            raise
 
     async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` on the loop from any other loop (or directly when already on it)."""
         if self.is_current:
+            if self._stopping:
+                coro.close()
+                raise self.closed_error()
             return await coro
-        return await asyncio.wrap_future(self.submit(coro))
+        future = self.submit(coro)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if self._stopping and future.cancelled():  # not the caller's own cancellation
+                raise self.closed_error(cut_short=True) from None
+            raise
 
-    def stop(self) -> None:
-        if not self._thread.is_alive():
+    def stop(self, final: Coroutine[Any, Any, Any] | None = None) -> None:
+        """Take no new work, run `final` (the owner's shutdown) on the loop, then stop the
+        loop. Safe to call twice (a second `final` is closed unrun)."""
+        if self._stopping or not self._thread.is_alive():
+            self._stopping = True
+            if final is not None:
+                final.close()
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=30)
-        if not self.loop.is_running():
-            self.loop.close()
+        self._stopping = True
+        try:
+            if final is not None:
+                asyncio.run_coroutine_threadsafe(final, self.loop).result()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            if not self.loop.is_running():
+                self.loop.close()
 
 
 async def astream_from(loop: LoopThread, work: Work) -> AsyncIterator[StreamChunk]:
@@ -99,6 +151,8 @@ async def astream_from(loop: LoopThread, work: Work) -> AsyncIterator[StreamChun
     future = loop.submit(produce())
     try:
         while (item := await items.get()) is not None:
+            if isinstance(item, asyncio.CancelledError) and loop.closed:
+                raise loop.closed_error(cut_short=True) from None
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -129,4 +183,5 @@ def iterate_on(loop: LoopThread, stream: AsyncIterator[T]) -> Iterator[T]:
                 return
             yield item  # type: ignore[misc]
     finally:
-        loop.run(close())
+        if not loop.closed:  # a closed loop cancelled the stream's work already
+            loop.run(close())

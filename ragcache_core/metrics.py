@@ -9,10 +9,11 @@ writers: each moves a plain counter and its Prometheus collector together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ragcache_core.results import CacheHits
 from ragcache_core.tree.results import TreeCounters
@@ -45,6 +46,8 @@ class Counters:
     speculation_aborted_s: float = 0.0
     """Time the aborted speculations were in flight (started to aborted): wasted work."""
     ttft_sum_s: float = 0.0
+    prompt_moved_cuts: int = 0
+    prompt_unplaced_docs: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -85,7 +88,24 @@ class Metrics:
         )
         self.failures = Counter("ragcache_request_failures", "Failed requests", registry=r)
         self.restarts = Counter("ragcache_engine_restarts", "Engine restarts", registry=r)
+        self.roots = Gauge(
+            "ragcache_roots", "Roots in the knowledge tree (templates x salts)", registry=r
+        )
+        self.moved_cuts = Counter(
+            "ragcache_prompt_moved_cuts",
+            "Prompt cuts moved left of a token that straddled them",
+            registry=r,
+        )
+        self.unplaced_docs = Counter(
+            "ragcache_prompt_unplaced_docs",
+            "Documents not found in the rendered prompt (computed, not cached)",
+            registry=r,
+        )
         self._tree_seen = TreeCounters()
+
+    def watch_roots(self, count: Callable[[], int]) -> None:
+        """`ragcache_roots` reads `count()` at each scrape (the tree's root count)."""
+        self.roots.set_function(count)
 
     def reset(self) -> None:
         """Zero the plain counters (`RAGCache.clear()`, which also clears the tree and with it
@@ -120,6 +140,14 @@ class Metrics:
         self.tokens_saved.inc(hits.cached_tokens)
         self.queue_wait.observe(queue_wait_s)
         self.ttft.observe(ttft_s)
+
+    def record_prompt(self, *, moved_cuts: int, unplaced_docs: int) -> None:
+        """What building one prompt could not do cleanly (docs/design.md 3.3)."""
+        c = self.counters
+        c.prompt_moved_cuts += moved_cuts
+        c.prompt_unplaced_docs += unplaced_docs
+        self.moved_cuts.inc(moved_cuts)
+        self.unplaced_docs.inc(unplaced_docs)
 
     def record_failure(self) -> None:
         """One attempt failed (timeout or engine death)."""

@@ -25,6 +25,30 @@ class CacheHits:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One token the engine scored at a step: its id, log-probability, rank (1 = most likely)
+    and text (None when the engine did not decode it)."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability (`SamplingConfig.logprobs`), with the candidates
+    the engine returned for its step, in the engine's order: the sampled token first, then the
+    most likely ones by rank. `logprob` and `text` are None when the step did not score the
+    sampled token (only `logprob_token_ids` were asked for)."""
+
+    token_id: int
+    logprob: float | None
+    text: str | None
+    candidates: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True)
 class QueryResult:
     """The answer to one question, with where it came from and how fast."""
 
@@ -52,6 +76,9 @@ class QueryResult:
     serialization), `engine_first_token` (submit to first token: scheduling, copies, prefill),
     `load_copy` / `store_copy` (the worker's copies in this request's steps, shared with the
     other requests of those steps), `settle` (the final report applied)."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per generated token when `SamplingConfig.logprobs` (or `logprob_token_ids`) asked
+    for them, else empty."""
 
     def report(self) -> dict[str, Any]:
         """The measurements as plain values (what the framework integrations attach as
@@ -70,7 +97,10 @@ class QueryResult:
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """A piece of a streamed answer; the last one carries the full `result`."""
+    """A piece of a streamed answer: its text, the tokens generated since the previous chunk
+    (and their logprobs, when asked for); the last one carries the full `result`."""
 
     delta: str
     result: QueryResult | None = None
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()

@@ -32,12 +32,15 @@ def questions(limit: int = 6) -> list[str]:
     return [q.text for q in load_questions(sample_file("demo_questions.jsonl"), limit=limit)]
 
 
-def reference(cache: Any, question: str, documents: tuple[Document, ...]) -> Any:
-    """Plain vLLM on the same prompt ids: the engine with no kv_transfer_params (no cache
-    involved; vLLM's own prefix caching is off in a RAGCache). Returns the last StreamEvent."""
+def reference(
+    cache: Any, question: str, documents: tuple[Document, ...], prompt: Any = None
+) -> Any:
+    """Plain vLLM on the same prompt ids (`prompt`: the app's `AppPrompt`, None the cache's
+    layout): the engine with no kv_transfer_params (no cache involved; vLLM's own prefix
+    caching is off in a RAGCache). Returns the last StreamEvent."""
 
     async def run() -> Any:
-        ids = cache.prompts.build(question, documents).token_ids  # on the cache's own loop
+        ids = cache.prompts.build(question, documents, prompt).token_ids  # on the cache's loop
         last = None
         async for event in cache.engine.stream(f"reference-{next(_ref_ids)}", ids, SAMPLING):
             last = event

@@ -19,6 +19,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0
 API_KEY_ENV = "RAGCACHE_API_KEY"
+ADMIN_KEY_ENV = "RAGCACHE_ADMIN_KEY"
 
 
 def free_port() -> int:
@@ -30,20 +31,40 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m ragcache_core serve --model MODEL --port P ARGS...` as a child process."""
 
-    def __init__(self, model: Path, args: Sequence[str], log: Path, api_key: str | None = None):
+    def __init__(
+        self,
+        model: Path,
+        args: Sequence[str],
+        log: Path,
+        api_key: str | None = None,
+        *,
+        admin_key: str | None = None,
+        new_session: bool = False,
+    ):
+        """`new_session`: the server leads a process group of its own (with its engine and
+        watchdog), so a test can kill all of them at once."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.admin_key = admin_key
         self.log = log
         command = [sys.executable, "-m", "ragcache_core", "serve", "--model", str(model)]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key is not None:
             command += ["--api-key", api_key]
+        if admin_key is not None:
+            command += ["--admin-key", admin_key]
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         env.pop(API_KEY_ENV, None)
+        env.pop(ADMIN_KEY_ENV, None)
         self._log_file = log.open("w")
         self.process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
 
     @property
@@ -80,11 +101,18 @@ class ServerProcess:
         return int(self.process.returncode)
 
     def tail(self, lines: int = 40) -> str:
-        self._log_file.flush()
+        if not self._log_file.closed:
+            self._log_file.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+    def admin_client(self, timeout: float = 120.0) -> httpx.Client:
+        """A client with the key that opens the admin routes (the admin key, if any)."""
+        key = self.admin_key or self.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
     def stats(self) -> dict[str, Any]:
         with self.client() as http:
@@ -95,10 +123,15 @@ class ServerProcess:
 
 
 def started(
-    model: Path, args: Sequence[str], log: Path, api_key: str | None = None
+    model: Path,
+    args: Sequence[str],
+    log: Path,
+    api_key: str | None = None,
+    *,
+    admin_key: str | None = None,
 ) -> Iterator[ServerProcess]:
     """A started server for a fixture (stopped and its log shown on failure)."""
-    server = ServerProcess(model, args, log, api_key)
+    server = ServerProcess(model, args, log, api_key, admin_key=admin_key)
     try:
         server.wait_ready()
         yield server
@@ -138,7 +171,7 @@ def assert_idle(server: ServerProcess, timeout_s: float = 15.0) -> dict[str, Any
         if time.monotonic() > deadline:
             raise AssertionError(f"still busy after {timeout_s} s: {busy}")
         time.sleep(0.2)
-    with server.client() as http:
+    with server.admin_client() as http:
         check = http.get("/v1/cache/integrity")
     assert check.status_code == 200, check.text
     return stats

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
@@ -95,9 +96,14 @@ def metric(cache: RAGCache, name: str, **labels: str) -> float:
     return cache.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def reference(cache: RAGCache, question: str, documents: Sequence[Document]) -> tuple[int, ...]:
+def reference(
+    cache: RAGCache,
+    question: str,
+    documents: Sequence[Document],
+    app: AppPrompt | None = None,
+) -> tuple[int, ...]:
     """Plain vLLM (no plan, prefix caching off) on the same prompt token ids."""
-    prompt = cache.prompts.build(question, documents).token_ids
+    prompt = cache.prompts.build(question, documents, app).token_ids
 
     async def run() -> tuple[int, ...]:
         tokens: tuple[int, ...] = ()
@@ -127,6 +133,8 @@ def test_answers_equal_plain_vllm_and_repeats_hit(cache: RAGCache) -> None:
     stats = cache.stats()
     assert stats["docs_hit_gpu"] == 2
     assert stats["requests"] == 3
+    # The old one-root configuration: CacheConfig.prompt.system_prompt is the one root.
+    assert stats["tree"]["roots"] == 1 and metric(cache, "ragcache_roots") == 1
 
 
 def test_concurrent_requests_are_exact(cache: RAGCache) -> None:
@@ -442,3 +450,48 @@ def test_every_metric_moves(cache: RAGCache) -> None:
     assert tree["evictions_gpu"] > 0 and tree["evictions_host"] > 0 and tree["swap_outs"] > 0
     assert stats["ttft_sum_s"] > 0
     assert abs(stats["ttft_mean_s"] - stats["ttft_sum_s"] / stats["requests"]) < 1e-9
+
+
+def _app(system: str) -> AppPrompt:
+    return AppPrompt(
+        messages=(
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Context:\n" + CONTEXT + "Question: " + QUESTION},
+        )
+    )
+
+
+def test_two_system_prompts_are_both_cached_each_hitting_its_own_documents(
+    cache: RAGCache,
+) -> None:
+    cache.clear()
+    brief, polite = _app("Answer in one word."), _app("Answer politely, in full sentences.")
+    docs = [DOCS[2], DOCS[3]]
+    for app in (brief, polite):  # each its own root: the second computes everything again
+        first = cache.generate("Capital of Italy?", docs, prompt=app)
+        assert first.hits.hit_docs == 0 and not first.hits.root_cached
+        assert first.token_ids == reference(cache, "Capital of Italy?", docs, app)
+    for app in (brief, polite):
+        again = cache.generate("Capital of Spain?", docs, prompt=app)
+        assert again.hits.gpu_docs == 2 and again.hits.root_cached
+        assert again.token_ids == reference(cache, "Capital of Spain?", docs, app)
+    assert cache.stats()["tree"]["roots"] == 2 and metric(cache, "ragcache_roots") == 2
+    assert len([n for n in cache.tree.iter_nodes() if getattr(n.key, "doc_id", "") == "d2"]) == 2
+
+
+def test_tenants_never_hit_each_others_nodes(cache: RAGCache) -> None:
+    cache.clear()
+    docs = [DOCS[4]]
+    first = cache.generate("Capital of Austria?", docs, cache_salt="tenant-a")
+    other = cache.generate("Capital of Austria?", docs, cache_salt="tenant-b")
+    assert first.hits.hit_docs == 0 and other.hits.hit_docs == 0
+    assert not other.hits.root_cached  # not even the shared system prompt crosses tenants
+    plain = cache.generate("Capital of Austria?", docs)  # unsalted is a tenant of its own
+    assert plain.hits.hit_docs == 0
+    again = cache.generate("Which river?", docs, cache_salt="tenant-a")
+    assert again.hits.gpu_docs == 1 and again.hits.root_cached
+    assert again.token_ids == reference(cache, "Which river?", docs)  # salts never change ids
+    roots = [n for n in cache.tree.iter_nodes() if n.parent is None]
+    assert len(roots) == 3 and len({r.key.salt for r in roots}) == 3  # type: ignore[union-attr]
+    nodes = [n for n in cache.tree.iter_nodes() if getattr(n.key, "doc_id", "") == "d4"]
+    assert len(nodes) == 3 and len({id(n.parent) for n in nodes}) == 3

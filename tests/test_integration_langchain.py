@@ -19,10 +19,12 @@ from _integration_helpers import CONFIG, corpus, import_with_version, questions,
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document as LCDocument
 from langchain_core.output_parsers import StrOutputParser
-from langchain_core.prompts import PromptTemplate
+from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from packaging.specifiers import SpecifierSet
 
+from ragcache_core.app_prompt import AppPrompt
+from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_integrations.langchain import (
@@ -139,6 +141,59 @@ def test_lcel_chain_matches_vllm_hits_cache_and_reports(cache: Any, flat_store: 
     assert again.reports[0]["cache_hits"]["gpu_docs"] == 2
 
 
+RETRIEVAL_PROMPT = ChatPromptTemplate.from_messages(
+    [
+        ("system", "Use the given context to answer the question. Context: {context}"),
+        ("human", "{input}"),
+    ]
+)
+
+
+@pytest.mark.vllm
+def test_the_chains_own_chat_prompt_is_sent_as_the_plain_chain_would(
+    cache: Any, flat_store: FAISS
+) -> None:
+    """`RAGCacheRunnable(prompt=...)` renders the chain's ChatPromptTemplate (roles kept, other
+    inputs filled in) through the model's chat template: the ids are the plain
+    `prompt | chat model` chain's, the answer plain vLLM's on them, and a repeat hits."""
+    retriever = flat_store.as_retriever(search_kwargs={"k": 2})
+    runnable = RAGCacheRunnable(cache=cache, prompt=RETRIEVAL_PROMPT, question_key="input")
+    chain = {"context": retriever, "input": RunnablePassthrough()} | runnable | StrOutputParser()
+    question = QUESTIONS[4]
+    docs = flat_store.similarity_search(question, k=2)
+    # The plain chain: the same prompt, the documents joined as create_stuff_documents_chain does.
+    context = "\n\n".join(d.page_content for d in docs)
+    roles = {"system": "system", "human": "user"}
+    messages = [
+        {"role": roles[m.type], "content": str(m.content)}
+        for m in RETRIEVAL_PROMPT.format_messages(context=context, input=question)
+    ]
+    tokenizer = cache.prompts._tokenizer
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    plain_ids = tokenizer.encode(text, add_special_tokens=False)
+    app = runnable._framing({"input": question}).prompt
+    shown = tuple(
+        Document(d.id, d.text, d.metadata, prompt_text=d.text)
+        for d in (to_ragcache(x) for x in docs)
+    )
+    assert cache.prompts.build(question, shown, app).token_ids == plain_ids
+    expected = reference(cache, question, shown, app)
+    record = Record()
+    assert chain.invoke(question, config={"callbacks": [record]}) == expected.text
+    assert record.reports[0]["token_ids"] == list(expected.token_ids)
+    assert record.reports[0]["prompt_tokens"] == len(plain_ids)
+    again = Record()
+    chain.invoke(question, config={"callbacks": [again]})
+    assert again.reports[0]["cache_hits"]["gpu_docs"] == 2
+    # Another tenant's salt: the same chain, no hit on the first tenant's documents.
+    salted = {"context": retriever, "input": RunnablePassthrough()} | runnable.model_copy(
+        update={"cache_salt": "tenant-b"}
+    )
+    other = Record()
+    salted.invoke(question, config={"callbacks": [other]})
+    assert other.reports[0]["cache_hits"]["gpu_docs"] == 0
+
+
 @pytest.mark.vllm
 def test_async_batch_and_streaming(cache: Any, flat_store: FAISS) -> None:
     chain = _chain(flat_store.as_retriever(search_kwargs={"k": 2}), cache)
@@ -188,11 +243,14 @@ def test_llm_wrapper_finds_documents_in_the_prompt(cache: Any, flat_store: FAISS
     answer = (context | prompt | llm | StrOutputParser()).invoke(question)
 
     rendered = (context | prompt).invoke(question).to_string()
-    split = llm.memory.split(rendered)
-    assert split is not None
-    assert [d.id for d in split.documents] == [d.id for d in retriever.invoke(question)]
-    assert split.question == f"Answer from the context.\n\nQuestion: {question}\nAnswer:"
-    expected = reference(cache, split.question, split.documents)
+    found = llm.memory.find(rendered)
+    assert [d.id for d in found] == [d.id for d in retriever.invoke(question)]
+    # The prompt goes out exactly as LangChain rendered it: the ids of a completions LLM on
+    # `vllm serve` (the text tokenized whole with the tokenizer's special tokens).
+    exact = AppPrompt(text=rendered, chat=False)
+    tokenizer = cache.prompts._tokenizer
+    assert cache.prompts.build(question, found, exact).token_ids == tokenizer.encode(rendered)
+    expected = reference(cache, question, found, exact)
     assert answer == expected.text
 
     info = llm.generate([rendered]).generations[0][0].generation_info
@@ -210,8 +268,8 @@ def test_llm_wrapper_answers_uncached_when_it_finds_nothing(
     with caplog.at_level(logging.WARNING):
         first = llm.invoke(prompt)
         llm.invoke(prompt)
-    assert first == reference(cache, prompt, ()).text
-    assert caplog.text.count("answering uncached") == 1  # said once
+    assert first == reference(cache, prompt, (), AppPrompt(text=prompt, chat=False)).text
+    assert caplog.text.count("without caching any") == 1  # said once
 
 
 @pytest.mark.vllm

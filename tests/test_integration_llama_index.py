@@ -20,11 +20,12 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler
 from llama_index.core.llms import MockLLM
+from llama_index.core.prompts.chat_prompts import CHAT_TEXT_QA_PROMPT
 from llama_index.core.prompts.default_prompts import (
     DEFAULT_TEXT_QA_PROMPT,
     DEFAULT_TEXT_QA_PROMPT_TMPL,
 )
-from llama_index.core.schema import TextNode
+from llama_index.core.schema import MetadataMode, TextNode
 from llama_index.core.vector_stores import MetadataFilter, MetadataFilters
 from llama_index.vector_stores.faiss import FaissVectorStore
 from packaging.specifiers import SpecifierSet
@@ -45,6 +46,7 @@ from ragcache_integrations.llama_index._compat import (
     UnsupportedFrameworkError,
     check_version,
 )
+from ragcache_integrations.llama_index.prompt import app_prompt as li_app_prompt
 
 DOCS = corpus()
 QUESTIONS = questions()
@@ -105,10 +107,24 @@ def test_faiss_query_matches_vllm_and_hits_cache_on_repeat(
     own = ivf_index.as_retriever(similarity_top_k=CONFIG.top_k).retrieve(question)
     assert _source_ids(first) == [h.node.node_id for h in own]  # the index's own top-k
     assert [n.score for n in first.source_nodes] == pytest.approx([h.score for h in own])
-    expected = reference(cache, question, _documents(first))
+    expected = reference(cache, question, _documents(first), engine.app_prompt)
     assert first.metadata["token_ids"] == list(expected.token_ids)
     assert first.response == expected.text
     assert first.metadata["ttft_s"] > 0
+    # The ids are those of LlamaIndex's own engine over the same nodes: its default chat QA
+    # prompt (roles kept) with each node's metadata, through the model's chat template.
+    nodes = [n.node for n in first.source_nodes]
+    context = "\n\n".join(n.get_content(MetadataMode.LLM).strip() for n in nodes)
+    messages = [
+        {"role": m.role.value, "content": m.content or ""}
+        for m in CHAT_TEXT_QA_PROMPT.format_messages(context_str=context, query_str=question)
+    ]
+    tokenizer = cache.prompts._tokenizer
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "title: " in context  # node metadata, as LlamaIndex shows it to the LLM
+    assert first.metadata["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+    ids = cache.prompts.build(question, _documents(first), engine.app_prompt).token_ids
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
 
     again = engine.query(question)
     assert again.metadata["cache_hits"]["gpu_docs"] == CONFIG.top_k
@@ -126,7 +142,7 @@ def test_similarity_top_k_wins_over_the_cache_default(
     )
     own = ivf_index.as_retriever(similarity_top_k=3).retrieve(question)
     assert _source_ids(response) == [h.node.node_id for h in own]
-    expected = reference(cache, question, _documents(response))
+    expected = reference(cache, question, _documents(response), li_app_prompt(None, chat=True))
     assert response.metadata["token_ids"] == list(expected.token_ids)
 
 
@@ -136,7 +152,7 @@ def test_simple_vector_store(cache: Any, simple_index: VectorStoreIndex) -> None
     response = as_query_engine(simple_index, cache=cache, similarity_top_k=2).query(question)
     own = simple_index.as_retriever(similarity_top_k=2).retrieve(question)
     assert _source_ids(response) == [h.node.node_id for h in own]
-    expected = reference(cache, question, _documents(response))
+    expected = reference(cache, question, _documents(response), li_app_prompt(None, chat=True))
     assert response.metadata["token_ids"] == list(expected.token_ids)
 
 
@@ -144,7 +160,7 @@ def test_simple_vector_store(cache: Any, simple_index: VectorStoreIndex) -> None
 def test_async_and_streaming_agree_with_sync(cache: Any, ivf_index: VectorStoreIndex) -> None:
     question = QUESTIONS[3]
     sync = as_query_engine(ivf_index, cache=cache).query(question)
-    expected = reference(cache, question, _documents(sync))
+    expected = reference(cache, question, _documents(sync), li_app_prompt(None, chat=True))
 
     async_response = asyncio.run(as_query_engine(ivf_index, cache=cache).aquery(question))
     assert async_response.response == expected.text
@@ -213,7 +229,8 @@ def test_empty_retrieval_answers_without_context(
     assert response.source_nodes == []
     assert response.metadata["no_context"] is True
     assert "no documents" in caplog.text
-    assert response.metadata["token_ids"] == list(reference(cache, QUESTIONS[4], ()).token_ids)
+    expected = reference(cache, QUESTIONS[4], (), engine.app_prompt)
+    assert response.metadata["token_ids"] == list(expected.token_ids)
 
 
 @pytest.mark.vllm
@@ -236,10 +253,21 @@ def test_bad_input(cache: Any, ivf_index: VectorStoreIndex, embed_model: Offline
 
 
 @pytest.mark.vllm
-def test_prompt_must_match_the_cache(cache: Any, ivf_index: VectorStoreIndex) -> None:
-    as_query_engine(ivf_index, cache=cache, prompt=cache.config.prompt)  # the same: accepted
-    with pytest.raises(ConfigError, match="different prompt"):
-        as_query_engine(ivf_index, cache=cache, prompt=DEFAULT_TEXT_QA_PROMPT)
+def test_engines_with_other_prompts_share_the_cache(
+    cache: Any, ivf_index: VectorStoreIndex
+) -> None:
+    """Each prompt is its own root: engines with LlamaIndex's text QA prompt and with RAGCache's
+    own layout both answer like plain vLLM on their ids, and both hit on a repeat."""
+    question = QUESTIONS[5]
+    for prompt in (DEFAULT_TEXT_QA_PROMPT, cache.config.prompt):
+        engine = as_query_engine(ivf_index, cache=cache, prompt=prompt)
+        first = engine.query(question)
+        expected = reference(cache, question, _documents(first), engine.app_prompt)
+        assert first.metadata["token_ids"] == list(expected.token_ids)
+        again = engine.query(question)
+        assert again.metadata["cache_hits"]["gpu_docs"] == CONFIG.top_k
+    with pytest.raises(ConfigError, match="context_str"):
+        as_query_engine(ivf_index, cache=cache, prompt="no context here {query_str}")
 
 
 # ---------------------------------------------------------------------- framework side only

@@ -22,13 +22,18 @@ def test_ragcache_core_exports() -> None:
     import ragcache_core
 
     assert sorted(ragcache_core.__all__) == [
+        "AppPrompt",
+        "CONTEXT",
+        "CacheClosedError",
         "CacheConfig",
         "CacheHits",
         "ConfigError",
         "Document",
         "InputError",
+        "MainGuardError",
         "ModelError",
         "PromptConfig",
+        "QUESTION",
         "QueryResult",
         "RAGCache",
         "RAGCacheAPI",
@@ -37,6 +42,7 @@ def test_ragcache_core_exports() -> None:
         "SamplingConfig",
         "StreamChunk",
         "__version__",
+        "quiet_vllm",
     ]
     for name in ragcache_core.__all__:
         assert getattr(ragcache_core, name) is not None, name
@@ -99,6 +105,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ["errors", "documents", "results", "config", "plan", "capacity", "search", "loop"], 0
     ),
+    **dict.fromkeys(["app_prompt"], 0),
     **dict.fromkeys(["api", "trace", "data"], 0),
     # control plane and data plane below the runtime
     **dict.fromkeys(["policy", "cost", "storage", "retrieval"], 1),
@@ -154,6 +161,7 @@ def test_the_client_imports_only_httpx_and_the_shared_types() -> None:
     ours = {m for m in loaded if m.startswith("ragcache_core.")}
     allowed = {
         "ragcache_core.api",
+        "ragcache_core.app_prompt",
         "ragcache_core.client",
         "ragcache_core.client.client",
         "ragcache_core.client.wire",

@@ -10,6 +10,10 @@ in-process cache's for the same documents, and its uncached answers must equal p
 from __future__ import annotations
 
 import dataclasses
+import json
+import random
+import socket
+import string
 import threading
 import time
 from collections.abc import Iterator
@@ -28,11 +32,12 @@ from ragcache_core.documents import Document
 pytestmark = pytest.mark.vllm
 
 KEY = "test-key"
+ADMIN = "test-admin-key"
 SAMPLING = SamplingConfig(max_tokens=8)
 # Pools big enough that nothing this module caches is evicted (hits are asserted per tier).
 CONFIG = CacheConfig(gpu_pool_tokens=8192, host_pool_tokens=8192, top_k=2, sampling=SAMPLING)
 SERVER_ARGS = ["--gpu-pool-tokens", "8192", "--host-pool-tokens", "8192", "--top-k", "2"]
-SERVER_ARGS += ["--max-tokens", "8"]
+SERVER_ARGS += ["--max-tokens", "8", "--header-timeout", "2", "--max-body-mib", "1"]
 OTHER_SYSTEM = "You answer in one word."
 DOCS = corpus(40)
 QUESTIONS = questions(8)
@@ -110,7 +115,7 @@ def server(
 ) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     args = [*SERVER_ARGS, "--index", str(index_dir)]
-    yield from started(tiny_model, args, log, api_key=KEY)
+    yield from started(tiny_model, args, log, api_key=KEY, admin_key=ADMIN)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +180,8 @@ def test_without_the_key_every_v1_route_is_401(server: ServerProcess, headers: A
     ]:
         response = httpx.request(method, f"{server.url}{path}", headers=headers, json={})
         assert response.status_code == 401, (path, response.text)
-        assert "API key" in response.json()["error"]["message"]
+        wanted = "--admin-key" if path == "/v1/cache/invalidate" else "API key"
+        assert wanted in response.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------- answers
@@ -239,37 +245,52 @@ def test_without_documents_it_is_plain_vllm(
     assert server.stats()["requests"] == before  # the cache was not involved
 
 
-def test_another_system_prompt_is_served_uncached_and_says_so(
+def test_another_system_prompt_is_cached_under_its_own_root(
     oai: openai.OpenAI, references: dict[str, Any]
 ) -> None:
+    """Every system prompt is its own root: no request is uncached because its system prompt
+    differs, and its answer is plain vLLM's on the same ids; a repeat hits."""
     question, docs = CASES["other_system"]
-    response = oai.chat.completions.create(
-        model=_model(oai),
-        messages=[
-            {"role": "system", "content": OTHER_SYSTEM},
-            {"role": "user", "content": question},
-        ],
-        max_tokens=8,
-        temperature=0,
-        extra_body={"documents": _docs_json(docs), "return_token_ids": True},
-    ).to_dict()
-    assert response["ragcache"]["cached"] is False
-    assert response["ragcache"]["uncached_reason"] == "system_prompt_differs"
-    assert response["ragcache"]["documents"] == [d.id for d in docs]
-    assert tuple(response["choices"][0]["token_ids"]) == references["other_system_plain"]
-    # The server's own system prompt, sent explicitly, is the cached root.
+    reports = []
+    for _ in range(2):
+        response = _chat_with_system(oai, OTHER_SYSTEM, question, docs)
+        assert response["ragcache"]["cached"] is True
+        assert response["ragcache"]["uncached_reason"] is None
+        assert tuple(response["choices"][0]["token_ids"]) == references["other_system_plain"]
+        reports.append(response["ragcache"]["cache_hits"])
+    assert reports[1]["gpu_docs"] + reports[1]["host_docs"] == len(docs)
+    # The server's own system prompt, sent explicitly, is the default root.
     same = _chat_with_system(oai, CONFIG.prompt.system_prompt, question, docs)
     assert same["ragcache"]["cached"] is True
     assert tuple(same["choices"][0]["token_ids"]) == references["other_system"]
 
 
-def _chat_with_system(oai: Any, system: str, question: str, docs: Any) -> dict[str, Any]:
+def test_salted_requests_never_hit_another_salts_documents(
+    oai: openai.OpenAI, references: dict[str, Any]
+) -> None:
+    """vLLM's `cache_salt` field: two tenants send the same document; neither hits the other's
+    nodes (the response's hit counts say so), and a tenant's repeat hits its own."""
+    question, docs = CASES["other_system"]
+    hits = {}
+    for salt in ("tenant-a", "tenant-b", "tenant-a"):
+        response = _chat_with_system(oai, OTHER_SYSTEM, question, docs, cache_salt=salt)
+        assert tuple(response["choices"][0]["token_ids"]) == references["other_system_plain"]
+        hits.setdefault(salt, []).append(response["ragcache"]["cache_hits"])
+    first_a, first_b, again_a = hits["tenant-a"][0], hits["tenant-b"][0], hits["tenant-a"][1]
+    for report in (first_a, first_b):
+        assert report["gpu_docs"] + report["host_docs"] == 0 and not report["root_cached"]
+    assert again_a["gpu_docs"] + again_a["host_docs"] == len(docs)
+
+
+def _chat_with_system(
+    oai: Any, system: str, question: str, docs: Any, **extra: Any
+) -> dict[str, Any]:
     return oai.chat.completions.create(  # type: ignore[no-any-return]
         model=_model(oai),
         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
         max_tokens=8,
         temperature=0,
-        extra_body={"documents": _docs_json(docs), "return_token_ids": True},
+        extra_body={"documents": _docs_json(docs), "return_token_ids": True, **extra},
     ).to_dict()
 
 
@@ -292,7 +313,8 @@ def test_streaming_chat_and_completion(oai: openai.OpenAI, references: dict[str,
     assert text == whole["choices"][0]["message"]["content"]
     last = [c for c in dicts if c["choices"]][-1]
     assert last["choices"][0]["finish_reason"] == "length"
-    assert tuple(last["choices"][0]["token_ids"]) == references["stream"]
+    ids = [t for c in dicts if c["choices"] for t in c["choices"][0].get("token_ids") or ()]
+    assert tuple(ids) == references["stream"]  # each chunk carries its own, as vLLM's
     assert last["ragcache"]["cache_hits"]["gpu_docs"] == 2
     assert dicts[-1]["usage"]["completion_tokens"] == 8  # include_usage: the last chunk
     pieces = oai.completions.create(
@@ -400,8 +422,8 @@ BAD = [
             "max_tokens": 5000,
         },
         400,
-        "messages",
-        "maximum context length",
+        "max_tokens",
+        "cannot be greater than max_model_len=4096",
     ),
     (
         "/v1/chat/completions",
@@ -463,6 +485,14 @@ BAD = [
     ),
     ("/v1/rag/query", {"question": "  "}, 400, "question", "empty"),
     ("/v1/rag/query", {"question": "q", "top_k": 0}, 400, "top_k", ""),
+    ("/v1/rag/query", {"question": "q", "top_k": 1000}, 400, "top_k", "larger than the index"),
+    (
+        "/v1/rag/query",
+        {"question": "q", "sampling": {"max_tokens": 10**9}},
+        400,
+        "sampling.max_tokens",
+        "max_tokens=1000000000 cannot be greater than max_model_len=4096",
+    ),
     (
         "/v1/rag/query",
         {"question": "q", "sampling": {"max_tokens": 0}},
@@ -492,7 +522,7 @@ def _post(http: httpx.Client, route: str, body: Any) -> httpx.Response:
 def test_bad_input_gets_its_status_and_names_the_field(
     server: ServerProcess, route: str, body: Any, status: int, param: str, words: str
 ) -> None:
-    with server.client() as http:
+    with server.admin_client() as http:  # (the admin key opens every route)
         response = _post(http, route, body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -521,13 +551,13 @@ def test_bad_input_harms_nothing_cached_or_in_flight(
 
     worker = threading.Thread(target=long_stream)
     worker.start()
-    with server.client() as http:
+    with server.admin_client() as http:
         for route, bad, status, _, _ in BAD:
             assert _post(http, route, bad).status_code == status
     worker.join(120)
-    last = events[-1]
-    assert tuple(last["choices"][0]["token_ids"][:8]) == references["harmless"]
-    assert len(last["choices"][0]["token_ids"]) == 400
+    ids = [t for e in events if e.get("choices") for t in e["choices"][0].get("token_ids") or ()]
+    assert tuple(ids[:8]) == references["harmless"]
+    assert len(ids) == 400
     again = _chat(oai, "harmless")
     assert again["ragcache"]["cache_hits"]["gpu_docs"] == 2  # still cached
     assert tuple(again["choices"][0]["token_ids"]) == references["harmless"]
@@ -581,12 +611,156 @@ def test_a_client_gone_before_a_whole_answer_aborts_its_request(server: ServerPr
 def test_invalidate_drops_a_document(server: ServerProcess, oai: openai.OpenAI) -> None:
     _chat(oai, "invalidate")
     doc = CASES["invalidate"][1][1].id  # the second document (its node is under the first)
-    with server.client() as http:
+    with server.admin_client() as http:
         removed = http.post("/v1/cache/invalidate", json={"doc_id": doc}).json()
         assert removed == {"doc_id": doc, "removed": 1}
         assert http.post("/v1/cache/invalidate", json={"doc_id": doc}).json()["removed"] == 0
     hits = _chat(oai, "invalidate")["ragcache"]["cache_hits"]
     assert hits["gpu_docs"] == 1 and hits["computed_docs"] == 1
+
+
+# ---------------------------------------------------------------------- roles
+
+
+def test_the_admin_routes_open_with_the_admin_key_only(server: ServerProcess) -> None:
+    """--admin-key: the API key still generates and reads the config (RAGCacheClient needs
+    it), but only the admin key invalidates or checks integrity; the admin key opens the
+    ordinary routes too."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    user = {"Authorization": f"Bearer {KEY}"}
+    body = {"doc_id": "nobody-cached-this"}
+    for method, path, payload in [
+        ("POST", "/v1/cache/invalidate", body),
+        ("GET", "/v1/cache/integrity", None),
+    ]:
+        refused = httpx.request(method, f"{server.url}{path}", headers=user, json=payload)
+        assert refused.status_code == 403, refused.text
+        assert "--admin-key" in refused.json()["error"]["message"]
+        missing = httpx.request(method, f"{server.url}{path}", json=payload)
+        assert missing.status_code == 401 and "--admin-key" in missing.text
+        allowed = httpx.request(method, f"{server.url}{path}", headers=admin, json=payload)
+        assert allowed.status_code == 200, allowed.text
+    config = httpx.get(f"{server.url}/v1/rag/config", headers=user).json()
+    assert config["admin_key"] is True and config["config"]["top_k"] == 2
+    assert httpx.get(f"{server.url}/v1/cache/stats", headers=admin).status_code == 200
+
+
+def test_the_client_invalidates_with_its_admin_key_only(server: ServerProcess) -> None:
+    from ragcache_core.client import RAGCacheClient, RemoteError
+
+    with RAGCacheClient(server.url, api_key=KEY) as user:
+        with pytest.raises(RemoteError, match="--admin-key") as refused:
+            user.invalidate("nobody-cached-this")
+        assert refused.value.status == 403
+        with pytest.raises(RemoteError, match="admin_key="):
+            user.check_integrity()
+    with RAGCacheClient(server.url, api_key=KEY, admin_key=ADMIN) as admin:
+        assert admin.invalidate("nobody-cached-this") == 0
+        admin.check_integrity()
+    with RAGCacheClient(server.url, api_key=KEY, admin_key="wrong") as wrong:
+        with pytest.raises(RemoteError) as denied:
+            wrong.invalidate("nobody-cached-this")
+        assert denied.value.status == 401
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+def test_the_openapi_pages_need_a_key(server: ServerProcess, path: str) -> None:
+    assert httpx.get(f"{server.url}{path}").status_code == 401
+    opened = httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY}"})
+    assert opened.status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200  # probes stay open
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+# ---------------------------------------------------------------------- what bad input costs
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server: ServerProcess) -> None:
+    """--max-body-mib 1: a larger body is refused with 413 naming the limit, declared
+    (Content-Length) or sent in parts (chunked); the server serves on."""
+    text = "word " * (300 * 1024)  # 1.5 MiB
+    body = {
+        "messages": [{"role": "user", "content": "q"}],
+        "documents": [{"id": "x", "text": text}],
+    }
+    with server.client() as http:
+        declared = http.post("/v1/chat/completions", json=body)
+        assert declared.status_code == 413, declared.text[:300]
+        error = declared.json()["error"]
+        assert str(2**20) in error["message"] and "--max-body-mib" in error["message"]
+        payload = json.dumps(body).encode()
+        parts = (payload[i : i + 65536] for i in range(0, len(payload), 65536))
+        chunked = http.post(
+            "/v1/chat/completions", content=parts, headers={"content-type": "application/json"}
+        )
+        assert chunked.status_code == 413, chunked.text[:300]
+    assert _chat_status(server) == 200
+
+
+def _chat_status(server: ServerProcess) -> int:
+    body = {"prompt": "hello", "max_tokens": 1}
+    with server.client() as http:
+        return http.post("/v1/completions", json=body).status_code
+
+
+def test_partial_headers_are_cut_off_at_the_header_timeout(server: ServerProcess) -> None:
+    """--header-timeout 2: connections that never finish their headers are answered 408 and
+    closed (they used to stay open as long as the client liked)."""
+    sockets = []
+    for _ in range(20):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        sockets.append(sock)
+    idle = socket.create_connection(("127.0.0.1", server.port), timeout=30)  # sends nothing
+    for sock in [*sockets, idle]:
+        with sock:
+            answer = b""
+            while chunk := sock.recv(4096):  # the server closes: recv returns b""
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert _chat_status(server) == 200
+
+
+def test_a_huge_document_does_not_hold_up_a_small_request(server: ServerProcess) -> None:
+    """Head-of-line blocking, by order: many large documents (each as long as the context can
+    hold, tokenized and then refused) are in the server when a small request arrives; the
+    small one completes before the large ones are all answered. (One renderer thread served
+    them in arrival order.)"""
+    count = 40
+    alphabet = string.ascii_letters + string.digits + " .,"
+    finished: list[str] = []
+    refused: list[bool] = []
+    lock = threading.Lock()
+
+    def large(i: int) -> None:
+        rng = random.Random(i)  # a distinct document each: nothing is memoized twice
+        text = "".join(rng.choices(alphabet, k=44000))  # ~0.08 s to tokenize, ~42k tokens
+        body = {
+            "messages": [{"role": "user", "content": "q"}],
+            "documents": [{"id": f"huge-{i}", "text": text}],
+            "max_tokens": 1,
+        }
+        with server.client() as http:
+            response = http.post("/v1/chat/completions", json=body)
+        with lock:
+            finished.append("large")
+            refused.append(response.status_code == 400 and "context length" in response.text)
+
+    threads = [threading.Thread(target=large, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while server.stats()["serve"]["in_flight"] < count // 2:  # they are in the server
+        assert time.monotonic() < deadline and any(t.is_alive() for t in threads)
+        time.sleep(0.01)
+    assert _chat_status(server) == 200
+    with lock:
+        finished.append("small")
+    for thread in threads:
+        thread.join(120)
+    assert len(refused) == count and all(refused)
+    after = len(finished) - 1 - finished.index("small")
+    assert after >= count // 8, f"only {after} large request(s) finished after the small one"
 
 
 def test_a_second_server_on_the_same_port_is_refused(
@@ -622,7 +796,7 @@ def test_every_serve_metric_moved(server: ServerProcess) -> None:
     assert samples[f'ragcache_serve_requests_total{{{chat},status="200"}}'] > 0
     assert samples[f'ragcache_serve_requests_total{{{chat},status="499"}}'] >= 2
     assert samples['ragcache_serve_uncached_total{reason="no_documents"}'] > 0
-    assert samples['ragcache_serve_uncached_total{reason="system_prompt_differs"}'] > 0
+    assert samples["ragcache_roots"] >= 3  # the server's, another system prompt's, salted ones
     assert samples[f"ragcache_serve_disconnects_total{{{chat}}}"] >= 2
     assert samples[f"ragcache_serve_request_seconds_count{{{chat}}}"] > 0
     assert samples["ragcache_serve_in_flight"] == 0 and samples["ragcache_serve_waiting"] == 0

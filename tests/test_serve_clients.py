@@ -28,6 +28,7 @@ from llama_index.core.schema import TextNode
 from llama_index.vector_stores.faiss import FaissVectorStore
 
 from ragcache_core.api import RAGCacheAPI
+from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.client.client import RAGCacheClient, RemoteError
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
@@ -94,8 +95,8 @@ def plain(server: ServerProcess, client: RAGCacheClient, tiny_model: Path) -> An
     config = client.config
     builder = PromptBuilder(tokenizer, config.prompt, client.model, config.dtype or "")
 
-    def run(question: str, documents: Sequence[Document]) -> tuple[int, ...]:
-        ids = builder.build(question, documents).token_ids
+    def run(question: str, documents: Sequence[Document], prompt: Any = None) -> tuple[int, ...]:
+        ids = builder.build(question, documents, prompt).token_ids
         body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
         with server.client() as http:
             data = http.post("/v1/completions", json=body).json()
@@ -220,7 +221,8 @@ def test_llama_index_query_engine_through_the_client(
     assert [n.node.node_id for n in response.source_nodes] == [h.node.node_id for h in own]
     assert [n.score for n in response.source_nodes] == pytest.approx([h.score for h in own])
     documents = tuple(node_to_document(n.node) for n in response.source_nodes)
-    assert tuple(response.metadata["token_ids"]) == plain(question, documents)
+    # The engine's prompt (LlamaIndex's own) travelled to the server with the documents.
+    assert tuple(response.metadata["token_ids"]) == plain(question, documents, engine.app_prompt)
     again = asyncio.run(engine.aquery(question))
     assert again.metadata["cache_hits"]["gpu_docs"] == 2
     assert again.response == response.response
@@ -276,8 +278,11 @@ def test_langchain_llm_through_the_client(client: RAGCacheClient, store: FAISS, 
     context = {"context": llm.watch(retriever) | format_docs, "question": RunnablePassthrough()}
     question = QUESTIONS[6]
     answer = (context | prompt | llm | StrOutputParser()).invoke(question)
-    split = llm.memory.split((context | prompt).invoke(question).to_string())
-    assert split is not None and len(split.documents) == 2
-    expected = plain(split.question, split.documents)
-    assert client.generate(split.question, split.documents, sampling=GREEDY).token_ids == expected
-    assert answer == client.generate(split.question, split.documents, sampling=GREEDY).answer
+    rendered = (context | prompt).invoke(question).to_string()
+    found = llm.memory.find(rendered)
+    assert len(found) == 2
+    exact = AppPrompt(text=rendered, chat=False)  # the text exactly as LangChain rendered it
+    expected = plain(question, found, exact)
+    again = client.generate(question, found, sampling=GREEDY, prompt=exact)
+    assert again.token_ids == expected and answer == again.answer
+    assert again.hits.gpu_docs == 2  # the chain's call cached both documents on the server

@@ -3,7 +3,8 @@ corpus far bigger than both pools (constant eviction and swapping), then a grace
 with requests in flight.
 
 What must hold: every request completes or gets a clear error (429s are retried after their
-Retry-After; deliberate bad requests get 400; deliberate disconnects are aborted); answers for
+Retry-After; deliberate bad requests get 400, and so do 50 documents too long for the context,
+of 44 k and 1 M characters, each distinct; deliberate disconnects are aborted); answers for
 repeated prompts stay identical across requests and routes, and equal plain vLLM's on a
 sample; afterwards nothing is in flight or pinned anywhere, the tree's integrity check passes,
 and the server's resident memory after warm-up stays flat within RSS_BOUND_MIB. The figures
@@ -119,9 +120,14 @@ def _tokens(route: str, data: Any, streamed: list[Any] | None) -> tuple[int, ...
         final = streamed[-1]["result"] if streamed is not None else data
         return tuple(final["token_ids"])
     if streamed is not None:
-        last = [e for e in streamed if e.get("choices")][-1]
-        return tuple(last["choices"][0]["token_ids"])
+        return _streamed_ids(streamed)
     return tuple(data["choices"][0]["token_ids"])
+
+
+def _streamed_ids(events: list[Any]) -> tuple[int, ...]:
+    """The token ids of a streamed answer (each chunk carries its own, as vLLM's)."""
+    chunks = [e for e in events if e.get("choices")]
+    return tuple(t for e in chunks for t in e["choices"][0].get("token_ids") or ())
 
 
 async def _send(
@@ -149,14 +155,24 @@ async def _aevents(response: httpx.Response) -> Any:
         yield item
 
 
+LARGE_CHARS = {13: 1_000_000, 33: 44_000}
+"""Request n with n % 40 in here sends a distinct document of this many characters that
+cannot fit the context: 1 MB (refused before it is tokenized) or 44 k (as long as the
+context could hold at the tokenizer's longest token: tokenized, then refused). (13 and 33:
+never the n of a disconnect, n % 50 == 49, or of an invalidation, n % 100 == 99.)"""
+
+
 async def _one(http: httpx.AsyncClient, n: int, tally: Tally) -> None:
-    """Request n: a normal one, or every 40th a bad one, every 50th a disconnect, every
-    100th an invalidation."""
+    """Request n: a normal one, or every 40th a bad one, every 40th a rejected large
+    document (two sizes), every 50th a disconnect, every 100th an invalidation."""
     if n % 40 == 39:
         response = await http.post("/v1/chat/completions", json={"messages": "nope"})
         tally.status[f"bad:{response.status_code}"] += 1
         if response.status_code != 400 or response.json()["error"]["param"] != "messages":
             tally.unexpected.append(f"bad request got {response.status_code}: {response.text}")
+        return
+    if n % 40 in LARGE_CHARS:
+        await _large(http, n, LARGE_CHARS[n % 40], tally)
         return
     rng = random.Random(n)
     prompt = rng.choices(PROMPTS, POPULARITY)[0]
@@ -184,6 +200,26 @@ async def _one(http: httpx.AsyncClient, n: int, tally: Tally) -> None:
         tally.unexpected.append(f"{route} stream failed: {streamed[-1]}")
         return
     tally.answers[prompt].add(_tokens(route, data, streamed))
+
+
+async def _large(http: httpx.AsyncClient, n: int, chars: int, tally: Tally) -> None:
+    """A document too long for the context, distinct for each n (nothing it costs can be
+    shared with another): 400 naming the prompt, and nothing kept (the RSS bound)."""
+    text = (f"document {n}: " + "lorem ipsum dolor sit amet " * (chars // 27 + 1))[:chars]
+    body = {
+        "messages": [{"role": "user", "content": "What does it say?"}],
+        "documents": [{"id": f"large-{n}", "text": text}],
+        "max_tokens": MAX_TOKENS,
+    }
+    for _ in range(20):
+        response = await http.post("/v1/chat/completions", json=body)
+        if response.status_code != 429:  # (a full server refuses before reading documents)
+            break
+        tally.retried_429 += 1
+        await asyncio.sleep(_retry_after(response))
+    tally.status[f"large:{response.status_code}"] += 1
+    if response.status_code != 400 or "context length" not in response.text:
+        tally.unexpected.append(f"a large document got {response.status_code}: {response.text}")
 
 
 async def _disconnect(http: httpx.AsyncClient, prompt: Prompt, tally: Tally) -> None:
@@ -366,6 +402,6 @@ def test_shutdown_drains_in_flight_requests_and_frees_shared_memory(
     for events in results:
         last = [e for e in events if e.get("choices")][-1]
         assert last["choices"][0]["finish_reason"] == "length"
-        assert len(last["choices"][0]["token_ids"]) == 200  # finished, not cut
+        assert len(_streamed_ids(events)) == 200  # finished, not cut
     assert code in (0, -signal.SIGTERM)
     assert not any(p.exists() for p in pools)  # the shared-memory pool is gone

@@ -43,7 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ragcache",
         description="RAGCache: a knowledge cache for retrieval-augmented generation on vLLM.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at DEBUG level (and show vLLM's own lines where a command would file them)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         module = importlib.import_module(f"ragcache_core.cli.{name}")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ragcache_core.bench.workloads import RETRIEVERS
+from ragcache_core.cli.output import add_verbose
 
 WARMUP_CONCURRENCY = 4
 """Warm-up requests in flight at once (a closed loop)."""
@@ -93,6 +94,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=("tiny", "bench"), default="bench", help="built model size")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_verbose(p)
     p.set_defaults(func=_demo)
 
 
@@ -140,9 +142,10 @@ def _demo(args: argparse.Namespace) -> int:
 
     systems = _check(args)
     model = check_model_folder(args.model) if args.model else None
-    from ragcache_core.cli.output import stdout_to_stderr
+    from ragcache_core.cli.output import stdout_to_stderr, vllm_log
 
     log = sys.stderr
+    vllm_log(args, "demo", log)
     if model is None:
         from ragcache_core.testing.tiny_model import build_tiny_model
 

@@ -8,9 +8,12 @@ the TTFT vLLM measured for a prompt.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ragcache_core.cli.output import add_verbose, vllm_log
 
 
 def register(subparsers: Any) -> None:
@@ -19,6 +22,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--model", type=Path, default=None, help="a local model folder")
     parser.add_argument("--prompt-tokens", type=int, default=512)
+    add_verbose(parser)
     parser.set_defaults(func=_doctor)
 
 
@@ -36,6 +40,7 @@ def _doctor(args: argparse.Namespace) -> int:
         raise CliError(f"--prompt-tokens must be at least 1, got {args.prompt_tokens}")
 
     print("ragcache doctor")
+    vllm_log(args, "doctor", sys.stdout)
     import torch
 
     _step("torch", f"{torch.__version__} (cuda available: {torch.cuda.is_available()})")

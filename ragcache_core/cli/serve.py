@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ragcache_core.serve.state import ServeSettings
 
 API_KEY_ENV = "RAGCACHE_API_KEY"
+ADMIN_KEY_ENV = "RAGCACHE_ADMIN_KEY"
 
 
 def register(subparsers: Any) -> None:
@@ -25,8 +26,9 @@ def register(subparsers: Any) -> None:
             "Serve POST /v1/chat/completions and /v1/completions (OpenAI-compatible; pass the "
             "retrieved documents as the 'documents' extension field to cache them), "
             "POST /v1/rag/query (server-side search over --index), GET /metrics, /health, "
-            "/v1/models and POST /v1/cache/invalidate. One process owns the engine. "
-            "See docs/deploy.md."
+            "/v1/models and POST /v1/cache/invalidate. One process owns the engine; it "
+            "dies with the server (a watchdog), and what crashed servers left in shared "
+            "memory is reclaimed at start. See docs/deploy.md."
         ),
     )
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="model folder")
@@ -36,11 +38,47 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--api-key", default=os.environ.get(API_KEY_ENV), help=f"bearer key (env {API_KEY_ENV})"
     )
-    p.add_argument("--served-model-name", default=None, help="the name in /v1/models")
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get(ADMIN_KEY_ENV),
+        help=f"the only key that opens /v1/cache/invalidate and /integrity (env {ADMIN_KEY_ENV}; "
+        "default: the API key opens them)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="several keys, one '<key> [tenant]' per line (docs/deploy.md, Tenants)",
+    )
+    p.add_argument(
+        "--salt-per-key",
+        action="store_true",
+        help="salt every request with its key's tenant: no cross-tenant cache hits",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the name in /v1/models (default: the folder's)"
+    )
     p.add_argument("--workers", type=int, default=1, help="must be 1: one process owns the engine")
     p.add_argument("--max-waiting", type=int, default=None, help="queue beyond max-num-seqs (64)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds (%(default)s)")
     p.add_argument("--log-level", default="warning", help="uvicorn's (%(default)s)")
+    # (Defaults left to ServeSettings, which --help does not import: it loads FastAPI.)
+    p.add_argument(
+        "--max-body-mib", type=float, default=None, help="a larger request body gets 413 (8)"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        help="seconds a connection has to send its request headers (10)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=None,
+        help="seconds each part of a request body may take to arrive (30)",
+    )
     _cache_options(p)
     p.set_defaults(func=_serve)
 
@@ -84,6 +122,7 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
     import dataclasses
 
     from ragcache_core.config import CacheConfig
+    from ragcache_core.serve.keys import read_key_file
     from ragcache_core.serve.state import DEFAULT_MAX_WAITING, ServeSettings
 
     config = CacheConfig()
@@ -116,8 +155,22 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
+        admin_key=args.admin_key or None,
+        api_keys=() if args.api_key_file is None else read_key_file(args.api_key_file),
+        salt_per_key=args.salt_per_key,
         served_model_name=args.served_model_name,
         max_waiting=DEFAULT_MAX_WAITING if args.max_waiting is None else args.max_waiting,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        **_limits(args),
     )
+
+
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The connection limits given on the command line (the rest keep their defaults)."""
+    given = {
+        "max_body_bytes": None if args.max_body_mib is None else round(args.max_body_mib * 2**20),
+        "header_timeout_s": args.header_timeout,
+        "read_timeout_s": args.read_timeout,
+    }
+    return {k: v for k, v in given.items() if v is not None}

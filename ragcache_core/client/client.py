@@ -1,6 +1,7 @@
 """`RAGCacheClient`: `RAGCacheAPI` over HTTP, to a `ragcache serve` process many apps share.
 
-    client = RAGCacheClient("http://127.0.0.1:8000", api_key=...)
+    client = RAGCacheClient("http://127.0.0.1:8000", api_key=...)   # admin_key=... to invalidate
+                                                                    # on a server with --admin-key
     client.generate("Who wrote it?", [Document("d1", "...")])   # POST /v1/rag/query + documents
     client.query("Who wrote it?")                               # the server searches --index
     client.query("Who wrote it?", search=my_source)             # searched here, then generate
@@ -13,7 +14,7 @@ As in `RAGCache`, the public calls come from `RAGCacheAPI` (api.py) over two asy
 (`_query`, `_answer`) on a private event loop (`LoopThread`, which also owns the HTTP
 connection pool): the async API awaits them, the sync API blocks on them, so the sync calls
 work inside notebooks. Errors:
-400/404 raise `InputError` (the server's message, naming the field), 429 is retried after
+400/404 raise `InputError` (the server's message; `param` the field), 429 is retried after
 its Retry-After (`busy_retries` times, then `ServerBusy`), anything else `RemoteError`.
 Needs only `httpx`.
 """
@@ -30,9 +31,11 @@ from typing import Any
 import httpx
 
 from ragcache_core.api import RAGCacheAPI
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.client.wire import (
     config_from_json,
     document_to_json,
+    logprobs_from_json,
     result_from_json,
     sampling_to_json,
 )
@@ -67,7 +70,9 @@ class RAGCacheClient(RAGCacheAPI):
     """The same API as `RAGCache`, served by `ragcache serve` at `url` (module docstring).
 
     The constructor reads the server's configuration (`GET /v1/rag/config`), so a wrong URL
-    or key fails here, at once. Close with `close()` or `with`.
+    or key fails here, at once. `admin_key` is the server's `--admin-key`, sent only on the
+    admin calls (`invalidate`, `check_integrity`); a server without one lets the API key
+    make them. Close with `close()` or `with`.
     """
 
     def __init__(
@@ -75,15 +80,17 @@ class RAGCacheClient(RAGCacheAPI):
         url: str,
         api_key: str | None = None,
         *,
+        admin_key: str | None = None,
         timeout_s: float = 600.0,
         busy_retries: int = 2,
     ) -> None:
         self.url = url.rstrip("/")
         self.busy_retries = busy_retries
+        self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=10.0)
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
-        self._loop = LoopThread("ragcache-client")
+        self._loop = LoopThread("ragcache-client", owner="RAGCacheClient")
         try:
             info = self._loop.run(self._request("GET", "/v1/rag/config"))
         except BaseException:
@@ -92,6 +99,8 @@ class RAGCacheClient(RAGCacheAPI):
         self.model: str = str(info["model"])
         self.config: CacheConfig = config_from_json(info["config"])
         self.has_index = bool(info["has_index"])
+        self.needs_admin_key = bool(info.get("admin_key", False))
+        """Whether the server's admin calls need its admin key (it has `--admin-key`)."""
 
     # ------------------------------------------------------------------ RAGCacheAPI
 
@@ -101,17 +110,35 @@ class RAGCacheClient(RAGCacheAPI):
         return data
 
     def invalidate(self, doc_id: str) -> int:
-        """Drop every cached node of `doc_id` on the server; the number dropped."""
+        """Drop every cached node of `doc_id` on the server; the number dropped. On a server
+        with `--admin-key`, this needs `admin_key=` (else `RemoteError` 403, at once)."""
         body = {"doc_id": doc_id}
-        data = self._loop.run(self._request("POST", "/v1/cache/invalidate", body))
+        headers = self._admin("invalidate")
+        data = self._loop.run(self._request("POST", "/v1/cache/invalidate", body, headers))
         return int(data["removed"])
 
+    def check_integrity(self) -> None:
+        """The server's knowledge tree checked (`RemoteError` 500 naming a violation); an
+        admin call, as `invalidate`."""
+        headers = self._admin("check_integrity")
+        self._loop.run(self._request("GET", "/v1/cache/integrity", None, headers))
+
+    def _admin(self, call: str) -> dict[str, str] | None:
+        """The headers of an admin call (None: the client's own)."""
+        if self._admin_headers is None and self.needs_admin_key:
+            raise RemoteError(
+                403,
+                f"{call} is an admin call and this server has an admin key (ragcache serve "
+                "--admin-key): pass it as RAGCacheClient(..., admin_key=...)",
+            )
+        return self._admin_headers
+
     def close(self) -> None:
-        """Close the connections and the private loop. Safe to call twice."""
-        if self._loop.loop.is_closed():
+        """Close the connections and the private loop. Safe to call twice; every call
+        afterwards raises `CacheClosedError`."""
+        if self._loop.closed:
             return
-        self._loop.run(self._http.aclose())
-        self._loop.stop()
+        self._loop.stop(self._http.aclose())
 
     # ------------------------------------------------------------------ bodies (on the loop)
 
@@ -122,15 +149,16 @@ class RAGCacheClient(RAGCacheAPI):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         if search is None:
-            return await self._ask(question, None, top_k, sampling, emit)
+            return await self._ask(question, None, top_k, sampling, emit, framing)
         if not isinstance(search, SearchSource):
             raise InputError(f"search must be a SearchSource, got {type(search).__name__}")
         started = time.perf_counter()
         final = await asyncio.to_thread(final_result, search, question, top_k or self.config.top_k)
         retrieval_s = time.perf_counter() - started
-        result = await self._ask(question, final.documents, None, sampling, emit)
+        result = await self._ask(question, final.documents, None, sampling, emit, framing)
         return dataclasses.replace(
             result, retrieval_s=retrieval_s, ttft_s=result.ttft_s + retrieval_s, scores=final.scores
         )
@@ -141,8 +169,9 @@ class RAGCacheClient(RAGCacheAPI):
         documents: Sequence[Document],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        return await self._ask(question, documents, None, sampling, emit)
+        return await self._ask(question, documents, None, sampling, emit, framing)
 
     async def _ask(
         self,
@@ -151,6 +180,7 @@ class RAGCacheClient(RAGCacheAPI):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """`POST /v1/rag/query`, whole or streamed into `emit`."""
         body: dict[str, Any] = {"question": question, "stream": emit is not None}
@@ -160,6 +190,10 @@ class RAGCacheClient(RAGCacheAPI):
             body["top_k"] = top_k
         if sampling is not None:
             body["sampling"] = sampling_to_json(sampling)
+        if framing.prompt is not None:
+            body["prompt"] = framing.prompt.to_json()
+        if framing.cache_salt is not None:
+            body["cache_salt"] = framing.cache_salt
         if emit is None:
             return result_from_json(await self._request("POST", QUERY, body))
         return await self._stream(body, emit)
@@ -178,11 +212,13 @@ class RAGCacheClient(RAGCacheAPI):
             await self._wait_or_raise(error, attempt)
         raise AssertionError("unreachable")
 
-    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+    async def _request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> Any:
         """One JSON request, 429 retried after its Retry-After (`busy_retries` times)."""
         for attempt in range(self.busy_retries + 1):
             try:
-                response = await self._http.request(method, path, json=body)
+                response = await self._http.request(method, path, json=body, headers=headers)
             except httpx.HTTPError as exc:
                 raise RAGCacheError(f"cannot reach ragcache serve at {self.url}: {exc}") from exc
             if response.status_code == 200:
@@ -208,7 +244,8 @@ async def _read_events(response: httpx.Response, emit: Emit) -> QueryResult:
         if "error" in data:
             raise _error(500, data)
         if data.get("delta"):
-            emit(StreamChunk(data["delta"]))
+            tokens = tuple(int(t) for t in data.get("token_ids") or ())
+            emit(StreamChunk(data["delta"], None, tokens, logprobs_from_json(data.get("logprobs"))))
         if "result" in data:
             result = result_from_json(data["result"])
     if result is None:
@@ -241,5 +278,5 @@ def _error(status: int, data: Any) -> RAGCacheError:
     status = int(error.get("code") or status)
     message, param = str(error.get("message", "")), error.get("param")
     if status in (400, 404):
-        return InputError(message)
+        return InputError(message, param=param)
     return RemoteError(status, message, param)

@@ -1,10 +1,13 @@
 """RAGCache's typed objects as JSON and back: what `/v1/rag/...` sends and `RAGCacheClient`
 reads. Pure functions (no HTTP, no FastAPI), so the client needs only `httpx`.
 
-    Document      {"id", "text", "metadata"}
+    Document      {"id", "text", "metadata", "prompt_text" (only when set)}
+    AppPrompt     `AppPrompt.to_json` (app_prompt.py)
     QueryResult   {"answer", "token_ids", "sources", "scores", "ttft_s", "retrieval_s",
                    "queue_wait_s", "cache_hits", "prompt_tokens", "finish_reason",
-                   "speculative", "retries", "timings"}
+                   "speculative", "retries", "timings", "logprobs"}
+    SamplingConfig every field by name (logit_bias keys as strings; structured_outputs and
+                   repetition_detection as objects)
     CacheConfig   dataclasses.asdict, tuples as lists
 """
 
@@ -14,10 +17,16 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
+from ragcache_core.config import (
+    CacheConfig,
+    PromptConfig,
+    RepetitionDetection,
+    SamplingConfig,
+    StructuredOutputs,
+)
 from ragcache_core.documents import Document, DocumentTemplate
 from ragcache_core.errors import InputError
-from ragcache_core.results import CacheHits, QueryResult
+from ragcache_core.results import CacheHits, Candidate, QueryResult, TokenLogprobs
 
 
 def jsonable(value: Any) -> Any:
@@ -32,11 +41,20 @@ def jsonable(value: Any) -> Any:
 
 
 def document_to_json(doc: Document) -> dict[str, Any]:
-    return {"id": doc.id, "text": doc.text, "metadata": jsonable(dict(doc.metadata))}
+    data = {"id": doc.id, "text": doc.text, "metadata": jsonable(dict(doc.metadata))}
+    if doc.prompt_text is not None:
+        data["prompt_text"] = doc.prompt_text
+    return data
 
 
 def document_from_json(data: Mapping[str, Any]) -> Document:
-    return Document(str(data["id"]), str(data["text"]), dict(data.get("metadata") or {}))
+    shown = data.get("prompt_text")
+    return Document(
+        str(data["id"]),
+        str(data["text"]),
+        dict(data.get("metadata") or {}),
+        prompt_text=None if shown is None else str(shown),
+    )
 
 
 def result_to_json(result: QueryResult) -> dict[str, Any]:
@@ -54,6 +72,7 @@ def result_to_json(result: QueryResult) -> dict[str, Any]:
         "speculative": result.speculative,
         "retries": result.retries,
         "timings": dict(result.timings),
+        "logprobs": logprobs_to_json(result.logprobs),
     }
 
 
@@ -72,22 +91,67 @@ def result_from_json(data: Mapping[str, Any]) -> QueryResult:
         retries=int(data.get("retries", 0)),
         scores=tuple(float(s) for s in data.get("scores", ())),
         timings={str(k): float(v) for k, v in (data.get("timings") or {}).items()},
+        logprobs=logprobs_from_json(data.get("logprobs")),
     )
 
 
 def sampling_to_json(sampling: SamplingConfig) -> dict[str, Any]:
-    return {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "stop": list(sampling.stop),
-        "seed": sampling.seed,
-        "ignore_eos": sampling.ignore_eos,
-    }
+    """Every field of `SamplingConfig` (what `/v1/rag/query`'s `sampling` takes)."""
+    data: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingConfig):
+        value = getattr(sampling, f.name)
+        if f.name == "logit_bias" and value is not None:
+            value = {str(k): v for k, v in value.items()}
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = {k: jsonable(v) for k, v in dataclasses.asdict(value).items()}
+        data[f.name] = jsonable(value)
+    return data
 
 
 def sampling_from_json(data: Mapping[str, Any]) -> SamplingConfig:
-    return SamplingConfig(**{**data, "stop": tuple(data.get("stop") or ())})
+    """`sampling_to_json`'s inverse (fields left out take `SamplingConfig`'s defaults);
+    `SamplingError` naming a field out of range."""
+    fields = dict(data)
+    for name in ("stop", "stop_token_ids", "bad_words"):
+        if name in fields:
+            fields[name] = tuple(fields[name] or ())
+    for name in ("allowed_token_ids", "logprob_token_ids"):
+        if fields.get(name) is not None:
+            fields[name] = tuple(fields[name])
+    structured = fields.get("structured_outputs")
+    if isinstance(structured, Mapping):
+        fields["structured_outputs"] = StructuredOutputs(**structured)
+    repetition = fields.get("repetition_detection")
+    if isinstance(repetition, Mapping):
+        fields["repetition_detection"] = RepetitionDetection(**repetition)
+    return SamplingConfig(**fields)
+
+
+def logprobs_to_json(logprobs: tuple[TokenLogprobs, ...]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token_id": t.token_id,
+            "logprob": t.logprob,
+            "text": t.text,
+            "candidates": [[c.token_id, c.logprob, c.rank, c.text] for c in t.candidates],
+        }
+        for t in logprobs
+    ]
+
+
+def logprobs_from_json(data: Any) -> tuple[TokenLogprobs, ...]:
+    return tuple(
+        TokenLogprobs(
+            token_id=int(t["token_id"]),
+            logprob=None if t["logprob"] is None else float(t["logprob"]),
+            text=t["text"],
+            candidates=tuple(
+                Candidate(int(c[0]), float(c[1]), None if c[2] is None else int(c[2]), c[3])
+                for c in t["candidates"]
+            ),
+        )
+        for t in data or ()
+    )
 
 
 def config_to_json(config: CacheConfig) -> dict[str, Any]:

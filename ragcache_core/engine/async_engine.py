@@ -18,6 +18,13 @@ from typing import Any
 from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.settings import EngineSettings
 from ragcache_core.errors import RAGCacheError
+from ragcache_core.results import TokenLogprobs
+
+ENGINE_EXIT_TIMEOUT_S = 30.0
+"""How long `close` waits for the engine core to exit by itself before vLLM kills it. vLLM's
+default (5 s) is shorter than the engine core's own wait for its worker (up to 5 s, then a
+SIGTERM and 4 s more): killed mid-teardown, the engine core never unlinks its shared-memory
+message queue and Python's resource tracker reports it as leaked at exit."""
 
 
 class EngineDied(RAGCacheError):
@@ -36,6 +43,8 @@ class StreamEvent:
     kv_transfer_params: Mapping[str, Any] | None
     num_cached_tokens: int = 0
     """Prompt tokens vLLM found in its own prefix cache (or loaded through a connector)."""
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
+    """The logprobs of the tokens new in this event (when the request asked for them)."""
 
 
 class AsyncEngine:
@@ -49,15 +58,21 @@ class AsyncEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from ragcache_core.engine.compat import check_vllm_version
+        from ragcache_core.engine.logs import engine_output
 
         check_vllm_version()
         settings.apply_environment()
         self.settings = settings
         started = time.perf_counter()
         kwargs = settings.to_engine_kwargs()
-        self._engine: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        with engine_output():  # its processes write to vLLM's log file, where one is set
+            self._engine: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.start_s = time.perf_counter() - started
         self._closed = False
+        from ragcache_core.engine.sampling import SamplingChecker
+
+        self.checker = SamplingChecker(self._engine.vllm_config)
+        """vLLM's checks of a request's sampling against this model (usable after `close`)."""
 
     @property
     def is_dead(self) -> bool:
@@ -98,14 +113,17 @@ class AsyncEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         from ragcache_core.engine.compat import first_token_latency, token_prompt
-        from ragcache_core.engine.sampling import sampling_params
+        from ragcache_core.engine.sampling import sampling_params, step_logprobs
 
         params = sampling_params(sampling, kv_transfer_params=kv_transfer_params)
         if self.is_dead:
             raise EngineDied("the vLLM engine is not running")
+        seen = 0  # tokens whose logprobs were reported
         try:
             async for output in self._engine.generate(token_prompt(prompt_ids), params, request_id):
                 completion = output.outputs[0]
+                new = step_logprobs(completion.logprobs, completion.token_ids, seen)
+                seen = len(completion.token_ids)
                 yield StreamEvent(
                     token_ids=tuple(completion.token_ids),
                     text=completion.text,
@@ -114,6 +132,7 @@ class AsyncEngine:
                     first_token_latency_s=first_token_latency(output),
                     kv_transfer_params=getattr(output, "kv_transfer_params", None),
                     num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
+                    new_logprobs=new,
                 )
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine core died: {exc}") from exc
@@ -133,7 +152,7 @@ class AsyncEngine:
             return
         self._closed = True
         engine, self._engine = self._engine, None
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_EXIT_TIMEOUT_S)
         # Drop the last reference now, while the interpreter is whole: AsyncLLM.__del__ shuts
         # down again and fails noisily if it runs at interpreter exit.
         del engine

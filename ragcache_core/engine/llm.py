@@ -42,9 +42,12 @@ class Engine:
         settings.apply_environment()
         from vllm import LLM
 
+        from ragcache_core.engine.logs import engine_output
+
         self.settings = settings
         started = time.perf_counter()
-        self._llm: Any = LLM(**settings.to_engine_kwargs())
+        with engine_output():  # its processes write to vLLM's log file, where one is set
+            self._llm: Any = LLM(**settings.to_engine_kwargs())
         self.start_s = time.perf_counter() - started
 
     @property
@@ -97,7 +100,9 @@ class Engine:
             getattr(engine, "engine_core", None), "shutdown", None
         )
         if callable(shutdown):
-            shutdown()
+            from ragcache_core.engine.async_engine import ENGINE_EXIT_TIMEOUT_S
+
+            shutdown(timeout=ENGINE_EXIT_TIMEOUT_S)  # killed mid-teardown it leaks shared memory
         del llm
         gc.collect()
 

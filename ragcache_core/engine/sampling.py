@@ -1,13 +1,25 @@
 """Sampling settings -> vLLM `SamplingParams`, and generated tokens' logprobs back: the one
-place every engine (sync `Engine`, `CachedEngine`, `AsyncEngine`) builds and reads them."""
+place every engine (sync `Engine`, `CachedEngine`, `AsyncEngine`) builds and reads them.
+
+    sampling_params(SamplingConfig)  every field, one to one (`extra_args` carries RAGCache's
+                                     plan only: nothing a caller sets can reach it)
+    SamplingChecker                  vLLM's checks that need the model (token ids in the
+                                     vocabulary, the logprobs limit, grammars, bad words), run
+                                     before a request is admitted: an `InputError` naming the
+                                     field instead of a failure inside the engine
+    step_logprobs                    the engine's per-token logprobs as `TokenLogprobs`
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ragcache_core.config import SamplingConfig
+from ragcache_core.config import RepetitionDetection, SamplingConfig, StructuredOutputs
+from ragcache_core.errors import InputError
+from ragcache_core.results import Candidate, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -28,26 +40,203 @@ def sampling_params(
 ) -> Any:
     """vLLM `SamplingParams` for one request. `kv_transfer_params` (a plan, a fault hook) go to
     the connector through `extra_args`; `skip_reading_prefix_cache` keeps vLLM's prefix cache
-    (and with it every connector load) out of the request."""
+    (and with it every connector load) out of the request. Raises vLLM's own
+    `VLLMValidationError` for values it refuses (`SamplingChecker` turns it into an
+    `InputError` first)."""
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
     if isinstance(sampling, SamplingConfig):
-        knobs: dict[str, Any] = {
-            "top_p": sampling.top_p,
-            "stop": list(sampling.stop) or None,
-            "seed": sampling.seed,
-            "ignore_eos": sampling.ignore_eos,
-        }
+        knobs = _knobs(sampling)
     else:
-        knobs = {"ignore_eos": True, "logprobs": 0 if sampling.logprobs else None}
+        knobs = {
+            "temperature": sampling.temperature,
+            "ignore_eos": True,
+            "logprobs": 0 if sampling.logprobs else None,
+        }
     return SamplingParams(
         max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature,
         skip_reading_prefix_cache=skip_reading_prefix_cache,
         extra_args=extra,
         **knobs,
     )
+
+
+def _knobs(s: SamplingConfig) -> dict[str, Any]:
+    """`SamplingConfig`'s fields as `SamplingParams` keyword arguments (besides max_tokens)."""
+    return {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "repetition_penalty": s.repetition_penalty,
+        "seed": s.seed,
+        "stop": list(s.stop) or None,
+        "stop_token_ids": list(s.stop_token_ids) or None,
+        "include_stop_str_in_output": s.include_stop_str_in_output,
+        "ignore_eos": s.ignore_eos,
+        "min_tokens": s.min_tokens,
+        "logprobs": s.logprobs,
+        "logprob_token_ids": None if s.logprob_token_ids is None else list(s.logprob_token_ids),
+        "skip_special_tokens": s.skip_special_tokens,
+        "spaces_between_special_tokens": s.spaces_between_special_tokens,
+        "logit_bias": None if s.logit_bias is None else dict(s.logit_bias),
+        "allowed_token_ids": None if s.allowed_token_ids is None else list(s.allowed_token_ids),
+        "bad_words": list(s.bad_words) or None,
+        "structured_outputs": _structured(s.structured_outputs),
+        "repetition_detection": _repetition(s.repetition_detection),
+        "stream_interval": s.stream_interval,
+    }
+
+
+def _structured(value: StructuredOutputs | None) -> Any:
+    if value is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(
+        json=dict(value.json) if isinstance(value.json, Mapping) else value.json,
+        regex=value.regex,
+        choice=None if value.choice is None else list(value.choice),
+        grammar=value.grammar,
+        json_object=value.json_object,
+        structural_tag=value.structural_tag,
+        disable_any_whitespace=value.disable_any_whitespace,
+        disable_additional_properties=value.disable_additional_properties,
+        whitespace_pattern=value.whitespace_pattern,
+    )
+
+
+def _repetition(value: RepetitionDetection | None) -> Any:
+    if value is None:
+        return None
+    from vllm.sampling_params import RepetitionDetectionParams
+
+    return RepetitionDetectionParams(
+        max_pattern_size=value.max_pattern_size,
+        min_pattern_size=value.min_pattern_size,
+        min_count=value.min_count,
+    )
+
+
+class SamplingChecker:
+    """vLLM's own request checks for one engine's model (`SamplingParams.verify`, as vLLM's
+    input processor runs them, and the bad-words tokenization), on a dry-run copy of the
+    params, with a tokenizer of its own. Safe from any thread (a lock around the tokenizer).
+
+    Raises `InputError` with vLLM's message and `param` the field (vLLM leaves some unnamed:
+    they are named here from the message's first word when it is a field)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        from vllm.tokenizers import get_tokenizer
+
+        self._model = vllm_config.model_config
+        self._speculative = vllm_config.speculative_config
+        self._structured = vllm_config.structured_outputs_config
+        model = self._model
+        self._tokenizer = get_tokenizer(
+            model.tokenizer,
+            tokenizer_mode=model.tokenizer_mode,
+            revision=model.tokenizer_revision,
+            trust_remote_code=model.trust_remote_code,
+        )
+        self._lock = threading.Lock()
+        self.max_model_len = int(model.max_model_len)
+        self.vocab_size = int(model.get_vocab_size())
+
+    def check(self, sampling: SamplingConfig) -> None:
+        """`InputError` (naming the field) if vLLM's engine would refuse `sampling`."""
+        from vllm.exceptions import VLLMClientError
+
+        with self._lock:
+            try:
+                params = sampling_params(sampling)
+                params.verify(self._model, self._speculative, self._structured, self._tokenizer)
+                params.update_from_tokenizer(self._tokenizer)
+            except InputError:
+                raise
+            except (VLLMClientError, ValueError, TypeError, OverflowError) as exc:
+                raise as_input_error(exc) from exc
+
+
+_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "bad_words",
+        "allowed_token_ids",
+        "logit_bias",
+        "logprobs",
+        "logprob_token_ids",
+        "min_tokens",
+        "max_tokens",
+        "stream_interval",
+        "structured_outputs",
+        "repetition_detection",
+    }
+)
+
+
+_GRAMMAR_WORDS = ("structured output", "grammar", "schema", "regex", "choice", "json")
+
+
+def as_input_error(exc: BaseException) -> InputError:
+    """A vLLM validation error as an `InputError`: vLLM's message, `param` its parameter, else
+    the field its message starts with, else `structured_outputs` for a constraint's error."""
+    message = str(exc.args[0]) if exc.args else str(exc)
+    param = getattr(exc, "parameter", None)
+    if param is None:
+        first = message.split(" ", 1)[0].strip("`.:,")
+        if first in _FIELDS:
+            param = first
+        elif first.startswith("structured_outputs") or any(
+            word in message.lower() for word in _GRAMMAR_WORDS
+        ):
+            param = "structured_outputs"
+    return InputError(message, param=param)
+
+
+def step_logprobs(
+    steps: Sequence[Any] | None, token_ids: Sequence[int], start: int = 0
+) -> tuple[TokenLogprobs, ...]:
+    """The generated tokens' logprobs from `start` on (a vLLM `CompletionOutput.logprobs`: one
+    {token id: Logprob} per token, the sampled token first, then by rank). Empty when the
+    request asked for none."""
+    if not steps:
+        return ()
+    out = []
+    for index in range(start, min(len(steps), len(token_ids))):
+        step: Mapping[int, Any] = steps[index] or {}
+        token = int(token_ids[index])
+        candidates = tuple(
+            Candidate(int(t), float(lp.logprob), _rank(lp), lp.decoded_token)
+            for t, lp in step.items()
+        )
+        chosen = step.get(token)
+        out.append(
+            TokenLogprobs(
+                token_id=token,
+                logprob=None if chosen is None else float(chosen.logprob),
+                text=None if chosen is None else chosen.decoded_token,
+                candidates=candidates,
+            )
+        )
+    return tuple(out)
+
+
+def _rank(logprob: Any) -> int | None:
+    rank = getattr(logprob, "rank", None)
+    return None if rank is None else int(rank)
 
 
 def token_logprobs(completion: Any) -> tuple[float, ...]:

@@ -118,7 +118,9 @@ class StagedSearch(ABC):
         if not isinstance(k, int | np.integer) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         if k > self.ntotal:
-            raise InputError(f"k={k} is larger than the index ({self.ntotal} vectors)")
+            raise InputError(
+                f"k={k} is larger than the index ({self.ntotal} vectors)", param="top_k"
+            )
         return np.ascontiguousarray(x)
 
 

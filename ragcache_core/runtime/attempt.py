@@ -20,7 +20,7 @@ from typing import Any
 from ragcache_core.config import SamplingConfig
 from ragcache_core.loop import Emit
 from ragcache_core.plan import Plan
-from ragcache_core.results import StreamChunk
+from ragcache_core.results import StreamChunk, TokenLogprobs
 from ragcache_core.runtime.admission import PrefillLease, Ticket
 from ragcache_core.runtime.prompt import BuiltPrompt
 from ragcache_core.tree import RequestHandle
@@ -36,6 +36,8 @@ class Progress:
     report: Mapping[str, Any] | None = None
     """The connector's final report (`kv_transfer_params` of the finished output)."""
     first_token_at: float = 0.0
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per generated token, when the request asked for logprobs."""
 
 
 @dataclass

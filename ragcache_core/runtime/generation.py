@@ -7,7 +7,9 @@
         │                │          Lifecycle.first_token (confirm), then the lease goes back
         │                └► settle  Lifecycle.settle + served_hits on the connector's report
         └── on a timeout or an engine death (engine restarted once): a new attempt, unless text
-            was streamed already (it cannot be taken back) or `max_retries` is spent
+            reached the caller already (it cannot be taken back) or `max_retries` is spent
+            (`check_retry`, the rule uncached requests follow too: a whole answer shows
+            nothing before it ends, so it is retried like a stream before its first token)
 
 Whatever happens to an attempt, its lease is released and a handle left open is aborted
 (`_release`). `Generator.finish` turns a `Generation` into the caller's `QueryResult` and
@@ -25,15 +27,16 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import EngineDied, StreamEvent
 from ragcache_core.engine.connector import ConnectorResult
-from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
+from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError, check_fits_context
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk, TokenLogprobs
 from ragcache_core.runtime.admission import Admission, PrefillLease, Ticket
 from ragcache_core.runtime.attempt import Attempt, Progress
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
@@ -59,6 +62,7 @@ class Generation:
     doc_hit_tokens: int
     retries: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 async def follow(
@@ -66,21 +70,31 @@ async def follow(
     timeout_s: float,
     emit: Emit | None,
     on_first_token: Callable[[float], None],
+    interval: int = 1,
 ) -> Progress:
-    """Follow one request's engine stream to its end (closing it on every path): each text
-    delta to `emit`, `on_first_token(time)` once, at the first token. `timeout_s` bounds the
-    wait for each event (the first token, then each next one), so a long healthy answer never
-    times out; a stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
+    """Follow one request's engine stream to its end (closing it on every path): text deltas
+    (with their tokens and logprobs) to `emit`, the first at once, then one per `interval`
+    tokens at most (`SamplingConfig.stream_interval`, as vLLM's streams), and the rest at the
+    end; `on_first_token(time)` once, at the first token. `timeout_s` bounds the wait for each
+    event (the first token, then each next one), so a long healthy answer never times out; a
+    stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
     progress = Progress()
     loop = asyncio.get_running_loop()
+    shown_tokens = shown_text = 0  # what was sent with a chunk
     async with contextlib.aclosing(events), asyncio.timeout(timeout_s) as deadline:
         async for event in events:
             deadline.reschedule(loop.time() + timeout_s)
             if event.token_ids and not progress.first_token_at:
                 progress.first_token_at = time.perf_counter()
                 on_first_token(progress.first_token_at)
-            if emit is not None and len(event.text) > len(progress.text):
-                emit(StreamChunk(event.text[len(progress.text) :]))
+            progress.logprobs += event.new_logprobs
+            new_tokens = len(event.token_ids) - shown_tokens
+            due = not shown_tokens or event.finished or new_tokens >= interval
+            if emit is not None and len(event.text) > shown_text and due:
+                tokens = event.token_ids[shown_tokens:]
+                lps = progress.logprobs[shown_tokens:] if progress.logprobs else ()
+                emit(StreamChunk(event.text[shown_text:], None, tokens, lps))
+                shown_tokens, shown_text = len(event.token_ids), len(event.text)
             progress.text, progress.token_ids = event.text, event.token_ids
             progress.finish_reason = event.finish_reason
             if event.finished:
@@ -88,6 +102,21 @@ async def follow(
     # No token at all: finishing is the first.
     progress.first_token_at = progress.first_token_at or time.perf_counter()
     return progress
+
+
+def check_retry(exc: BaseException, retries: int, max_retries: int, *, shown: bool) -> None:
+    """Whether a try that failed with `exc` (a timeout or an engine death) is tried again:
+    the same rule for every request, cached or not, streamed or whole. It is, unless
+    `max_retries` are spent or text already reached the caller (`shown`: it cannot be taken
+    back). A whole answer shows nothing before it ends, so it is retried like a stream that
+    failed before its first token. Raises the caller's `RAGCacheError` when it is not."""
+    what = "timed out" if isinstance(exc, TimeoutError) else "lost its engine"
+    if retries >= max_retries or shown:
+        raise RAGCacheError(
+            f"the request {what} after {retries + 1} attempt(s)"
+            + (" and had streamed text already" if shown else "")
+        ) from exc
+    logger.warning("retrying a request that %s", what)
 
 
 class Generator:
@@ -113,13 +142,37 @@ class Generator:
 
     # ------------------------------------------------------------------ prompts
 
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """`InputError` naming the field when vLLM's engine would refuse `sampling` for this
+        model (before anything is allocated)."""
+        self._engines.engine.checker.check(sampling)
+
     def build(
-        self, question: str, documents: Sequence[Document], sampling: SamplingConfig
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig,
+        framing: Framing = NO_FRAMING,
     ) -> BuiltPrompt:
-        """The prompt's token ids; `InputError` (before anything is allocated) when it does not
-        fit the context with the answer."""
-        prompt = self._prompts.build(question, documents)
-        check_fits_context(prompt.num_tokens, sampling.max_tokens, self._config.max_model_len)
+        """The prompt's token ids (the app's prompt of `framing`, its salt in the root key);
+        `PromptTooLong` (before anything is allocated, and before any of it is memoized) when
+        it does not fit the context with the answer."""
+        max_len = self._config.max_model_len
+        check_fits_context(0, sampling.max_tokens, max_len)  # names a max_tokens over the context
+        limit = max_len - sampling.max_tokens
+        try:
+            prompt = self._prompts.build(
+                question, documents, framing.prompt, framing.cache_salt, max_tokens=limit
+            )
+        except PromptTooLong as exc:
+            raise PromptTooLong(
+                f"{exc} (max_model_len {max_len} - max_tokens {sampling.max_tokens})",
+                tokens=exc.tokens,
+                limit=exc.limit,
+            ) from None
+        self._metrics.record_prompt(
+            moved_cuts=prompt.moved_cuts, unplaced_docs=prompt.unplaced_docs
+        )
         return prompt
 
     # ------------------------------------------------------------------ requests
@@ -130,6 +183,7 @@ class Generator:
         documents: tuple[Document, ...],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
         for doc in documents:
@@ -139,7 +193,8 @@ class Generator:
                 )
         started = time.perf_counter()
         sampling = sampling or self._config.sampling
-        prompt = self.build(question, documents, sampling)
+        self.check_sampling(sampling)
+        prompt = self.build(question, documents, sampling, framing)
         generation = await self.generate(prompt, sampling, emit, final=True)
         return self.finish(generation, documents, started=started, search_done=started)
 
@@ -178,6 +233,7 @@ class Generator:
             speculative=speculative,
             retries=generation.retries,
             timings=generation.timings,
+            logprobs=generation.logprobs,
         )
 
     async def generate(
@@ -204,15 +260,9 @@ class Generator:
                 self._metrics.record_failure()
                 if isinstance(exc, EngineDied):
                     await self._engines.restart(attempt.epoch)
-                what = "timed out" if isinstance(exc, TimeoutError) else "lost its engine"
-                if retries >= self._config.max_retries or attempt.streamed:
-                    raise RAGCacheError(
-                        f"the request {what} after {retries + 1} attempt(s)"
-                        + (" and had streamed text already" if attempt.streamed else "")
-                    ) from exc
+                check_retry(exc, retries, self._config.max_retries, shown=attempt.streamed)
                 retries += 1
                 self._metrics.record_retry()
-                logger.warning("retrying a request that %s", what)
 
     # ------------------------------------------------------------------ one attempt
 
@@ -255,7 +305,9 @@ class Generator:
             self._release(attempt)
 
     async def _admit(self, attempt: Attempt) -> None:
-        """Wait for a place in prefill (unless the attempt came with one)."""
+        """Wait for a restart under way, then for a place in prefill (unless the attempt
+        came with one)."""
+        await self._engines.wait_running()
         ticket = attempt.ticket
         if attempt.lease is None:
             attempt.lease = await self._admission.acquire(ticket)
@@ -294,8 +346,9 @@ class Generator:
         stream = self._engines.engine.stream(
             attempt.request_id, attempt.prompt.token_ids, attempt.sampling, params
         )
+        interval = attempt.sampling.stream_interval or 1
         attempt.progress = await follow(
-            stream, self._config.request_timeout_s, attempt.sink, confirm
+            stream, self._config.request_timeout_s, attempt.sink, confirm, interval
         )
 
     def _settle(self, attempt: Attempt) -> Generation:
@@ -321,6 +374,7 @@ class Generator:
             handle=handle,
             doc_hit_tokens=doc_hit_tokens,
             timings=timings,
+            logprobs=progress.logprobs,
         )
 
     async def _abort_in_engine(self, attempt: Attempt) -> None:

@@ -51,13 +51,13 @@ class Lifecycle:
 
     def score(self, prompt: BuiltPrompt) -> tuple[int, int]:
         """(cached tokens, tokens to compute): the admission queue's view of a prompt."""
-        cached = self.tree.match(prompt.doc_specs).cached_tokens
+        cached = self.tree.match(prompt.doc_specs, prompt.root_key).cached_tokens
         return cached, prompt.num_tokens - cached
 
     def blocked(self, prompt: BuiltPrompt) -> bool:
         """Whether the next document of the prompt's readable prefix is being written by a
         request in prefill (admission defers the prompt until it is readable)."""
-        return self.tree.match(prompt.doc_specs).in_flight > 0
+        return self.tree.match(prompt.doc_specs, prompt.root_key).in_flight > 0
 
     # ------------------------------------------------------------------ the request path
 
@@ -70,7 +70,11 @@ class Lifecycle:
         logged, and the handle aborted here."""
         tree, connector = self.tree, self._connector
         handle = tree.begin_request(
-            len(prompt.root_ids), prompt.doc_specs, len(prompt.question_ids), final=final
+            len(prompt.root_ids),
+            prompt.doc_specs,
+            len(prompt.question_ids),
+            final=final,
+            root_key=prompt.root_key,
         )
         if handle.plan.is_empty:
             return handle, None

@@ -19,25 +19,32 @@ the sync API blocks on (`query`/`generate`/`stream` and their async forms are wr
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import os
 import weakref
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ragcache_core.api import RAGCacheAPI
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.engine.async_engine import AsyncEngine
+from ragcache_core.engine.hub import check_hub_model, load_tokenizer
 from ragcache_core.engine.settings import check_model_folder
+from ragcache_core.errors import wrong_type
 from ragcache_core.loop import Emit, LoopThread, astream_from
 from ragcache_core.metrics import Metrics
 from ragcache_core.results import CacheHits, QueryResult, StreamChunk
 from ragcache_core.runtime.generation import Generator
 from ragcache_core.runtime.lifecycle import Lifecycle
+from ragcache_core.runtime.main_guard import check_main_guard, vllm_spawns
 from ragcache_core.runtime.prompt import PromptBuilder
 from ragcache_core.runtime.speculation import SpeculativeQuery
-from ragcache_core.runtime.supervisor import EngineSupervisor
+from ragcache_core.runtime.supervisor import EngineState, EngineSupervisor
 from ragcache_core.runtime.uncached import UncachedRunner
 from ragcache_core.search import SearchSource
 from ragcache_core.tree import KnowledgeTree
@@ -48,9 +55,15 @@ __all__ = ["CacheHits", "QueryResult", "RAGCache", "StreamChunk"]
 class RAGCache(RAGCacheAPI):
     """A knowledge cache over a vLLM engine.
 
-    `model` is a local checkpoint folder (or a model name where a hub is reachable).
+    `model` is a local checkpoint folder, or a Hugging Face model name (found in the local
+    Hugging Face cache or on a reachable hub; else `ModelError` at once, engine/hub.py).
     `search` is the default `SearchSource` for `query`/`aquery` (per-call `search=` wins).
-    The engine starts in the constructor (about 25 s on CPU). Close with `close()` or `with`.
+    The engine starts in the constructor (about 25 s on CPU), in processes that import the
+    calling script again: create it under `if __name__ == "__main__":` (`MainGuardError`
+    otherwise, runtime/main_guard.py). Close with `close()` or `with`; after that every call
+    raises `CacheClosedError`. One never closed is closed at interpreter exit. Wrong objects
+    (a `model` that is not a path or name, a `config` that is not a `CacheConfig`, a `search`
+    that is not a `SearchSource`) raise `TypeError` naming what was expected and given.
     """
 
     def __init__(
@@ -60,29 +73,37 @@ class RAGCache(RAGCacheAPI):
         *,
         search: SearchSource | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
-
         from ragcache_core.engine.settings import detect_device, resolve_device_defaults
 
+        check_arguments(model, config, search)
         self.device = detect_device()
+        check_main_guard("RAGCache", spawns=vllm_spawns(self.device))
         self.config = config = resolve_device_defaults(config or CacheConfig(), self.device)
         assert config.dtype is not None
         self.model = str(model)
         if Path(self.model).expanduser().exists() or os.sep in self.model[:2]:
             check_model_folder(self.model)
+        else:
+            check_hub_model(self.model)  # a name: fail now if no hub can give it
         self.search = search
         self.metrics = Metrics()
-        tokenizer = AutoTokenizer.from_pretrained(self.model)
+        tokenizer = load_tokenizer(self.model)
         self.prompts = PromptBuilder(tokenizer, config.prompt, self.model, config.dtype)
+        # The integrations read whether prompts go through the model's chat template.
+        chat = self.prompts.uses_chat_template
+        self.config = config = config.with_(prompt=replace(config.prompt, chat_template=chat))
         self._closed = False
         self._build_parts()
-        self._loop = LoopThread()
+        self._loop = LoopThread(owner="RAGCache")
         try:
             self._loop.run(self._engines.start())
         except BaseException:
             self._loop.stop()
             self._release_resources()
             raise
+        # A program that forgets close() still shuts the engine down cleanly at exit (before
+        # multiprocessing's own exit hook, which atexit runs later: it was registered first).
+        atexit.register(self._close_at_exit)
 
     def _build_parts(self) -> None:
         """Pools, tree, admission, engine settings (`runtime/assembly.py`), and the modules that run
@@ -105,6 +126,7 @@ class RAGCache(RAGCacheAPI):
         self.lifecycle = Lifecycle(
             build_tree(config, self.prompts.root_key, self.connector), self.connector
         )
+        self.metrics.watch_roots(lambda: self.lifecycle.tree.num_roots)
         self.admission = build_admission(config)
         self.engine_settings = build_engine_settings(
             self.model, config, self.connector, self.device
@@ -125,7 +147,7 @@ class RAGCache(RAGCacheAPI):
             lifecycle=self.lifecycle,
             metrics=self.metrics,
         )
-        self._uncached = UncachedRunner(config, self._engines, self.admission)
+        self._uncached = UncachedRunner(config, self._engines, self.admission, self.metrics)
 
     @property
     def tree(self) -> KnowledgeTree:
@@ -136,6 +158,13 @@ class RAGCache(RAGCacheAPI):
     def engine(self) -> AsyncEngine:
         """The running vLLM engine (replaced after an engine death)."""
         return self._engines.engine
+
+    @property
+    def engine_state(self) -> EngineState:
+        """`running`, or why not: `starting`, `dead` (restarted at once unless
+        `restart_engine` is off), `restarting`, `stopped` (closed). Safe to read from any
+        thread (`ragcache serve`'s /health reads it)."""
+        return self._engines.state
 
     # ------------------------------------------------------------------ public API
     # (aquery/query, agenerate/generate, astream/stream: RAGCacheAPI, api.py, over the
@@ -154,6 +183,23 @@ class RAGCache(RAGCacheAPI):
 
         async for chunk in astream_from(self._loop, work):
             yield chunk
+
+    async def agenerate_uncached(
+        self, prompt_ids: Sequence[int], *, sampling: SamplingConfig | None = None
+    ) -> QueryResult:
+        """`astream_uncached`'s answer, whole: nothing reaches the caller before it ends, so
+        a try that loses its engine is retried as one that failed before its first token."""
+        ids = tuple(prompt_ids)
+        work = self._uncached.run(ids, sampling or self.config.sampling, None)
+        return await self._loop.arun(work)
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """`InputError` naming the field when this cache's engine would refuse `sampling`
+        (vLLM's checks that need the model: token ids in the vocabulary, the logprobs limit,
+        grammars, bad words). Every request runs it before anything is allocated; callers
+        may run it earlier (`ragcache serve` does, before a stream's status line). Safe from
+        any thread."""
+        self.engine.checker.check(sampling)
 
     def check_integrity(self) -> None:
         """Verify the knowledge tree's invariants (on RAGCache's loop, so it is safe while
@@ -188,13 +234,16 @@ class RAGCache(RAGCacheAPI):
         self._loop.run(clear())
 
     def close(self) -> None:
-        """Stop the engine, remove the host pool, stop the loop. Safe to call twice."""
+        """Stop the engine, remove the host pool, stop the loop. Safe to call twice. Every
+        call afterwards raises `CacheClosedError` (calls still running get it too)."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
 
         async def shutdown() -> None:
-            # Requests still running end with CancelledError instead of hanging their callers.
+            # Requests still running are cancelled instead of hanging their callers, who get
+            # CacheClosedError (the loop is stopping: loop.py).
             others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in others:
                 task.cancel()
@@ -203,10 +252,15 @@ class RAGCache(RAGCacheAPI):
             await asyncio.sleep(0)  # let the engine's output task see its cancellation
 
         try:
-            self._loop.run(shutdown())
+            self._loop.stop(shutdown())
         finally:
-            self._loop.stop()
             self._release_resources()
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, for a cache nobody closed: close it, quietly (the program is
+        over; a traceback now would only alarm)."""
+        with contextlib.suppress(Exception):
+            self.close()
 
     # ------------------------------------------------------------------ bodies (on the loop)
 
@@ -217,8 +271,11 @@ class RAGCache(RAGCacheAPI):
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        return await self._queries.run(question, search or self.search, top_k, sampling, emit)
+        return await self._queries.run(
+            question, search or self.search, top_k, sampling, emit, framing
+        )
 
     async def _answer(
         self,
@@ -226,8 +283,9 @@ class RAGCache(RAGCacheAPI):
         documents: Sequence[Document],
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        return await self._generator.answer(question, tuple(documents), sampling, emit)
+        return await self._generator.answer(question, tuple(documents), sampling, emit, framing)
 
     async def _stats(self) -> dict[str, Any]:
         self.metrics.record_tree(self.tree.counters)
@@ -243,6 +301,7 @@ class RAGCache(RAGCacheAPI):
             "pinned_nodes": tree.pinned_nodes,
             "open_requests": tree.open_requests,
             "page_size": tree.page_size,
+            "roots": tree.roots,
             "evictions_gpu": counted.evictions_gpu,
             "evictions_host": counted.evictions_host,
             "swap_outs": counted.swap_outs,
@@ -258,3 +317,20 @@ class RAGCache(RAGCacheAPI):
             self._host_pool.unlink()
             self._host_pool = None
             self._pool_finalizer.detach()
+
+
+def check_arguments(model: object, config: object, search: object) -> None:
+    """`TypeError` naming what was expected and what was given, before anything starts."""
+    if not isinstance(model, str | Path):
+        raise wrong_type("RAGCache(model)", "a model folder (str or Path) or a hub name", model)
+    if config is not None and not isinstance(config, CacheConfig):
+        raise wrong_type("RAGCache(model, config)", "a ragcache_core.CacheConfig", config)
+    if search is not None and not isinstance(search, SearchSource):
+        raise wrong_type(
+            "RAGCache(search=)",
+            "a ragcache_core SearchSource (e.g. an index's .source())",
+            search,
+            "for a LlamaIndex index or a LangChain store use ragcache_integrations "
+            "(as_query_engine(index, cache=cache), RAGCacheRunnable.from_vectorstore(store, "
+            "cache=cache))",
+        )

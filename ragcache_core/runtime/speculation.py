@@ -24,6 +24,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
@@ -113,15 +114,19 @@ class SpeculativeQuery:
         top_k: int | None,
         sampling: SamplingConfig | None,
         emit: Emit | None,
+        framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        """Search for `question`'s top-k documents and answer with them."""
+        """Search for `question`'s top-k documents and answer with them (in `framing`'s
+        prompt, under its salt)."""
         if source is None:
             raise InputError("no search source: pass search= or build RAGCache(search=...)")
         if not isinstance(question, str) or not question.strip():
             raise InputError(f"the question must be a non-empty string, got {question!r}")
         sampling = sampling or self._config.sampling
+        self._generator.check_sampling(sampling)
         started = time.perf_counter()
-        final, spec = await self._search(question, source, top_k or self._config.top_k, sampling)
+        k = top_k or self._config.top_k
+        final, spec = await self._search(question, source, k, sampling, framing)
         search_done = time.perf_counter()
         self.clock.observe(source, search_done - started)
         generation = await self._use(spec, final, emit, search_done)
@@ -130,7 +135,7 @@ class SpeculativeQuery:
             max(0.0, search_done - max(started, spec.started_at)) if spec and speculative else 0.0
         )
         if generation is None:
-            prompt = self._generator.build(question, final.documents, sampling)
+            prompt = self._generator.build(question, final.documents, sampling, framing)
             generation = await self._generator.generate(prompt, sampling, emit, final=True)
         result = self._generator.finish(
             generation,
@@ -143,7 +148,12 @@ class SpeculativeQuery:
         return dataclasses.replace(result, scores=final.scores, search_hidden_s=hidden)
 
     async def _search(
-        self, question: str, source: SearchSource, k: int, sampling: SamplingConfig
+        self,
+        question: str,
+        source: SearchSource,
+        k: int,
+        sampling: SamplingConfig,
+        framing: Framing,
     ) -> tuple[StageResult, _Run | None]:
         """Run the staged search; returns the final stage and the speculation still running
         (on the last intermediate top-k), if any."""
@@ -163,7 +173,7 @@ class SpeculativeQuery:
                     await self._abort(spec)
                     spec = None
                 current = stage.doc_ids
-                spec = self._start(question, stage.documents, sampling)
+                spec = self._start(question, stage.documents, sampling, framing)
         except BaseException:
             if spec is not None:
                 await _cancel(spec)
@@ -173,13 +183,17 @@ class SpeculativeQuery:
         raise RAGCacheError("the search source ended without a final stage")
 
     def _start(
-        self, question: str, documents: tuple[Document, ...], sampling: SamplingConfig
+        self,
+        question: str,
+        documents: tuple[Document, ...],
+        sampling: SamplingConfig,
+        framing: Framing,
     ) -> _Run | None:
         """Start a speculative generation only if prefill has room for it now, nobody waits
         (Algorithm 2: wrong guesses use only idle capacity) and no request is computing its
         documents already. Its text is buffered until adopted."""
         try:
-            prompt = self._generator.build(question, documents, sampling)
+            prompt = self._generator.build(question, documents, sampling, framing)
         except InputError:
             return None  # e.g. an intermediate top-k too long for the context: wait for the final
         if self._lifecycle.blocked(prompt):

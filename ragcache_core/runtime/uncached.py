@@ -3,8 +3,10 @@
 What `ragcache serve` answers for a request it cannot cache (no documents, or a system prompt
 other than the tree's root), exactly as `vllm serve` would: the ids go to the engine with no
 plan, and vLLM's own prefix caching is off in a RAGCache engine. It waits for prefill room in
-RAGCache's admission like every request (nothing cached to reorder it by). Runs on RAGCache's
-loop only.
+RAGCache's admission like every request (nothing cached to reorder it by). A try that times
+out or loses its engine is counted and retried by the rule cached requests follow
+(`generation.check_retry`: unless text already reached the caller). Runs on RAGCache's loop
+only.
 """
 
 from __future__ import annotations
@@ -17,65 +19,92 @@ from collections.abc import Sequence
 
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.engine.async_engine import EngineDied
-from ragcache_core.errors import InputError, RAGCacheError, check_fits_context
+from ragcache_core.errors import InputError, check_fits_context
 from ragcache_core.loop import Emit
-from ragcache_core.results import CacheHits, QueryResult
+from ragcache_core.metrics import Metrics
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk
 from ragcache_core.runtime.admission import Admission, Ticket
-from ragcache_core.runtime.generation import follow
+from ragcache_core.runtime.attempt import Progress
+from ragcache_core.runtime.generation import check_retry, follow
 from ragcache_core.runtime.supervisor import EngineSupervisor
 
 
 class UncachedRunner:
-    """Runs requests straight on the engine: no plan, no retry (text already streamed cannot
-    be taken back, and a retry would not be what vLLM does), but through RAGCache's admission
-    like every request, so uncached traffic counts in the prefill budget."""
+    """Runs requests straight on the engine: no plan, but through RAGCache's admission like
+    every request, so uncached traffic counts in the prefill budget."""
 
     def __init__(
-        self, config: CacheConfig, engines: EngineSupervisor, admission: Admission
+        self,
+        config: CacheConfig,
+        engines: EngineSupervisor,
+        admission: Admission,
+        metrics: Metrics,
     ) -> None:
         self._config = config
         self._engines = engines
         self._admission = admission
+        self._metrics = metrics
         self._ids = itertools.count()
 
     async def run(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, emit: Emit | None
     ) -> QueryResult:
         """Generate for `prompt_ids`; `InputError` (before anything runs) when they do not fit
-        the context with the answer; `RAGCacheError` on a timeout or an engine death (the
-        engine is replaced, the request is not retried)."""
+        the context with the answer; `RAGCacheError` on a timeout or an engine death that
+        cannot be retried (the engine is replaced either way)."""
         ids = _checked_ids(prompt_ids, sampling, self._config.max_model_len)
+        self._engines.engine.checker.check(sampling)
         started = time.perf_counter()
-        ticket = Ticket(score=lambda: (0, len(ids)))
-        lease = await self._admission.acquire(ticket)
-        request_id = f"uncached-{next(self._ids)}"
-        epoch = self._engines.epoch
-        timeout = self._config.request_timeout_s
-        try:
-            stream = self._engines.engine.stream(request_id, ids, sampling)
-            progress = await follow(stream, timeout, emit, lambda _: lease.release())
-        except TimeoutError:
-            await self._abort(request_id, epoch)
-            raise RAGCacheError(f"the request timed out after {timeout} s") from None
-        except EngineDied as exc:
-            await self._engines.restart(epoch)
-            raise RAGCacheError("the request lost its engine (restarted; not retried)") from exc
-        except BaseException:
-            await self._abort(request_id, epoch)
-            raise
-        finally:
-            lease.release()
+        retries = 0
+        while True:
+            shown: list[bool] = []  # whether text of this try reached the caller
+            sink = None if emit is None else _noting(emit, shown)
+            try:
+                progress, wait_s = await self._attempt(ids, sampling, sink)
+                break
+            except (TimeoutError, EngineDied) as exc:
+                self._metrics.record_failure()
+                check_retry(exc, retries, self._config.max_retries, shown=bool(shown))
+                retries += 1
+                self._metrics.record_retry()
         return QueryResult(
             answer=progress.text,
             token_ids=progress.token_ids,
             sources=(),
             ttft_s=progress.first_token_at - started,
             retrieval_s=0.0,
-            queue_wait_s=ticket.wait_s,
+            queue_wait_s=wait_s,
             hits=CacheHits(computed_tokens=len(ids)),
             prompt_tokens=len(ids),
             finish_reason=progress.finish_reason,
+            retries=retries,
+            logprobs=progress.logprobs,
         )
+
+    async def _attempt(
+        self, ids: list[int], sampling: SamplingConfig, emit: Emit | None
+    ) -> tuple[Progress, float]:
+        """One try: the engine's stream and the wait for prefill room. A dead engine is
+        restarted (once per death) before the error goes up."""
+        await self._engines.wait_running()
+        ticket = Ticket(score=lambda: (0, len(ids)))
+        lease = await self._admission.acquire(ticket)
+        request_id = f"uncached-{next(self._ids)}"
+        epoch = self._engines.epoch
+        try:
+            stream = self._engines.engine.stream(request_id, ids, sampling)
+            timeout = self._config.request_timeout_s
+            interval = sampling.stream_interval or 1
+            progress = await follow(stream, timeout, emit, lambda _: lease.release(), interval)
+        except EngineDied:
+            await self._engines.restart(epoch)
+            raise
+        except BaseException:
+            await self._abort(request_id, epoch)
+            raise
+        finally:
+            lease.release()
+        return progress, ticket.wait_s
 
     async def _abort(self, request_id: str, epoch: int) -> None:
         """Abort the request in vLLM (if its engine still runs); never hides the caller's
@@ -83,6 +112,16 @@ class UncachedRunner:
         if epoch == self._engines.epoch and not self._engines.engine.is_dead:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._engines.engine.abort(request_id))
+
+
+def _noting(emit: Emit, shown: list[bool]) -> Emit:
+    """`emit`, noting in `shown` that text reached the caller."""
+
+    def sink(chunk: StreamChunk) -> None:
+        shown.append(True)
+        emit(chunk)
+
+    return sink
 
 
 def _checked_ids(prompt_ids: Sequence[int], sampling: SamplingConfig, max_len: int) -> list[int]:

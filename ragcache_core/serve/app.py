@@ -1,10 +1,13 @@
 """One `ragcache serve` process: `create_app(settings)` (the FastAPI app; no module-level app),
-its API-key middleware, the engine lock, and `run` (uvicorn, one worker, draining on SIGTERM).
+its middleware, its lifespan, and `run` (uvicorn, one worker, draining on SIGTERM).
 
-Startup (the lifespan): take the engine lock (`sole_owner`: one process per server), build the
-cache (a `RAGCache` over `--index`, ~25 s on CPU, in a worker thread), the tokenizer-side
-renderer, the bounded queue and the server's metrics. Shutdown: refuse new requests (503),
-then close the cache (engine stopped, shared-memory host pool removed). Draining:
+Startup (`run`, then the lifespan): remove what crashed servers left (host pools and vLLM
+segments of processes that are gone, stale engine locks: one line says what), start the
+watchdog (serve/watchdog.py: the engine dies with this process, even on SIGKILL), take the
+engine lock (serve/owner.py: one process per port), build the cache (a `RAGCache` over
+`--index`, ~25 s on CPU, in a worker thread), the render lanes, the bounded queue and the
+server's metrics. Shutdown: refuse new requests (503), then close the cache (engine stopped,
+shared-memory host pool removed). Draining:
 
     SIGTERM ─► the queue refuses new requests (503) and uvicorn stops accepting connections
             ─► requests in flight finish (at most `drain_timeout_s`, then they are cancelled:
@@ -13,41 +16,29 @@ then close the cache (engine stopped, shared-memory host pool removed). Draining
 
 A second signal during the drain stops at once (uvicorn's force exit).
 
-The API key (pure ASGI middleware, as `vllm serve`'s): when the server has a key, every
-`/v1/...` request needs `Authorization: Bearer <key>`, else 401. `/health` and `/metrics` stay
-open for load balancers and Prometheus.
-
-The engine lock: a second process for the same port (another uvicorn worker, a second
-`ragcache serve`) is refused at startup, before it starts an engine. The lock is an exclusive
-`flock` on a file beside the host pools (`/dev/shm` on Linux); the kernel drops it when the
-process ends, however it ends, so a crash never leaves it held. The owner removes the file
-when it stops (while still holding the lock); a process that locked a file just removed that
-way sees that the path no longer names its file and tries again.
+Each request passes, outermost first: the keys (serve/auth.py: 401/403 before the body is
+read), the body limit (serve/limits.py: 413/408, the body read whole), then the routes. The
+header timeout sits below, in uvicorn's HTTP protocol (`guarded_protocol`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import hashlib
 import logging
-import os
-import secrets
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
-from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ragcache_core.errors import ConfigError
-from ragcache_core.serve.errors import error_body, install_handlers
+from ragcache_core.runtime.prompt import PromptBuilder
+from ragcache_core.serve.auth import KeyMiddleware
+from ragcache_core.serve.errors import CountedResponses, install_handlers
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
+from ragcache_core.serve.limits import BodyLimitMiddleware, guarded_protocol
+from ragcache_core.serve.owner import reclaim_locks, sole_owner
 from ragcache_core.serve.queue import BoundedQueue
 from ragcache_core.serve.routes import router
 from ragcache_core.serve.state import (
@@ -56,7 +47,9 @@ from ragcache_core.serve.state import (
     ServeSettings,
     ServeState,
 )
+from ragcache_core.serve.watchdog import Watchdog
 from ragcache_core.storage.host_pool import shm_folder
+from ragcache_core.storage.reclaim import reclaim_shared_memory
 
 if TYPE_CHECKING:
     from ragcache_core.runtime.ragcache import RAGCache
@@ -80,11 +73,19 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
             finally:
                 state.queue.close()
                 await asyncio.to_thread(state.cache.close)
-                state.renderer_thread.shutdown(wait=False)
+                state.lanes.shutdown()
 
     app = FastAPI(title="RAGCache", lifespan=lifespan)
-    if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    # Added innermost first: the keys are checked before the body is read, and every
+    # response, the 401s and 413s included, is counted.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.read_timeout_s,
+    )
+    if settings.accepted_keys or settings.admin_key is not None:
+        app.add_middleware(KeyMiddleware, keys=settings.accepted_keys, admin_key=settings.admin_key)
+    app.add_middleware(CountedResponses)  # outermost
     install_handlers(app)
     app.include_router(router())
     return app
@@ -99,7 +100,15 @@ def build_state(settings: ServeSettings, factory: CacheFactory) -> ServeState:
         config = cache.config
         assert config.dtype is not None  # resolved by the cache
         tokenizer = AutoTokenizer.from_pretrained(settings.model)
-        renderer = PromptRenderer(tokenizer, config.prompt, settings.model, config.dtype)
+        builder = getattr(cache, "prompts", None)  # the cache's own: one memo for both
+        renderer = PromptRenderer(
+            tokenizer,
+            config.prompt,
+            settings.model,
+            config.dtype,
+            max_model_len=config.max_model_len,
+            builder=builder if isinstance(builder, PromptBuilder) else None,
+        )
         queue = BoundedQueue(config.max_num_seqs + settings.max_waiting, config.max_num_seqs)
         return ServeState(
             settings=settings,
@@ -124,78 +133,6 @@ def build_ragcache(settings: ServeSettings) -> RAGCache:
     return RAGCache(settings.model, settings.config, search=search)
 
 
-GUARDED_PREFIX = "/v1"
-
-
-class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
-
-    def _allowed(self, headers: Headers) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        given = hashlib.sha256(token.strip().encode()).digest()
-        return secrets.compare_digest(given, self._digest)  # constant time
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = (
-            scope["type"] == "http"
-            and scope.get("method") != "OPTIONS"
-            and str(scope["path"]).startswith(GUARDED_PREFIX)
-        )
-        if guarded and not self._allowed(Headers(scope=scope)):
-            body = error_body(401, "a valid API key is required (Authorization: Bearer <key>)")
-            await JSONResponse(body, status_code=401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-@contextlib.contextmanager
-def sole_owner(host: str, port: int) -> Iterator[None]:
-    """Hold the engine lock of `port` for the block; `ConfigError` if another process holds
-    it. Keyed by the port alone: 0.0.0.0:8000 and 127.0.0.1:8000 cannot both bind, and the
-    second must fail before it builds an engine. Port 0 (any free port) is never shared, so
-    it takes no lock."""
-    if port == 0:
-        yield
-        return
-    path = shm_folder() / f"ragcache-serve-port-{port}.lock"
-    fd = _lock(path, f"{host}:{port}")
-    try:
-        os.write(fd, str(os.getpid()).encode())
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        os.close(fd)  # releases the lock
-
-
-def _lock(path: Path, where: str) -> int:
-    """An fd holding the exclusive lock on the file `path` names now."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(
-                f"another ragcache serve process already serves {where}: one process owns the "
-                "engine (run one server with one worker; scale with more GPUs, not more "
-                "workers)"
-            ) from None
-        try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # the owner removed this file as we locked it: lock the new one
-
-
-logger = logging.getLogger(__name__)
-
-
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, closing the bounded queue as soon as the exit signal arrives (uvicorn
     alone would keep answering requests on open keep-alive connections while it drains)."""
@@ -209,7 +146,11 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run(settings: ServeSettings) -> None:
-    """Serve until a signal; returns after the drain and the cache's close."""
+    """Serve until a signal; returns after the drain and the cache's close. This process is
+    the server: what crashed servers left is reclaimed first, and a watchdog makes sure the
+    engine ends with this process."""
+    reclaim_leftovers()
+    watchdog = Watchdog.start()  # lives until this process is gone, then stops the engine
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -219,5 +160,28 @@ def run(settings: ServeSettings) -> None:
         lifespan="on",  # a failed startup (no engine) is fatal
         log_level=settings.log_level,
         timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
+        http=guarded_protocol(settings.header_timeout_s),
     )
     _DrainingServer(config).run()
+    del watchdog  # (it exits on its own once this process has ended)
+
+
+def reclaim_leftovers() -> None:
+    """Remove the host pools and vLLM segments of processes that are gone and the engine
+    locks nobody holds (storage/reclaim.py, serve/owner.py); one line says what."""
+    reclaimed = reclaim_shared_memory()
+    locks = reclaim_locks()
+    if not (reclaimed or locks):
+        return
+    owners = sorted({p.name.split("-")[1] for p in reclaimed.pools})
+    logger.warning(
+        "reclaimed what crashed processes left in %s: %d host pool file(s) of pid(s) %s, %d "
+        "vLLM shared-memory segment(s) no process uses, %.0f MiB in all; %d stale engine "
+        "lock(s)",
+        shm_folder(),
+        len(reclaimed.pools),
+        ", ".join(owners) or "-",
+        len(reclaimed.segments),
+        reclaimed.nbytes / 2**20,
+        len(locks),
+    )

@@ -8,8 +8,9 @@ outcome counted, and the OpenAI bodies it is written in. Shared by every route t
   `[DONE]`, as `vllm serve` does. `PlacedStream` holds the queue place until the stream has
   ended, however it ends (finished, failed, or the client went away: Starlette cancels the
   body iterator on `http.disconnect`, which closes the cache's stream, which aborts the request
-  in vLLM and the tree; see `loop.astream_from`). `final_result` is the `QueryResult` at a
-  cache stream's end (the stream closed, and so its request aborted, on every path).
+  in vLLM and the tree; see `loop.astream_from`). A whole answer is the cache's whole call
+  (`agenerate`), never a stream read to its end: the cache then knows that no text reached
+  the client, and retries a try that lost its engine.
 - `Reply`: OpenAI response bodies (chat and text completions, whole and as stream chunks),
   with the `ragcache` extension: whether the request was cached (and why not), its hits and
   TTFT. A stream carries it on its last choice chunk (the one with `finish_reason`):
@@ -26,7 +27,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -34,9 +35,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ragcache_core.errors import RAGCacheError
-from ragcache_core.results import QueryResult, StreamChunk
-from ragcache_core.serve.errors import ServeError, as_serve_error
+from ragcache_core.results import QueryResult, StreamChunk, TokenLogprobs
+from ragcache_core.serve.errors import STATUS_KEY, ServeError, as_serve_error
 from ragcache_core.serve.jobs import CachedJob, Job
 from ragcache_core.serve.queue import Place
 from ragcache_core.serve.state import ServeState
@@ -59,15 +59,12 @@ async def whole(
         result = await until_disconnect(request, work)
     except ClientGone:
         state.metrics.disconnects.labels(route).inc()
-        state.metrics.answered(route, 499, time.perf_counter() - started)
         raise
     except Exception as exc:
-        error = as_serve_error(exc, param)
-        state.metrics.answered(route, error.status, time.perf_counter() - started)
-        raise error from exc
+        raise as_serve_error(exc, param) from exc
     finally:
         place.release()
-    state.metrics.answered(route, 200, time.perf_counter() - started)
+        state.metrics.timed(route, time.perf_counter() - started)
     return JSONResponse(render(result))
 
 
@@ -79,15 +76,16 @@ def streamed(
     param: str | None,
 ) -> PlacedStream:
     """`events` as SSE, a failure as the last event, then `[DONE]`. The outcome is counted
-    with the failure's status (the 200 already sent cannot be taken back, the metric can)."""
+    with the failure's status, or 499 when the client left (the 200 already sent cannot be
+    taken back, the metric can: `errors.STATUS_KEY`)."""
     started = time.perf_counter()
     failed: list[int] = []  # the status of the failure that ended the stream, if any
 
-    def ended(completed: bool) -> None:
+    def ended(completed: bool) -> int:
         if not completed:
             state.metrics.disconnects.labels(route).inc()
-        status = (failed[0] if failed else 200) if completed else 499
-        state.metrics.answered(route, status, time.perf_counter() - started)
+        state.metrics.timed(route, time.perf_counter() - started)
+        return (failed[0] if failed else 200) if completed else 499
 
     return PlacedStream(_closed_by_done(events, param, failed), place, ended)
 
@@ -124,13 +122,14 @@ class ClientGone(ServeError):
 
 class PlacedStream(StreamingResponse):
     """An SSE response that releases its queue place (and closes its events) when it ends.
-    `on_end(completed)` tells whether the events ran to their end."""
+    `on_end(completed)` tells whether the events ran to their end and returns the status the
+    answer really had (recorded in the scope for the request counter)."""
 
     def __init__(
         self,
         events: AsyncIterator[str],
         place: Place,
-        on_end: Callable[[bool], None],
+        on_end: Callable[[bool], int],
     ) -> None:
         self._events = events
         self._place = place
@@ -155,7 +154,7 @@ class PlacedStream(StreamingResponse):
             with contextlib.suppress(Exception):
                 await self._events.aclose()  # type: ignore[attr-defined]
             self._place.release()
-            self._on_end(self._completed)
+            scope[STATUS_KEY] = self._on_end(self._completed)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -181,29 +180,102 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def final_result(chunks: AsyncIterator[StreamChunk]) -> QueryResult:
-    """The `QueryResult` at the end of a cache stream (the stream is closed on every path)."""
-    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-        async for chunk in chunks:
-            if chunk.result is not None:
-                return chunk.result
-    raise RAGCacheError("the answer's stream ended without a result")
-
-
 Kind = Literal["chat", "completion"]
 
 
 @dataclass(frozen=True)
+class LogprobsView:
+    """How a response shows logprobs, as vLLM: `top` alternatives per token (chat:
+    `top_logprobs`; completions: `logprobs`, which lists top + 1), every candidate when
+    `logprob_token_ids` were asked for, tokens as 'token_id:N' when asked."""
+
+    top: int
+    every_candidate: bool = False
+    as_token_ids: bool = False
+
+    def name(self, token_id: int, text: str | None) -> str:
+        if self.as_token_ids or text is None:
+            return f"token_id:{token_id}"
+        return text
+
+    def chat(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """`choice.logprobs` of a chat completion (or of one chunk's tokens)."""
+        content = []
+        for entry in entries:
+            token = self.name(entry.token_id, entry.text)
+            if entry.logprob is None:
+                raw = list(token.encode("utf-8", errors="replace"))
+                content.append(
+                    {"token": token, "logprob": -9999.0, "bytes": raw, "top_logprobs": []}
+                )
+                continue
+            tops = [
+                {
+                    "token": (name := self.name(c.token_id, c.text)),
+                    "logprob": max(c.logprob, -9999.0),
+                    "bytes": list(name.encode("utf-8", errors="replace")),
+                }
+                for i, c in enumerate(entry.candidates)
+                if self.every_candidate or self.top == -1 or i < self.top
+            ]
+            content.append(
+                {
+                    "token": token,
+                    "logprob": max(entry.logprob, -9999.0),
+                    "bytes": (
+                        None
+                        if entry.text is None
+                        else list(entry.text.encode("utf-8", errors="replace"))
+                    ),
+                    "top_logprobs": tops,
+                }
+            )
+        return {"content": content}
+
+    def completion(self, entries: Sequence[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
+        """`choice.logprobs` of a text completion; `offset` is where its text starts."""
+        offsets: list[int] = []
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for entry in entries:
+            token = self.name(entry.token_id, entry.text)
+            offsets.append(offset)
+            offset += len(token)
+            tokens.append(token)
+            values.append(None if entry.logprob is None else max(entry.logprob, -9999.0))
+            tops.append(
+                {
+                    self.name(c.token_id, c.text): max(c.logprob, -9999.0)
+                    for i, c in enumerate(entry.candidates)
+                    if self.every_candidate or self.top == -1 or self.top >= i
+                }
+            )
+        return {
+            "text_offset": offsets,
+            "token_logprobs": values,
+            "tokens": tokens,
+            "top_logprobs": tops,
+        }
+
+
+@dataclass
 class Reply:
-    """What every body of one response shares: its id, creation time, model and kind."""
+    """What every body of one response shares: its id, creation time, model and kind, and what
+    the request asked to see (token ids, logprobs, usage on every chunk). A streamed reply
+    remembers what it has sent (tokens, text offset)."""
 
     kind: Kind
     model: str
     job: Job
     token_ids: bool = False
-    """Include the generated token ids (vLLM's `return_token_ids`)."""
+    """Include the generated token ids and the prompt's (vLLM's `return_token_ids`)."""
+    logprobs: LogprobsView | None = None
+    continuous_usage: bool = False
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    _sent_tokens: int = 0
+    _text_offset: int = 0
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         if self.kind == "chat":
@@ -218,6 +290,12 @@ class Reply:
             "model": self.model,
         }
 
+    def _logprobs(self, entries: Sequence[TokenLogprobs], offset: int = 0) -> Any:
+        view = self.logprobs
+        if view is None:
+            return None
+        return view.chat(entries) if self.kind == "chat" else view.completion(entries, offset)
+
     def whole(self, result: QueryResult) -> dict[str, Any]:
         """The non-streamed response."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason}
@@ -225,43 +303,81 @@ class Reply:
             choice["message"] = {"role": "assistant", "content": result.answer}
         else:
             choice["text"] = result.answer
+        choice["logprobs"] = self._logprobs(result.logprobs)
+        body = {**self._head(chunk=False), "choices": [choice]}
         if self.token_ids:
             choice["token_ids"] = list(result.token_ids)
-        return {
-            **self._head(chunk=False),
-            "choices": [choice],
-            "usage": usage(result),
-            "ragcache": cache_report(self.job, result),
-        }
+            prompt = list(self.job.prompt_ids)
+            if self.kind == "chat":
+                body["prompt_token_ids"] = prompt
+            else:
+                choice["prompt_token_ids"] = prompt
+        return {**body, "usage": usage(result), "ragcache": cache_report(self.job, result)}
 
     def first(self) -> dict[str, Any] | None:
-        """The chunk that opens a chat stream (the assistant role), None for completions."""
+        """The chunk that opens a chat stream (the assistant role; the prompt's ids when
+        asked), None for completions (their first delta carries the prompt's ids)."""
         if self.kind != "chat":
             return None
-        return self._chunk({"delta": {"role": "assistant", "content": ""}})
+        chunk = self._chunk({"delta": {"role": "assistant", "content": ""}}, 0)
+        if self.token_ids:
+            chunk["prompt_token_ids"] = list(self.job.prompt_ids)
+        return chunk
 
-    def delta(self, text: str) -> dict[str, Any]:
-        if self.kind == "chat":
-            return self._chunk({"delta": {"content": text}})
-        return self._chunk({"text": text})
+    def delta(self, piece: StreamChunk) -> dict[str, Any]:
+        """One chunk of text, with its tokens' ids and logprobs when asked for."""
+        return self._piece(piece.delta, piece.token_ids, piece.logprobs, None)
 
     def last(self, result: QueryResult) -> dict[str, Any]:
-        """The closing chunk: finish reason, token ids when asked, the cache report."""
-        choice: dict[str, Any] = {"delta": {}} if self.kind == "chat" else {"text": ""}
-        choice["finish_reason"] = result.finish_reason
+        """The closing chunk: finish reason, the tokens not sent yet, the cache report."""
+        rest = result.token_ids[self._sent_tokens :]
+        rest_logprobs = result.logprobs[self._sent_tokens :] if result.logprobs else ()
+        chunk = self._piece("", rest, rest_logprobs, result.finish_reason)
+        return {**chunk, "ragcache": cache_report(self.job, result)}
+
+    def _piece(
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs],
+        finish_reason: str | None,
+    ) -> dict[str, Any]:
+        first = self._sent_tokens == 0 and self.kind == "completion"
+        self._sent_tokens += len(token_ids)
+        choice: dict[str, Any] = {"delta": {"content": text}} if self.kind == "chat" else {}
+        if self.kind == "completion":
+            choice["text"] = text
+        if finish_reason is not None and self.kind == "chat" and not text:
+            choice["delta"] = {}
+        if self.logprobs is not None:
+            choice["logprobs"] = self._logprobs(logprobs, self._text_offset)
+            if self.kind == "completion" and logprobs:
+                last = choice["logprobs"]
+                self._text_offset = last["text_offset"][-1] + len(last["tokens"][-1])
         if self.token_ids:
-            choice["token_ids"] = list(result.token_ids)
-        return {**self._chunk(choice), "ragcache": cache_report(self.job, result)}
+            choice["token_ids"] = list(token_ids)
+            if first:
+                choice["prompt_token_ids"] = list(self.job.prompt_ids)
+        choice["finish_reason"] = finish_reason
+        return self._chunk(choice, self._sent_tokens)
 
     def usage_chunk(self, result: QueryResult) -> dict[str, Any]:
         """`stream_options.include_usage`: an extra chunk with no choices, as OpenAI sends."""
         return {**self._head(chunk=True), "choices": [], "usage": usage(result)}
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return {
+    def _chunk(self, choice: dict[str, Any], generated: int) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
             **self._head(chunk=True),
             "choices": [{"index": 0, "finish_reason": None, **choice}],
         }
+        if self.continuous_usage:
+            prompt = self.job.prompt_tokens
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": generated,
+                "total_tokens": prompt + generated,
+            }
+        return chunk
 
 
 def usage(result: QueryResult) -> dict[str, int]:

@@ -1,26 +1,206 @@
 """Request bodies the server accepts, validated by pydantic (a bad one is a 400 naming the field).
 
-OpenAI's `/v1/chat/completions` and `/v1/completions` (the fields RAGCache can honour; other
-OpenAI fields are ignored as `vllm serve` ignores unknown ones, and a few it cannot honour are
-refused by name: `n` > 1, `logprobs`, `echo`, `tools`), plus two extensions:
+`/v1/chat/completions` and `/v1/completions` take every field of vLLM 0.32's
+`ChatCompletionRequest` / `CompletionRequest`, with vLLM's types and defaults (null wherever
+vLLM takes null). `CHAT_FIELDS` and `COMPLETION_FIELDS` say what the server does with each
+(docs/deploy.md has them as a table; a test keeps both equal to vLLM's models):
 
-    "documents": [{"id": "d1", "text": "...", "title": "..."?, "metadata": {...}?}, ...]
-        the retrieved documents, in order: each becomes one cached unit of KV
-    "ignore_eos", "return_token_ids": as in vLLM
+    sampling  passed to vLLM's `SamplingParams` (through `SamplingConfig`), as vLLM passes it
+    server    handled by the server itself (streaming, ids, the model name, the prompt, ...)
+    ignored   accepted with no effect, because vLLM has none in this configuration either
+    refused   400 naming the field when its value is not vLLM's default; the default (and
+              null, where it means the default) passes, so routers that send every field pass
 
-RAGCache's own `/v1/rag/query` (`RagQueryRequest`) and `/v1/cache/invalidate`.
+Unknown fields are ignored, as vLLM ignores them, except vLLM's removed `guided_*` fields
+(refused, pointing to `structured_outputs`: vLLM would silently ignore the constraint).
+
+`documents` (the extension) comes in two shapes, told apart by `id`: every entry has an `id`:
+RAGCache's documents, each one cached unit of KV (`DocumentIn`); no entry has one: vLLM's
+own `documents` (string values, e.g. title/text), passed to the model's chat template as
+`vllm serve` does and served uncached (`template_documents`). A mix is a 400.
+
+RAGCache's own `/v1/rag/query` (`RagQueryRequest`, whose `sampling` is `SamplingConfig`
+field for field) and `/v1/cache/invalidate`. `lone_surrogate` finds text that is not valid
+Unicode (the tokenizer cannot take it) anywhere in a parsed body.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from ragcache_core.config import SamplingConfig
+from ragcache_core.config import (
+    SEED_MAX,
+    SEED_MIN,
+    RepetitionDetection,
+    SamplingConfig,
+    StructuredOutputs,
+)
 from ragcache_core.documents import Document
 
 NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+MAX_STOP_STRINGS = 4
+"""vLLM's `VLLM_MAX_STOP_STRINGS` default: at most 4 stop strings per request."""
+
+Kind = Literal["sampling", "server", "ignored", "refused"]
+
+
+@dataclass(frozen=True)
+class Treatment:
+    """What the server does with one request field (`note` says how, or why not)."""
+
+    kind: Kind
+    note: str
+    allowed: tuple[Any, ...] = ()
+    """For a refused field: the values that pass (vLLM's default, null)."""
+
+
+def _s(note: str) -> Treatment:
+    return Treatment("sampling", note)
+
+
+def _h(note: str) -> Treatment:
+    return Treatment("server", note)
+
+
+def _i(note: str) -> Treatment:
+    return Treatment("ignored", note)
+
+
+def _r(note: str, *allowed: Any) -> Treatment:
+    return Treatment("refused", note, allowed)
+
+
+_NO_TRUNCATION = "the prompt is never truncated (a cut prompt would not be the one cached)"
+_COMMON: dict[str, Treatment] = {
+    "model": _h("the served name or the model path (null or '' = the served model); else 404"),
+    "frequency_penalty": _s("SamplingParams.frequency_penalty (null: generation config, 0)"),
+    "presence_penalty": _s("SamplingParams.presence_penalty (null: generation config, 0)"),
+    "repetition_penalty": _s("SamplingParams.repetition_penalty (null: generation config, 1)"),
+    "temperature": _s("SamplingParams.temperature (null: generation config, else 1)"),
+    "top_p": _s("SamplingParams.top_p (null: generation config, else 1)"),
+    "top_k": _s("SamplingParams.top_k (null: generation config, else 0 = off)"),
+    "min_p": _s("SamplingParams.min_p (null: generation config, else 0 = off)"),
+    "logit_bias": _s("SamplingParams.logit_bias (token id -> bias, clamped to [-100, 100])"),
+    "seed": _s("SamplingParams.seed, in [-2^63, 2^63 - 1]"),
+    "stop": _s("SamplingParams.stop (at most 4; no empty string)"),
+    "stop_token_ids": _s("SamplingParams.stop_token_ids"),
+    "include_stop_str_in_output": _s("SamplingParams.include_stop_str_in_output"),
+    "ignore_eos": _s("SamplingParams.ignore_eos"),
+    "min_tokens": _s("SamplingParams.min_tokens"),
+    "skip_special_tokens": _s("SamplingParams.skip_special_tokens"),
+    "spaces_between_special_tokens": _s(
+        "SamplingParams.spaces_between_special_tokens (visible only with a tokenizer whose "
+        "decoder spaces special tokens, in vLLM too)"
+    ),
+    "allowed_token_ids": _s("SamplingParams.allowed_token_ids"),
+    "bad_words": _s("SamplingParams.bad_words"),
+    "logprob_token_ids": _s("SamplingParams.logprob_token_ids (needs logprobs)"),
+    "response_format": _s(
+        "SamplingParams.structured_outputs: json_object, json_schema, structural_tag "
+        "(text: none), overriding structured_outputs' constraint as vLLM does"
+    ),
+    "structured_outputs": _s("SamplingParams.structured_outputs (one constraint)"),
+    "repetition_detection": _s("SamplingParams.repetition_detection"),
+    "stream_interval": _s(
+        "SamplingParams.stream_interval: a streamed chunk per N tokens (the first at once)"
+    ),
+    "max_tokens": _h(
+        "clamped to the context left after the prompt, as vLLM does; over max_model_len: 400"
+    ),
+    "n": _h("1 (or null); more choices: 400"),
+    "stream": _h("server-sent events, as vLLM's"),
+    "stream_options": _h("include_usage, continuous_usage_stats; only with stream (else 400)"),
+    "return_token_ids": _h("token_ids per choice (per chunk when streamed), prompt_token_ids"),
+    "return_tokens_as_token_ids": _h("logprob tokens written as 'token_id:N'"),
+    "request_id": _h("the response id (the X-Request-Id header wins, as in vLLM)"),
+    "cache_salt": _h(
+        "salts the cached prompt's root: a salted request hits only KV stored under the same "
+        "salt (with --salt-per-key, within its key's tenant)"
+    ),
+    "user": _i("accepted and ignored, as vLLM does"),
+    "watermarking": _i("no watermark config: vLLM runs such a request unwatermarked too"),
+    "length_penalty": _i("beam search only (refused)"),
+    "session_id": _i("scheduler affinity hint; vLLM's sampling ignores it"),
+    "return_token_offsets": _i("vLLM ignores it on generation routes"),
+    "mm_payload": _i("render routes only"),
+    "return_mm_kwargs": _i("render routes only"),
+    "truncation_side": _i("used only with truncate_prompt_tokens (refused)"),
+    "use_beam_search": _r("beam search is not served", False, None),
+    "truncate_prompt_tokens": _r(_NO_TRUNCATION, None),
+    "prompt_logprobs": _r("a cached prompt is loaded, not computed: no prompt logprobs", None),
+    "priority": _r("no priority scheduling (vllm serve also needs --scheduling-policy)", 0, None),
+    "routed_experts_prompt_start": _r("no routed-experts data", 0, None),
+    "kv_transfer_params": _r("it would write RAGCache's plan channel (extra_args)", None),
+    "ec_transfer_params": _r("it would write RAGCache's plan channel (extra_args)", None),
+    "vllm_xargs": _r("it would write RAGCache's plan channel (extra_args)", None),
+    "thinking_token_budget": _r("no reasoning config (vLLM refuses it too)", None, -1),
+}
+CHAT_FIELDS: dict[str, Treatment] = {
+    "messages": _h(
+        "no documents: the model's chat template over every message (text parts joined by "
+        "newlines, name/tool_calls/tool_call_id/reasoning passed), as vLLM; with documents: "
+        "an optional system message and one user message, the question"
+    ),
+    **_COMMON,
+    "logprobs": _s("with top_logprobs: SamplingParams.logprobs; choice.logprobs.content"),
+    "top_logprobs": _s("SamplingParams.logprobs when logprobs is true (0-20, -1 = all)"),
+    "max_completion_tokens": _h("as max_tokens, and preferred to it"),
+    "documents": _h(
+        "with ids: RAGCache's documents (cached); without: the chat template's documents "
+        "(uncached, as vLLM)"
+    ),
+    "include_reasoning": _i("no reasoning parser"),
+    "parallel_tool_calls": _i("no tool parser (tools are refused)"),
+    "tools": _r("no tool parser (vllm serve needs --enable-auto-tool-choice)", None),
+    "tool_choice": _r("no tool parser", "none", None),
+    "reasoning_effort": _r("no reasoning parser or template switch", None),
+    "echo": _r("the last message is not echoed", False, None),
+    "add_generation_prompt": _r("always true (the template's generation prompt)", True, None),
+    "continue_final_message": _r("the final message is not continued", False, None),
+    "add_special_tokens": _r("the chat template adds special tokens", False, None),
+    "chat_template": _r("the model's own template only", None),
+    "chat_template_kwargs": _r("the model's own template, as is", None, {}),
+    "media_io_kwargs": _r("text only", None, {}),
+    "mm_processor_kwargs": _r("text only", None, {}),
+    "return_prompt_text": _r("not returned", None, False),
+}
+COMPLETION_FIELDS: dict[str, Treatment] = {
+    "prompt": _h(
+        "one prompt: a string (tokenized with special tokens, as vLLM), token ids, or a "
+        "list of one of those; with documents, the question (a string)"
+    ),
+    **_COMMON,
+    "logprobs": _s("SamplingParams.logprobs (0-20, -1 = all); choice.logprobs"),
+    "documents": _h("RAGCache's documents (each needs an id; vLLM has no such field here)"),
+    "echo": _r("the prompt is not echoed", False, None),
+    "suffix": _r("suffix is only supported for models with FIM completion rendering", None),
+    "prompt_embeds": _r("token ids or text only", None),
+    "add_special_tokens": _r("a string prompt is tokenized with special tokens", True, None),
+}
+EXTENSIONS = {"completion": ("documents",), "chat": ()}
+"""RAGCache's fields that vLLM's models lack (chat's `documents` is vLLM's field too)."""
+GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
+"""vLLM's removed fields (it ignores them with a warning): refused, pointing to the new one."""
 
 
 class DocumentIn(BaseModel):
@@ -33,54 +213,202 @@ class DocumentIn(BaseModel):
     text: StrictStr
     title: StrictStr | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    prompt_text: StrictStr | None = None
+    """Exactly how the prompt shows the document (None: the server's document template)."""
 
     def to_document(self) -> Document:
         metadata = dict(self.metadata)
         if self.title is not None:
             metadata["title"] = self.title
-        return Document(self.id, self.text, metadata)
+        return Document(self.id, self.text, metadata, prompt_text=self.prompt_text)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
-class _OpenAIRequest(BaseModel):
-    """Fields shared by both OpenAI routes."""
+class JsonSchemaFormat(BaseModel):
+    name: StrictStr
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format` (and vLLM's `structural_tag` forms)."""
 
     model_config = ConfigDict(extra="allow")
 
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError(
+                "When response_format type is 'json_schema', the 'json_schema' field must be "
+                "provided."
+            )
+        return self
+
+
+class StructuredOutputsIn(BaseModel):
+    """vLLM's `structured_outputs` (`StructuredOutputsParams`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: bool | None = None
+    structural_tag: StrictStr | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: StrictStr | None = None
+
+    def to_config(self) -> StructuredOutputs:
+        return StructuredOutputs(
+            json=self.json_,
+            regex=self.regex,
+            choice=None if self.choice is None else tuple(self.choice),
+            grammar=self.grammar,
+            json_object=self.json_object,
+            structural_tag=self.structural_tag,
+            disable_any_whitespace=self.disable_any_whitespace,
+            disable_additional_properties=self.disable_additional_properties,
+            whitespace_pattern=self.whitespace_pattern,
+        )
+
+
+class RepetitionDetectionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def to_config(self) -> RepetitionDetection:
+        return RepetitionDetection(self.max_pattern_size, self.min_pattern_size, self.min_count)
+
+
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+Stop = StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)]
+
+
+class _OpenAIRequest(BaseModel):
+    """Fields shared by both OpenAI routes (see the module docstring and `_COMMON`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    FIELDS: ClassVar[dict[str, Treatment]] = {}
+    """The route's table (`CHAT_FIELDS`, `COMPLETION_FIELDS`)."""
+
     model: StrictStr | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    # Passed to SamplingParams.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    return_token_ids: bool = False
-    logprobs: bool | int | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[StrictStr] = Field(default_factory=list)
+    logprob_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    repetition_detection: RepetitionDetectionIn | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
+    # Handled by the server.
+    max_tokens: int | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    request_id: StrictStr | None = None
     documents: list[DocumentIn] | None = None
+    cache_salt: NonEmpty | None = None
+    """vLLM's field: a salted request hits only KV stored under the same salt."""
+    # Ignored, as vLLM ignores them here.
+    user: StrictStr | None = None
+    watermarking: bool | None = None
+    length_penalty: float = 1.0
+    session_id: StrictStr | None = None
+    return_token_offsets: bool | None = False
+    mm_payload: Literal["tensors", "none"] = "tensors"
+    return_mm_kwargs: bool | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # Refused unless at their default (checked in `_refused`).
+    use_beam_search: Any = False
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    priority: Any = 0
+    routed_experts_prompt_start: Any = 0
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    thinking_token_budget: Any = None
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (1, None):
+            raise ValueError(f"only n=1 is supported, got n={value}")
         return value
 
-    @field_validator("logprobs")
+    @model_validator(mode="before")
     @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    def _stream_options_need_stream(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise FieldError(
+                "stream_options", "Stream options can only be defined when `stream=True`."
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _refused(self) -> _OpenAIRequest:
+        """Every refused field at a value that passes (vLLM's default, or null)."""
+        table: dict[str, Treatment] = type(self).FIELDS
+        for name, treatment in table.items():
+            if treatment.kind == "refused":
+                value = getattr(self, name)
+                if not _is_allowed(value, treatment.allowed):
+                    raise FieldError(name, refusal_message(name, value, treatment))
+        extra = self.model_extra or {}
+        for name in GUIDED_FIELDS:
+            if extra.get(name) is not None:
+                raise FieldError(
+                    name,
+                    f"{name} was removed from vLLM (which ignores it: the output would be "
+                    "unconstrained); use structured_outputs or response_format",
+                )
+        return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
+
+    @property
+    def streamed(self) -> bool:
+        return bool(self.stream)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -88,10 +416,60 @@ class _OpenAIRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def doc_list(self) -> tuple[Document, ...] | None:
-        """The documents, or None when the request has none (served uncached)."""
+        """RAGCache's documents, or None when the request has none (served uncached)."""
         if not self.documents:
             return None
         return tuple(d.to_document() for d in self.documents)
+
+    def structured(self) -> StructuredOutputs | None:
+        """`structured_outputs` with `response_format`'s constraint over it, as vLLM."""
+        base = None if self.structured_outputs is None else self.structured_outputs.to_config()
+        overrides = _response_format_constraint(self.response_format)
+        if overrides is None:
+            return base
+        if base is None:
+            return StructuredOutputs(**overrides)
+        return dataclasses.replace(base, **overrides)
+
+
+def _response_format_constraint(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    """vLLM's `structured_outputs_from_response_format` overrides (None: no constraint)."""
+    import json
+
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    if response_format.type == "json_schema":
+        assert response_format.json_schema is not None
+        return {"json": response_format.json_schema.json_schema}
+    return {"structural_tag": json.dumps(response_format.model_dump(by_alias=True))}
+
+
+class FieldError(ValueError):
+    """A check across fields, or of a refused field, that names its `field` (the 400's
+    `param`; pydantic alone would name the whole body)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """`value` is one of `allowed` (typed: `0` is not `False`)."""
+    return any(value is a or (type(value) is type(a) and value == a) for a in allowed)
+
+
+def refusal_message(name: str, value: Any, treatment: Treatment) -> str:
+    if name == "tools" and value == []:
+        return (
+            "`tools` must not be an empty array. Either provide at least one tool or omit the "
+            "field entirely."
+        )
+    if name == "suffix":
+        return "suffix is only supported for models with FIM completion rendering"
+    passing = " or ".join("null" if a is None else repr(a) for a in treatment.allowed)
+    return f"{name} is not supported by ragcache serve ({treatment.note}); send {passing}"
 
 
 class ContentPart(BaseModel):
@@ -102,76 +480,236 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. Besides `role` and `content`, vLLM's template keys pass through to the
+    chat template (`name`, `tool_calls`, `tool_call_id`, `reasoning`)."""
+
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    TEMPLATE_KEYS: ClassVar[tuple[str, ...]] = ("name", "tool_calls", "tool_call_id", "reasoning")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_alias(cls, data: Any) -> Any:
+        """vLLM renames the deprecated `reasoning_content` to `reasoning`."""
+        if isinstance(data, dict) and data.get("reasoning_content") is not None:
+            data = {**data}
+            data.setdefault("reasoning", data.pop("reasoning_content"))
+        return data
+
+    def template_extras(self) -> dict[str, Any]:
+        """The keys besides role and content that vLLM gives the chat template."""
+        given = {"name": self.name, **(self.model_extra or {})}
+        return {k: given[k] for k in self.TEMPLATE_KEYS if given.get(k) is not None}
+
+
+TemplateDocument = dict[str, StrictStr]
 
 
 class ChatRequest(_OpenAIRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[Any] | None = None
+    FIELDS: ClassVar[dict[str, Treatment]] = CHAT_FIELDS
 
-    @field_validator("tools")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    max_completion_tokens: int | None = None
+    template_documents: list[TemplateDocument] | None = None
+    """vLLM-shaped `documents` (no `id`): passed to the chat template (module docstring)."""
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = True
+    tools: Any = None
+    tool_choice: Any = "none"
+    reasoning_effort: Any = None
+    echo: Any = False
+    add_generation_prompt: Any = True
+    continue_final_message: Any = False
+    add_special_tokens: Any = False
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
+
+    @model_validator(mode="before")
     @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools are not supported")
-        return value
+    def _documents_by_shape(cls, data: Any) -> Any:
+        """vLLM's documents (no entry has an `id`) go to `template_documents`."""
+        if not isinstance(data, dict):
+            return data
+        docs = data.get("documents")
+        if not isinstance(docs, list) or not docs:
+            return data
+        if all(isinstance(d, dict) and "id" not in d for d in docs):
+            data = {**data, "template_documents": docs}
+            data.pop("documents")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _logprobs_coupling(cls, data: Any) -> Any:
+        """vLLM's `check_logprobs`: top_logprobs and logprob_token_ids need `logprobs`."""
+        if not isinstance(data, dict):
+            return data
+        top = data.get("top_logprobs")
+        if top is not None and not isinstance(top, bool) and isinstance(top, int | float):
+            if top < 0 and top != -1:
+                raise FieldError("top_logprobs", "`top_logprobs` must be a positive value or -1.")
+            if (top == -1 or top > 0) and not data.get("logprobs"):
+                raise FieldError(
+                    "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."
+                )
+        if data.get("logprob_token_ids") and not data.get("logprobs"):
+            raise FieldError(
+                "logprob_token_ids",
+                "when using `logprob_token_ids`, `logprobs` must be set to true.",
+            )
+        return data
 
     @property
     def answer_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        """The requested answer length (max_completion_tokens first, as vLLM)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def answer_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs` (vLLM: top_logprobs when logprobs and no token ids)."""
+        if self.logprobs and not self.logprob_token_ids:
+            return self.top_logprobs or 0
+        return None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: StrictStr | list[Annotated[int, Field(ge=0)]] | list[StrictStr]
-    echo: bool = False
+    FIELDS: ClassVar[dict[str, Treatment]] = COMPLETION_FIELDS
 
-    @field_validator("echo")
+    prompt: (
+        StrictStr
+        | list[Annotated[int, Field(ge=0)]]
+        | list[StrictStr]
+        | list[list[Annotated[int, Field(ge=0)]]]
+    )
+    logprobs: int | None = None
+    echo: Any = False
+    suffix: Any = None
+    prompt_embeds: Any = None
+    add_special_tokens: Any = True
+
+    @model_validator(mode="before")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    def _logprobs_checks(cls, data: Any) -> Any:
+        """vLLM's `check_logprobs` for completions: a count (or -1), needed by
+        logprob_token_ids."""
+        if not isinstance(data, dict):
+            return data
+        logprobs = data.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+            raise FieldError("logprobs", "`logprobs` must be an integer.")
+        if isinstance(logprobs, int) and logprobs < -1:
+            raise FieldError("logprobs", "`logprobs` must be a positive value or -1.")
+        if data.get("logprob_token_ids") and data.get("logprobs") is None:
+            raise FieldError(
+                "logprob_token_ids", "when using `logprob_token_ids`, `logprobs` must be set."
+            )
+        return data
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
+    def _one_prompt(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and not value:
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
         if isinstance(value, list) and not value:
             raise ValueError("the prompt is empty")
-        if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
-            raise ValueError("one prompt per request")
+        if isinstance(value, list) and isinstance(value[0], str | list) and len(value) != 1:
+            raise ValueError(f"one prompt per request (n=1), got {len(value)}")
         return value
 
     def single_prompt(self) -> str | list[int]:
-        """The one prompt (a list of one string counts as that string)."""
+        """The one prompt (a list of one string or of one id list counts as that prompt)."""
         prompt = self.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], str):
             return str(prompt[0])
+        if isinstance(prompt, list) and isinstance(prompt[0], list):
+            return [int(i) for i in prompt[0]]
         if isinstance(prompt, list):
-            return [int(i) for i in prompt]
+            return [int(i) for i in prompt]  # type: ignore[arg-type]
         return prompt
+
+    @property
+    def answer_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def answer_tokens_param(self) -> str:
+        return "max_tokens"
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        return None if self.logprob_token_ids else self.logprobs
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+OpenAIRequest = ChatRequest | CompletionRequest
 
 
 class SamplingIn(BaseModel):
-    """`SamplingConfig`'s fields; those left out take the server's `CacheConfig.sampling`."""
+    """`SamplingConfig`, field for field; those left out take the server's
+    `CacheConfig.sampling`. Ranges are `SamplingConfig`'s (vLLM's)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     stop: list[StrictStr] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     ignore_eos: bool | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    repetition_detection: RepetitionDetectionIn | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
 
     def over(self, default: SamplingConfig) -> SamplingConfig:
-        given = self.model_dump(exclude_none=True)
-        if "stop" in given:
-            given["stop"] = tuple(given["stop"])
-        return SamplingConfig(**{**_fields(default), **given})
+        """`default` with the given fields (`SamplingError` naming one out of range)."""
+        given: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, StructuredOutputsIn | RepetitionDetectionIn):
+                value = value.to_config()
+            elif isinstance(value, list):
+                value = tuple(value)
+            given[name] = value
+        return dataclasses.replace(default, **given)
 
 
 class RagQueryRequest(BaseModel):
@@ -185,6 +723,9 @@ class RagQueryRequest(BaseModel):
     top_k: Annotated[int, Field(ge=1)] | None = None
     sampling: SamplingIn | None = None
     stream: bool = False
+    prompt: dict[str, Any] | None = None
+    """The app's own prompt (`AppPrompt.to_json`); None: the server's layout."""
+    cache_salt: NonEmpty | None = None
 
 
 class InvalidateRequest(BaseModel):
@@ -193,12 +734,34 @@ class InvalidateRequest(BaseModel):
     doc_id: NonEmpty
 
 
-def _fields(sampling: SamplingConfig) -> dict[str, Any]:
-    return {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "stop": sampling.stop,
-        "seed": sampling.seed,
-        "ignore_eos": sampling.ignore_eos,
-    }
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any, path: str = "") -> tuple[str, int, int] | None:
+    """(field path, character index, code point) of the first lone surrogate (U+D800-U+DFFF)
+    in a parsed body's strings, keys included; None when every string is valid Unicode."""
+    if isinstance(value, BaseModel):
+        items: dict[str, Any] = {name: getattr(value, name) for name in type(value).model_fields}
+        items.update(value.model_extra or {})
+        return _first_in(items.items(), path)
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        return None if match is None else (path or "body", match.start(), ord(match.group()))
+    if isinstance(value, dict):
+        for key in value:
+            found = lone_surrogate(str(key), path)
+            if found is not None:
+                return found
+        return _first_in(value.items(), path)
+    if isinstance(value, list | tuple):
+        return _first_in(enumerate(value), path)
+    return None
+
+
+def _first_in(items: Any, path: str) -> tuple[str, int, int] | None:
+    for key, item in items:
+        name = "documents" if key == "template_documents" else str(key)
+        found = lone_surrogate(item, f"{path}.{name}" if path else name)
+        if found is not None:
+            return found
+    return None

@@ -11,7 +11,7 @@ parts, each of which changes only what its docstring says:
 
 Request lifecycle:
 
-    handle = cache.begin_request(root_tokens, docs, question_tokens)  # match, pin, evict, plan
+    handle = cache.begin_request(root_tokens, docs, question_tokens, root_key=key)  # plan
     ... connector executes handle.plan: swap_out, promote, load, (forward), store ...
     cache.confirm(handle)   # its stores ran: written copies become readable; unpin
     cache.abort(handle)     # or: the request died; its unconfirmed copies are dropped; unpin
@@ -37,7 +37,11 @@ from ragcache_core.tree.results import CacheStats, MatchResult, TreeCounters
 
 
 class KnowledgeTree:
-    """Knowledge tree + GPU/host slot tiers + replacement policy, for one root key.
+    """Knowledge tree + GPU/host slot tiers + replacement policy: a forest with one root per
+    root key (the template and system prompt before the documents, and a tenant's salt),
+    under one memory budget and one policy. `root_key` is the default root, used by requests
+    that name none. Roots are evicted like other nodes (a leaf root, then with its subtree
+    when it is left without a copy).
 
     Not thread-safe: the controller calls it from one thread (or one event loop).
     `max_depth` caches only the first j documents of a sequence (paper 2.7; None: all).
@@ -138,16 +142,20 @@ class KnowledgeTree:
 
     # ------------------------------------------------------------------ queries (no mutation)
 
-    def match(self, docs: Sequence[DocKey | DocSpec]) -> MatchResult:
-        """The readable cached prefix of `docs` (root first). Does not modify the cache. O(h)."""
-        path = self._prefixes.walk([d.key if isinstance(d, DocSpec) else d for d in docs])
+    def match(
+        self, docs: Sequence[DocKey | DocSpec], root_key: RootKey | None = None
+    ) -> MatchResult:
+        """The readable cached prefix of `docs` under `root_key` (None: the default root; the
+        root first). Does not modify the cache. O(h)."""
+        keys = [d.key if isinstance(d, DocSpec) else d for d in docs]
+        path = self._prefixes.walk(keys, root_key)
         return match_result(path, readable_prefix(path))
 
-    def cached_tokens(self, docs: Sequence[DocSpec]) -> int:
-        """`match(docs).cached_tokens` without building the result (the reordering queue's
-        hot path). Does not modify the cache. O(h)."""
+    def cached_tokens(self, docs: Sequence[DocSpec], root_key: RootKey | None = None) -> int:
+        """`match(docs, root_key).cached_tokens` without building the result (the reordering
+        queue's hot path). Does not modify the cache. O(h)."""
         total = 0
-        for node in self._prefixes.walk([spec.key for spec in docs]):
+        for node in self._prefixes.walk([spec.key for spec in docs], root_key):
             if not node.ready:  # in flight: nothing below it is readable either
                 break
             total += node.num_tokens
@@ -155,8 +163,13 @@ class KnowledgeTree:
 
     @property
     def num_nodes(self) -> int:
-        """Nodes holding a copy (ready or in flight), the root included."""
+        """Nodes holding a copy (ready or in flight), the roots included."""
         return self._prefixes.num_nodes
+
+    @property
+    def num_roots(self) -> int:
+        """Roots holding a copy (one per template/system prompt/salt in use)."""
+        return self._prefixes.num_roots
 
     @property
     def counters(self) -> TreeCounters:
@@ -175,6 +188,7 @@ class KnowledgeTree:
             pinned_nodes=self._placement.pinned_nodes(),
             open_requests=len(self._open),
             page_size=self.page_size,
+            roots=self.num_roots,
         )
 
     def iter_nodes(self) -> Iterator[Node]:
@@ -190,8 +204,10 @@ class KnowledgeTree:
         question_tokens: int,
         *,
         final: bool = True,
+        root_key: RootKey | None = None,
     ) -> RequestHandle:
-        """Match, pin, evict and allocate for one request; return its handle and plan.
+        """Match, pin, evict and allocate for one request under root `root_key` (None: the
+        default root); return its handle and plan.
 
         Mutates the tree, the tiers and the policy state. The caller must later call exactly
         one of `confirm(handle)` or `abort(handle)`. Never fails for lack of room: without room
@@ -200,7 +216,12 @@ class KnowledgeTree:
         that differs from its cached node's.
         """
         handle = self._planner.begin_request(
-            self._next_request_id, root_tokens, docs, question_tokens, final=final
+            self._next_request_id,
+            root_key or self.root_key,
+            root_tokens,
+            docs,
+            question_tokens,
+            final=final,
         )
         self._next_request_id += 1
         self._open[handle.request_id] = handle
@@ -247,9 +268,9 @@ class KnowledgeTree:
     def invalidate_loads(self, handle: RequestHandle, failed_spans: Sequence[int]) -> int:
         """The load spans `failed_spans` of `handle`'s plan failed: the nodes they read (at
         this request's prefix only) may hold bad bytes. Each leaves the tree with its subtree
-        (a copy needs its parent's); a failed root empties the tree but keeps the policy's
-        clocks and frequencies. For open and finished handles alike; in-flight readers keep
-        their pins. Returns the number of nodes removed."""
+        (a copy needs its parent's); a failed root leaves with everything below it, and the
+        policy's clocks and frequencies stay. For open and finished handles alike; in-flight
+        readers keep their pins. Returns the number of nodes removed."""
         hit_nodes = handle.ledger.path[: len(handle.hits.hits)]
         loaded = [node for node in hit_nodes if node.num_tokens]  # one load span each
         return self._invalidate([loaded[i] for i in failed_spans if i < len(loaded)])
@@ -264,7 +285,7 @@ class KnowledgeTree:
         """Drop every node, reset the policy (clocks), the frequency window and the counters.
         In-flight requests stay valid: their pinned nodes are detached and freed when they
         finish."""
-        self._placement.replace_root(self._planner.now)
+        self._placement.clear()
         self.policy.reset()
         self._planner.reset()
         self._placement.reset_counters()
@@ -282,13 +303,12 @@ class KnowledgeTree:
     # ------------------------------------------------------------------ internals
 
     def _invalidate(self, nodes: list[Node]) -> int:
-        """Remove `nodes` (those still attached) with their subtrees; the root empties the
-        tree (the policy's state is kept). Returns the number of document nodes removed."""
+        """Remove `nodes` (those still attached) with their subtrees; a root leaves with its
+        whole subtree (the policy's state is kept). Returns the number of document nodes
+        removed."""
         before = self._prefixes.num_doc_nodes
         for node in nodes:
-            if node is self._prefixes.root:
-                self._placement.replace_root(self._planner.now)
-            elif node.attached:
+            if node.attached:
                 self._placement.remove(node)
         return before - self._prefixes.num_doc_nodes
 

@@ -214,35 +214,28 @@ class Placement:
 
     def remove(self, top: Node) -> None:
         """Remove `top` and its subtree from the tree (a node without a copy cannot stay, nor
-        can anything below it). Unpinned copies are freed now; a pinned node keeps its slots,
-        detached and unmatchable, until its last pin is released. The root object stays in
-        place, emptied."""
-        if top is self._prefixes.root:
-            for child in list(top.children.values()):
-                self.remove(child)
-            for tier in list(top.slots):
-                self.drop_copy(top, tier)
-            return
+        can anything below it; a root leaves the forest). Unpinned copies are freed now; a
+        pinned node keeps its slots, detached and unmatchable, until its last pin is
+        released."""
         parent = top.parent
-        assert parent is not None
-        for tier in top.slots:
-            self._child_left_tier(parent, tier)
+        if parent is not None:
+            for tier in top.slots:
+                self._child_left_tier(parent, tier)
         for node in self._prefixes.detach(top):
             self._keep_or_free(node)
 
-    def replace_root(self, now: int) -> None:
-        """Detach the root and everything below it (pinned nodes are freed when unpinned) and
-        start an empty tree; the policy's state is kept."""
-        for child in list(self._prefixes.root.children.values()):
-            self.remove(child)
-        self._keep_or_free(self._prefixes.replace_root(now))
+    def clear(self) -> None:
+        """Remove every root with its subtree (pinned nodes are freed when unpinned); the
+        policy's state is kept."""
+        for root in list(self._prefixes.roots.values()):
+            self.remove(root)
         for tier_slots in self.tiers.values():
             tier_slots.clear_heap()
 
     def drop_tier(self, tier: Tier) -> None:
         """Every copy in `tier` is gone: drop them; nodes left without a copy leave the tree
         with their subtrees. The caller aborts the requests that wrote or read them first."""
-        stack = [self._prefixes.root]
+        stack = list(self._prefixes.roots.values())
         while stack:
             node = stack.pop()
             if tier in node.slots:
@@ -336,8 +329,8 @@ class Placement:
         """The copy rules of one attached node (GPU parent rule, readiness, pins)."""
         parent = node.parent
         if parent is None:
-            if not node.slots and node.children:
-                fail("the root holds no copy but has children")
+            if not node.slots:
+                fail(f"root {node!r} is in the forest without any copy")
         elif not node.slots:
             fail(f"{node!r} is in the tree without any copy")
         elif not parent.slots:

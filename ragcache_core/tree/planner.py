@@ -1,8 +1,8 @@
 """The planner: one request's match, pins, statistics, evictions and plan (docs/design.md 3.2).
 
-begin_request(root_tokens, docs, question_tokens, final)
-  1. walk root -> docs[:max_depth]; the hit prefix is the leading nodes with a confirmed
-     copy (GPU preferred)
+begin_request(root_key, root_tokens, docs, question_tokens, final)
+  1. walk the forest's root of `root_key` -> docs[:max_depth]; the hit prefix is the
+     leading nodes with a confirmed copy (GPU preferred)
   2. alpha = hit tokens, beta = every other prompt token; pin the hits, touch every node
      on the path, record a cost sample on the nodes this request computes
   3. promote host hits to GPU while room can be made (`_plan_hits`); keep a host copy of
@@ -76,6 +76,7 @@ class Planner:
     def begin_request(
         self,
         request_id: int,
+        root_key: RootKey,
         root_tokens: int,
         docs: Sequence[DocSpec],
         question_tokens: int,
@@ -89,7 +90,7 @@ class Planner:
         `InputError` for negative sizes, a root size that differs from the cached root's or a
         document whose size differs from its cached node's; nothing is changed then.
         """
-        cached_docs, path = self._match_path(root_tokens, docs, question_tokens)
+        cached_docs, path = self._match_path(root_key, root_tokens, docs, question_tokens)
         self.now += 1
         if final:
             self.final_requests += 1
@@ -106,7 +107,9 @@ class Planner:
             self._plan_root_backup(hits, handle)
         store: list[StoreSpan] = []
         if len(hits) == len(path):  # an in-flight node blocks storing below it
-            store = self._plan_stores(path, root_tokens, cached_docs, starts, cost_per_new, handle)
+            store = self._plan_stores(
+                path, root_key, root_tokens, cached_docs, starts, cost_per_new, handle
+            )
 
         handle.plan = Plan(
             page_size=self.page_size,
@@ -147,21 +150,21 @@ class Planner:
     # ------------------------------------------------------------------ steps of begin_request
 
     def _match_path(
-        self, root_tokens: int, docs: Sequence[DocSpec], question_tokens: int
+        self, root_key: RootKey, root_tokens: int, docs: Sequence[DocSpec], question_tokens: int
     ) -> tuple[Sequence[DocSpec], list[Node]]:
         """Validate the request; return the documents it may cache (`max_depth`) and the
         existing nodes along them. Does not modify anything."""
         if root_tokens < 0 or question_tokens < 0:
             raise InputError("root_tokens and question_tokens cannot be negative")
-        root = self._prefixes.root
-        if root.slots and root.num_tokens != root_tokens:
+        root = self._prefixes.roots.get(root_key)
+        if root is not None and root.slots and root.num_tokens != root_tokens:
             raise InputError(
                 f"root has {root.num_tokens} cached tokens but the request says {root_tokens}: "
                 "a different template/system prompt needs a different root key"
             )
         depth = len(docs) if self.max_depth is None else min(len(docs), self.max_depth)
         cached_docs = docs[:depth]
-        path = self._prefixes.walk([d.key for d in cached_docs])
+        path = self._prefixes.walk([d.key for d in cached_docs], root_key)
         for node, spec in zip(path[1:], cached_docs, strict=False):
             if node.num_tokens != spec.num_tokens:
                 raise InputError(
@@ -213,9 +216,9 @@ class Planner:
         the host pool outlives a GPU worker, so after a worker failure the most shared node
         is still cached. Copied by the plan's swap_out step; readable once this request
         confirms. Skipped when the host tier has no room."""
-        root = self._prefixes.root
-        if not hits or hits[0][0] is not root:
+        if not hits:
             return
+        root = hits[0][0]
         if Tier.HOST in root.slots or Tier.GPU not in root.ready or not root.num_tokens:
             return
         count = len(root.slots[Tier.GPU])
@@ -228,6 +231,7 @@ class Planner:
     def _plan_stores(
         self,
         path: list[Node],
+        root_key: RootKey,
         root_tokens: int,
         cached_docs: Sequence[DocSpec],
         starts: list[int],
@@ -239,7 +243,7 @@ class Planner:
         not fit (a node's copy needs its parent's)."""
         wanted: list[tuple[DocKey | RootKey, int, int]] = []
         if not path:
-            wanted.append((self._prefixes.root_key, root_tokens, 0))
+            wanted.append((root_key, root_tokens, 0))
         first = max(len(path) - 1, 0)
         for i in range(first, len(cached_docs)):
             wanted.append((cached_docs[i].key, cached_docs[i].num_tokens, starts[i + 1]))

@@ -1,5 +1,5 @@
-"""The prefix structure of the knowledge tree: nodes linked root -> documents, and an index
-from document id to its nodes.
+"""The prefix structure of the knowledge tree: a forest of roots (one per root key), nodes
+linked root -> documents, and an index from document id to its nodes.
 
 It owns the links (`parent.children`, `Node.attached`) and the index, and nothing else: it
 never allocates or frees slots. Whoever detaches nodes (`Placement.remove`) owns their copies.
@@ -38,28 +38,31 @@ def match_result(path: Sequence[Node], hits: Sequence[tuple[Node, Tier]]) -> Mat
 
 
 class PrefixTree:
-    """Nodes addressed by their path (root key, then document keys in prompt order).
+    """Nodes addressed by their path (root key, then document keys in prompt order): a forest
+    with one root per root key (docs/design.md 2.1).
 
-    The root node object is replaced only by `replace_root`; a tree whose root holds no copy
-    is empty (nothing matches, nothing hangs below it).
+    Every root in `roots` holds a copy, except for the moment between `attach` and its first
+    copy; a root left without a copy leaves with `detach` like any other node. `root_key` is
+    the default root's key (the one a request names when it names none).
     """
 
-    __slots__ = ("_doc_index", "num_doc_nodes", "root", "root_key")
+    __slots__ = ("_doc_index", "num_doc_nodes", "root_key", "roots")
 
     def __init__(self, root_key: RootKey) -> None:
         self.root_key = root_key
-        self.root = Node(root_key, None, 0, NodeStats(0, 0.0, 0))
+        self.roots: dict[RootKey, Node] = {}
         self._doc_index: dict[str, set[Node]] = {}
         self.num_doc_nodes = 0
-        """Attached document nodes (the root excluded)."""
+        """Attached document nodes (the roots excluded)."""
 
     # ------------------------------------------------------------------ queries (no mutation)
 
-    def walk(self, keys: Sequence[DocKey]) -> list[Node]:
+    def walk(self, keys: Sequence[DocKey], root_key: RootKey | None = None) -> list[Node]:
         """The existing nodes along root, keys[0], keys[1], ... (root first; stops at the
-        first absent one; empty when the root holds no copy). Does not modify the tree. O(h)."""
-        node = self.root
-        if not node.slots:
+        first absent one; empty when that root is absent or holds no copy). Does not modify
+        the tree. O(h)."""
+        node = self.roots.get(root_key or self.root_key)
+        if node is None or not node.slots:
             return []
         path = [node]
         children = node.children
@@ -72,19 +75,27 @@ class PrefixTree:
         return path
 
     @property
+    def root(self) -> Node | None:
+        """The default root's node (None when it is not cached)."""
+        return self.roots.get(self.root_key)
+
+    @property
+    def num_roots(self) -> int:
+        """Roots in the forest (each holds a copy; safe to read from another thread)."""
+        return len(self.roots)
+
+    @property
     def num_nodes(self) -> int:
-        """Nodes holding a copy (ready or in flight), the root included."""
-        return self.num_doc_nodes + (1 if self.root.slots else 0)
+        """Nodes holding a copy (ready or in flight), the roots included."""
+        return self.num_doc_nodes + self.num_roots
 
     def nodes_of(self, doc_id: str) -> list[Node]:
-        """Every attached node of document `doc_id` (any content hash, any prefix)."""
+        """Every attached node of document `doc_id` (any content hash, any prefix, any root)."""
         return list(self._doc_index.get(doc_id, ()))
 
     def iter_nodes(self) -> Iterator[Node]:
         """Every attached node that holds a copy, parents before children."""
-        if not self.root.slots:
-            return
-        stack = [self.root]
+        stack = [node for node in self.roots.values() if node.slots]
         while stack:
             node = stack.pop()
             yield node
@@ -95,13 +106,13 @@ class PrefixTree:
     def attach(
         self, key: DocKey | RootKey, parent: Node | None, num_tokens: int, stats: NodeStats
     ) -> Node:
-        """Link a new node for `key` below `parent` and index it. With `parent` None, (re)use
-        the root node object instead: its size and statistics are set. The caller gives the
-        node a copy before anyone can see it (a node without a copy cannot stay)."""
+        """Link a new node for `key` below `parent` and index it; with `parent` None, a new
+        root for root key `key`. The caller gives the node a copy before anyone can see it (a
+        node without a copy cannot stay)."""
         if parent is None:
-            node = self.root
-            node.num_tokens = num_tokens
-            node.stats = stats
+            assert isinstance(key, RootKey) and key not in self.roots
+            node = Node(key, None, num_tokens, stats)
+            self.roots[key] = node
             return node
         assert isinstance(key, DocKey)
         node = Node(key, parent, num_tokens, stats)
@@ -111,31 +122,28 @@ class PrefixTree:
         return node
 
     def detach(self, top: Node) -> list[Node]:
-        """Unlink document node `top` from its parent and mark it and its subtree detached and
-        unindexed. Returns the detached nodes, `top` first (the caller frees or keeps their
-        copies). Counters of the parent (`tier_children`) are the caller's."""
+        """Unlink node `top` (a root: from the forest; a document node: from its parent) and
+        mark it and its subtree detached and unindexed. Returns the detached nodes, `top`
+        first (the caller frees or keeps their copies). Counters of the parent
+        (`tier_children`) are the caller's."""
         parent = top.parent
-        assert parent is not None and top.attached
-        del parent.children[top.key]  # type: ignore[arg-type]
+        assert top.attached
+        if parent is None:
+            assert isinstance(top.key, RootKey) and self.roots.get(top.key) is top
+            del self.roots[top.key]
+        else:
+            del parent.children[top.key]  # type: ignore[arg-type]
         detached: list[Node] = []
         stack = [top]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             node.attached = False
-            self.num_doc_nodes -= 1
+            if node.parent is not None:
+                self.num_doc_nodes -= 1
             self._unindex(node)
             detached.append(node)
         return detached
-
-    def replace_root(self, now: int) -> Node:
-        """Detach the root (its children must be gone already) and start an empty tree.
-        Returns the old root; its copies are the caller's."""
-        old = self.root
-        assert not old.children
-        old.attached = False
-        self.root = Node(self.root_key, None, 0, NodeStats(0, 0.0, now))
-        return old
 
     def _unindex(self, node: Node) -> None:
         if isinstance(node.key, DocKey):
@@ -148,9 +156,9 @@ class PrefixTree:
     # ------------------------------------------------------------------ invariants
 
     def all_nodes(self) -> list[Node]:
-        """Every attached node, the root first even without a copy (for the checks)."""
+        """Every attached node, roots first (for the checks)."""
         nodes = []
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             nodes.append(node)
@@ -159,20 +167,21 @@ class PrefixTree:
 
     def check(self) -> None:
         """Links, attachment, the document index and the node count. Raises `IntegrityError`."""
-        root = self.root
-        if root.parent is not None or not root.attached:
-            fail("the root must be attached and have no parent")
         doc_nodes = 0
-        stack = [root]
+        stack: list[Node] = []
+        for root_key, root in self.roots.items():
+            if root.parent is not None or not root.attached or root.key != root_key:
+                fail(f"root {root!r} must be attached, parentless and under its own key")
+            stack.append(root)
         while stack:
             node = stack.pop()
             if not node.attached:
-                fail(f"{node!r} is reachable from the root but marked detached")
+                fail(f"{node!r} is reachable from a root but marked detached")
             for key, child in node.children.items():
                 if child.key != key or child.parent is not node or child.depth != node.depth + 1:
                     fail(f"{child!r}: inconsistent link to its parent {node!r}")
                 stack.append(child)
-            if node is root:
+            if node.parent is None:
                 continue
             doc_nodes += 1
             doc_key = node.key

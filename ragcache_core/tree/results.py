@@ -61,6 +61,8 @@ class CacheStats:
     pinned_nodes: int
     open_requests: int
     page_size: int
+    roots: int = 1
+    """Roots holding a copy (one per template/system prompt/salt in use)."""
 
 
 @dataclass(frozen=True, slots=True)

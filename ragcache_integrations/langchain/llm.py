@@ -3,17 +3,17 @@
 The LLM receives the rendered prompt text, where the retrieved documents are already pasted in.
 To cache them it must find them again: `DocumentMemory` remembers the documents your retriever
 returned (register it with `llm.watch(retriever)`, or pass `llm.memory` as a callback), and
-`DocumentMemory.split` locates their texts in the prompt:
+`DocumentMemory.find` locates their texts in the prompt:
 
-    "<preamble>" doc1 "<sep>" doc2 "<tail>"  ->  documents [doc1, doc2],
-                                                 question "<preamble>\\n\\n<tail>"
+    "<preamble>" doc1 "<sep>" doc2 "<tail>"  ->  root "<preamble>", nodes doc1, "<sep>" doc2,
+                                                 computed "<tail>"
 
-The documents go to RAGCache as cacheable units; the rest of the prompt becomes the question
-part (rendered through the cache's question template: build the cache with
-`PromptConfig(question="{question}")` to keep it verbatim). Text between documents must be a
-short separator (at most `max_separator` non-blank characters), or nothing would be cached: a
-prompt whose documents cannot be found cleanly is answered uncached (the whole prompt as the
-question, no documents), and the first such prompt is logged.
+The prompt is sent exactly as LangChain rendered it (as a completions LLM would send it to
+`vllm serve`: tokenized whole, with the tokenizer's special tokens); the documents found in it
+become cached nodes, the text before the first one the root. A prompt in which no remembered
+document is found is answered without caching any document, and the first such prompt is
+logged. (A chat prompt reaches an LLM as LangChain's "System: ...\\nHuman: ..." text; a chat
+app keeps its roles with `RAGCacheRunnable(prompt=...)`.)
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables import Runnable, RunnableLambda
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from ragcache_core.api import RAGCacheAPI
+from ragcache_core.api import RAGCacheAPI, require_cache
+from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
@@ -98,6 +99,24 @@ class DocumentMemory(BaseCallbackHandler):
     ) -> None:
         self.remember(documents)
 
+    def find(self, prompt: str) -> tuple[Document, ...]:
+        """The remembered documents found in `prompt`, in prompt order, each shown exactly as
+        found (`prompt_text`); overlapping finds keep the earliest, longest one. Pure."""
+        with self._lock:
+            docs = list(self._docs.values())
+        found = []
+        for doc in docs:
+            start = prompt.find(doc.text)
+            if start >= 0:
+                found.append((start, -len(doc.text), doc))
+        found.sort(key=lambda item: (item[0], item[1]))
+        chosen, end = [], 0
+        for start, neg_len, doc in found:
+            if start >= end:
+                chosen.append(replace(doc, prompt_text=doc.text))
+                end = start - neg_len
+        return tuple(chosen)
+
     def split(self, prompt: str) -> PromptSplit | None:
         """Find remembered documents in `prompt` (pure; None when none are found or the text
         between two found documents is more than a short separator)."""
@@ -152,7 +171,16 @@ class RAGCacheLLM(LLM):
             if "ragcache" in data:
                 raise InputError("pass the RAGCache once, as cache= (ragcache= is the old name)")
             data["ragcache"] = data.pop("cache")
-        elif "ragcache" in data:
+        elif "ragcache" not in data:
+            # No RAGCache given: a wrong object as cache= (not LangChain's own response cache
+            # either), or nothing at all. Name it here rather than as pydantic's "ragcache:
+            # Field required" about a keyword nobody typed.
+            given = data.get("cache")
+            require_cache(
+                given if not _is_langchain_cache(given) else None, "RAGCacheLLM(cache=...)"
+            )
+        else:
+            require_cache(data["ragcache"], "RAGCacheLLM(ragcache=...)")
             warnings.warn(
                 "RAGCacheLLM(ragcache=...) is deprecated: pass cache=..., as to every other "
                 "RAGCache integration (ragcache= goes in the next release)",
@@ -162,6 +190,7 @@ class RAGCacheLLM(LLM):
         return data
 
     sampling: SamplingConfig | None = None
+    cache_salt: str | None = None
     memory: DocumentMemory = Field(default_factory=DocumentMemory)
     _warned_uncached: bool = PrivateAttr(default=False)
 
@@ -207,8 +236,10 @@ class RAGCacheLLM(LLM):
     ) -> LLMResult:
         generations = []
         for prompt in prompts:
-            question, documents, sampling = self._request(prompt, stop)
-            result = self.ragcache.generate(question, documents, sampling=sampling)
+            question, documents, sampling, app = self._request(prompt, stop)
+            result = self.ragcache.generate(
+                question, documents, sampling=sampling, prompt=app, cache_salt=self.cache_salt
+            )
             generations.append([Generation(text=result.answer, generation_info=_info(result))])
         return LLMResult(generations=generations)
 
@@ -221,8 +252,10 @@ class RAGCacheLLM(LLM):
     ) -> LLMResult:
         generations = []
         for prompt in prompts:
-            question, documents, sampling = self._request(prompt, stop)
-            result = await self.ragcache.agenerate(question, documents, sampling=sampling)
+            question, documents, sampling, app = self._request(prompt, stop)
+            result = await self.ragcache.agenerate(
+                question, documents, sampling=sampling, prompt=app, cache_salt=self.cache_salt
+            )
             generations.append([Generation(text=result.answer, generation_info=_info(result))])
         return LLMResult(generations=generations)
 
@@ -233,8 +266,11 @@ class RAGCacheLLM(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        question, documents, sampling = self._request(prompt, stop)
-        for piece in self.ragcache.stream(question, documents=documents, sampling=sampling):
+        question, documents, sampling, app = self._request(prompt, stop)
+        pieces = self.ragcache.stream(
+            question, documents=documents, sampling=sampling, prompt=app, cache_salt=self.cache_salt
+        )
+        for piece in pieces:
             chunk = _chunk(piece.delta, piece.result)
             if run_manager is not None and piece.delta:
                 run_manager.on_llm_new_token(piece.delta, chunk=chunk)
@@ -247,8 +283,11 @@ class RAGCacheLLM(LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        question, documents, sampling = self._request(prompt, stop)
-        async for piece in self.ragcache.astream(question, documents=documents, sampling=sampling):
+        question, documents, sampling, app = self._request(prompt, stop)
+        pieces = self.ragcache.astream(
+            question, documents=documents, sampling=sampling, prompt=app, cache_salt=self.cache_salt
+        )
+        async for piece in pieces:
             chunk = _chunk(piece.delta, piece.result)
             if run_manager is not None and piece.delta:
                 await run_manager.on_llm_new_token(piece.delta, chunk=chunk)
@@ -258,22 +297,21 @@ class RAGCacheLLM(LLM):
 
     def _request(
         self, prompt: object, stop: list[str] | None
-    ) -> tuple[str, tuple[Document, ...], SamplingConfig]:
+    ) -> tuple[str, tuple[Document, ...], SamplingConfig, AppPrompt]:
+        """(question, documents found, sampling, the prompt exactly as LangChain rendered it)."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError(f"the prompt must be a non-empty string, got {prompt!r}")
         sampling = self.sampling or self.ragcache.config.sampling
         if stop:
             sampling = replace(sampling, stop=tuple(stop))
-        split = self.memory.split(prompt)
-        if split is None:
-            if not self._warned_uncached:
-                self._warned_uncached = True
-                logger.warning(
-                    "RAGCacheLLM found no remembered documents in the prompt: answering "
-                    "uncached (attach the retriever with llm.watch(retriever))"
-                )
-            return prompt, (), sampling
-        return split.question, split.documents, sampling
+        documents = self.memory.find(prompt)
+        if not documents and not self._warned_uncached:
+            self._warned_uncached = True
+            logger.warning(
+                "RAGCacheLLM found no remembered documents in the prompt: answering without "
+                "caching any (attach the retriever with llm.watch(retriever))"
+            )
+        return prompt, documents, sampling, AppPrompt(text=prompt, chat=False)
 
 
 def _info(result: QueryResult) -> dict[str, Any]:
@@ -286,3 +324,10 @@ def _info(result: QueryResult) -> dict[str, Any]:
 
 def _chunk(delta: str, result: QueryResult | None) -> GenerationChunk:
     return GenerationChunk(text=delta, generation_info=_info(result) if result else None)
+
+
+def _is_langchain_cache(value: object) -> bool:
+    """Whether `value` fits LangChain's own `cache` field of an LLM (a response cache)."""
+    from langchain_core.caches import BaseCache
+
+    return value is None or isinstance(value, bool | BaseCache)

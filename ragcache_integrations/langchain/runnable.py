@@ -6,9 +6,13 @@
         | StrOutputParser()
     )
 
-Input `{"context": list[Document], "question": str}`, output the answer text. RAGCache renders
-the prompt itself (its `CacheConfig.prompt`): each document becomes one cached unit of KV, so
-the next request that retrieves it (after the same documents) skips its prefill.
+Input `{"context": list[Document], "question": str}`, output the answer text. Give it the
+chain's own prompt, `RAGCacheRunnable(cache=cache, prompt=prompt)`, and RAGCache renders it as
+the chain would (`prompts.app_prompt`: its messages and roles through the model's chat template,
+every other input variable filled in, each document through `document_prompt`, joined by
+`document_separator`); without `prompt` it uses the cache's own layout (`CacheConfig.prompt`).
+Each document becomes one cached unit of KV, so the next request that retrieves it (after the
+same documents, in the same prompt) skips its prefill. `cache_salt` keeps a tenant's KV apart.
 `RAGCacheRunnable.from_vectorstore(store, cache=cache)` also retrieves (a community `FAISS`
 store is searched in stages, letting RAGCache speculate); its input is the question alone.
 
@@ -31,14 +35,16 @@ from langchain_core.callbacks.manager import (
     dispatch_custom_event,
 )
 from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
-from ragcache_core.api import RAGCacheAPI
+from ragcache_core.api import RAGCacheAPI, require_cache
+from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
-from ragcache_core.errors import InputError
+from ragcache_core.errors import InputError, wrong_type
 from ragcache_core.results import QueryResult
 from ragcache_core.search import SearchSource
 from ragcache_integrations.langchain.adapters import search_source
@@ -47,6 +53,7 @@ from ragcache_integrations.langchain.documents import (
     to_langchain,
     to_ragcache_all,
 )
+from ragcache_integrations.langchain.prompts import DEFAULT_SEPARATOR, app_prompt, shown_documents
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +67,12 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
     and its final documents go to the server).
 
     `search` (set by `from_vectorstore`) lets the input be the question alone; `k` wins over
-    the cache's `CacheConfig.top_k` for that search. Holds no per-call state: share it across
-    threads and tasks freely. Raises `InputError` for a question that is not a non-empty
-    string, a context that is not LangChain documents, or a document without text.
+    the cache's `CacheConfig.top_k` for that search. `prompt` (a LangChain prompt template with
+    a `{context}` variable, `document_variable_name`) is rendered as the chain renders it; the
+    question is the input's `question_key`, every other input fills the template's variables.
+    Holds no per-call state: share it across threads and tasks freely. Raises `InputError` for
+    a question that is not a non-empty string, a context that is not LangChain documents, or a
+    document without text.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -71,7 +81,18 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
     search: Any = Field(default=None, description="a ragcache_core SearchSource, or None")
     k: int | None = None
     sampling: SamplingConfig | None = None
+    prompt: Any = Field(default=None, description="the chain's LangChain prompt template")
+    document_prompt: Any = Field(default=None, description="how each document is formatted")
+    document_separator: str = DEFAULT_SEPARATOR
+    document_variable_name: str = "context"
+    question_key: str = "question"
+    cache_salt: str | None = None
     _warned_no_context: bool = PrivateAttr(default=False)
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _check_cache(cls, value: Any) -> Any:
+        return require_cache(value, "RAGCacheRunnable(cache=...)")
 
     @field_validator("search")
     @classmethod
@@ -88,14 +109,25 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         cache: RAGCacheAPI,
         k: int | None = None,
         sampling: SamplingConfig | None = None,
+        prompt: Any = None,
+        cache_salt: str | None = None,
         **search_options: Any,
     ) -> RAGCacheRunnable:
-        """A runnable that retrieves from `vectorstore` itself (input: the question).
-        `search_options` (nprobe, plan, ef_search) go to `adapters.search_source`."""
+        """A runnable that retrieves from `vectorstore` itself (input: the question, or a dict
+        of the prompt's inputs with the question under `question_key`). `search_options`
+        (nprobe, plan, ef_search) go to `adapters.search_source`. A retriever (or anything but
+        a `VectorStore`) raises `TypeError` here, not at the first call."""
+        check_vectorstore(vectorstore)
+        require_cache(cache, "RAGCacheRunnable.from_vectorstore(store, cache=...)")
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise InputError(f"k must be a positive int, got {k!r}")
         return cls(
-            cache=cache, search=search_source(vectorstore, **search_options), k=k, sampling=sampling
+            cache=cache,
+            search=search_source(vectorstore, **search_options),
+            k=k,
+            sampling=sampling,
+            prompt=prompt,
+            cache_salt=cache_salt,
         )
 
     # ------------------------------------------------------------------ Runnable interface
@@ -143,13 +175,24 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
     def _invoke(
         self, input: RunnableInput, run_manager: CallbackManagerForChainRun, config: RunnableConfig
     ) -> str:
-        question, documents = self._parse(input)
+        question, documents, framing = self._parse(input)
         if documents is None:
             result = self.cache.query(
-                question, search=self.search, top_k=self.k, sampling=self.sampling
+                question,
+                search=self.search,
+                top_k=self.k,
+                sampling=self.sampling,
+                prompt=framing.prompt,
+                cache_salt=framing.cache_salt,
             )
         else:
-            result = self.cache.generate(question, documents, sampling=self.sampling)
+            result = self.cache.generate(
+                question,
+                documents,
+                sampling=self.sampling,
+                prompt=framing.prompt,
+                cache_salt=framing.cache_salt,
+            )
         dispatch_custom_event(EVENT_NAME, self._report(result), config=config)
         return result.answer
 
@@ -159,13 +202,24 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         run_manager: AsyncCallbackManagerForChainRun,
         config: RunnableConfig,
     ) -> str:
-        question, documents = self._parse(input)
+        question, documents, framing = self._parse(input)
         if documents is None:
             result = await self.cache.aquery(
-                question, search=self.search, top_k=self.k, sampling=self.sampling
+                question,
+                search=self.search,
+                top_k=self.k,
+                sampling=self.sampling,
+                prompt=framing.prompt,
+                cache_salt=framing.cache_salt,
             )
         else:
-            result = await self.cache.agenerate(question, documents, sampling=self.sampling)
+            result = await self.cache.agenerate(
+                question,
+                documents,
+                sampling=self.sampling,
+                prompt=framing.prompt,
+                cache_salt=framing.cache_salt,
+            )
         await adispatch_custom_event(EVENT_NAME, self._report(result), config=config)
         return result.answer
 
@@ -175,8 +229,8 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         run_manager: CallbackManagerForChainRun,
         config: RunnableConfig,
     ) -> Iterator[str]:
-        question, documents = self._parse(_merge(inputs))
-        for chunk in self.cache.stream(question, **self._stream_args(documents)):
+        question, documents, framing = self._parse(_merge(inputs))
+        for chunk in self.cache.stream(question, **self._stream_args(documents, framing)):
             if chunk.delta:
                 yield chunk.delta
             if chunk.result is not None:
@@ -188,46 +242,86 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         run_manager: AsyncCallbackManagerForChainRun,
         config: RunnableConfig,
     ) -> AsyncIterator[str]:
-        question, documents = self._parse(_merge([c async for c in inputs]))
-        async for chunk in self.cache.astream(question, **self._stream_args(documents)):
+        question, documents, framing = self._parse(_merge([c async for c in inputs]))
+        async for chunk in self.cache.astream(question, **self._stream_args(documents, framing)):
             if chunk.delta:
                 yield chunk.delta
             if chunk.result is not None:
                 await adispatch_custom_event(EVENT_NAME, self._report(chunk.result), config=config)
 
-    def _stream_args(self, documents: tuple[Document, ...] | None) -> dict[str, Any]:
+    def _stream_args(
+        self, documents: tuple[Document, ...] | None, framing: Framing
+    ) -> dict[str, Any]:
+        args = {
+            "sampling": self.sampling,
+            "prompt": framing.prompt,
+            "cache_salt": framing.cache_salt,
+        }
         if documents is None:
-            return {"search": self.search, "top_k": self.k, "sampling": self.sampling}
-        return {"documents": documents, "sampling": self.sampling}
+            return {**args, "search": self.search, "top_k": self.k}
+        return {**args, "documents": documents}
 
     # ------------------------------------------------------------------ translation
 
-    def _parse(self, input: object) -> tuple[str, tuple[Document, ...] | None]:
-        """(question, documents); documents None means "retrieve with `search`"."""
+    def _parse(self, input: object) -> tuple[str, tuple[Document, ...] | None, Framing]:
+        """(question, documents, framing); documents None means "retrieve with `search`"."""
         context: object = None
+        inputs: Mapping[str, Any] = {}
         if isinstance(input, str):
             question: object = input
+            inputs = {self.question_key: input}
         elif isinstance(input, Mapping):
-            question, context = input.get("question"), input.get("context")
+            inputs = input
+            question = input.get(self.question_key)
+            context = input.get(self.document_variable_name)
         else:
             raise InputError(
                 'the input must be {"context": [Document, ...], "question": str} or a question '
                 f"string, got {type(input).__name__}"
             )
         if not isinstance(question, str) or not question.strip():
-            raise InputError(f"the question must be a non-empty string, got {question!r}")
+            raise InputError(
+                f"the question ({self.question_key!r}) must be a non-empty string, got {question!r}"
+            )
+        framing = self._framing(inputs)
         if context is None:
             if self.search is None:
                 raise InputError(
-                    'no "context" in the input and no search: pass {"context": documents, '
-                    '"question": ...} or build the runnable with from_vectorstore'
+                    f'no "{self.document_variable_name}" in the input and no search: pass '
+                    f'{{"{self.document_variable_name}": documents, "{self.question_key}": ...}}'
+                    " or build the runnable with from_vectorstore"
                 )
-            return question, None
-        documents = _documents(context)
+            if self.document_prompt is not None and self.prompt is not None:
+                raise InputError(
+                    "a document_prompt formats the chain's documents: pass them as "
+                    f'"{self.document_variable_name}" (documents RAGCache retrieves itself are '
+                    "shown as their page_content)"
+                )
+            return question, None, framing
+        documents = self._documents(context)
         if not documents and not self._warned_no_context:
             self._warned_no_context = True
             logger.warning("the retriever returned no documents: answering without context")
-        return question, documents
+        return question, documents, framing
+
+    def _framing(self, inputs: Mapping[str, Any]) -> Framing:
+        if self.prompt is None:
+            return Framing(None, self.cache_salt) if self.cache_salt else NO_FRAMING
+        prompt = app_prompt(
+            self.prompt,
+            inputs,
+            context_key=self.document_variable_name,
+            separator=self.document_separator,
+        )
+        return Framing(prompt, self.cache_salt)
+
+    def _documents(self, context: object) -> tuple[Document, ...]:
+        documents = _documents(context)
+        if self.prompt is None or isinstance(context, str):
+            return documents
+        if isinstance(context, LCDocument):
+            return shown_documents([context], self.document_prompt)
+        return shown_documents(list(context), self.document_prompt)  # type: ignore[call-overload]
 
     @staticmethod
     def _report(result: QueryResult) -> dict[str, Any]:
@@ -246,6 +340,26 @@ def _documents(context: object) -> tuple[Document, ...]:
     if isinstance(context, list | tuple):
         return to_ragcache_all(context)
     raise InputError(f"context must be a list of LangChain Documents, got {type(context).__name__}")
+
+
+def check_vectorstore(store: object) -> None:
+    """`TypeError` unless `store` is a LangChain `VectorStore`, naming what to do with a
+    retriever (the usual mistake: it has no `similarity_search_with_score`)."""
+    if isinstance(store, VectorStore):
+        return
+    fix = ""
+    if isinstance(store, BaseRetriever):
+        inner = getattr(store, "vectorstore", None)
+        fix = (
+            "pass its store (retriever.vectorstore"
+            + (f", a {type(inner).__name__}" if isinstance(inner, VectorStore) else "")
+            + "), or keep the retriever in the chain: "
+            '{"context": retriever, "question": RunnablePassthrough()} '
+            "| RAGCacheRunnable(cache=cache)"
+        )
+    raise wrong_type(
+        "RAGCacheRunnable.from_vectorstore(store)", "a LangChain VectorStore", store, fix
+    )
 
 
 def _merge(chunks: Iterator[RunnableInput] | list[RunnableInput]) -> RunnableInput:

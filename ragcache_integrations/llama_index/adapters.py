@@ -37,11 +37,17 @@ from ragcache_core.search import SearchSource, StageResult
 
 
 def node_to_document(node: BaseNode) -> Document:
-    """A LlamaIndex node as a RAGCache `Document` (text without metadata; metadata kept)."""
+    """A LlamaIndex node as a RAGCache `Document`: its text without metadata, its metadata,
+    and as `prompt_text` the node as LlamaIndex shows it to the LLM
+    (`get_content(MetadataMode.LLM)`, metadata included, stripped as the compact response mode
+    strips each chunk)."""
     text = node.get_content(metadata_mode=MetadataMode.NONE)
     if not text:
         raise InputError(f"node {node.node_id!r} has no text")
-    return Document(id=str(node.node_id), text=text, metadata=dict(node.metadata))
+    shown = node.get_content(metadata_mode=MetadataMode.LLM).strip()
+    return Document(
+        id=str(node.node_id), text=text, metadata=dict(node.metadata), prompt_text=shown or None
+    )
 
 
 class _NodeLookup:

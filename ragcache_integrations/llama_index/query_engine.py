@@ -38,17 +38,19 @@ from llama_index.core.instrumentation.events.retrieval import (
 from llama_index.core.prompts.base import BasePromptTemplate
 from llama_index.core.query_engine.custom import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType, TextNode
+from llama_index.core.vector_stores.types import BasePydanticVectorStore
 from pydantic import Field, PrivateAttr, field_validator
 
-from ragcache_core.api import RAGCacheAPI
+from ragcache_core.api import RAGCacheAPI, require_cache
+from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.config import PromptConfig, SamplingConfig
 from ragcache_core.documents import Document
-from ragcache_core.errors import InputError
+from ragcache_core.errors import InputError, wrong_type
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.retrieval.source import CallableSource
 from ragcache_core.search import SearchSource
 from ragcache_integrations.llama_index.adapters import node_to_document, search_source
-from ragcache_integrations.llama_index.prompt import check_prompt, prompt_config
+from ragcache_integrations.llama_index.prompt import app_prompt
 from ragcache_integrations.llama_index.sources import RecordingSource
 
 dispatcher = instrument.get_dispatcher(__name__)
@@ -63,8 +65,10 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     `search` is where documents come from (built from an index by `from_index`);
     `similarity_top_k` wins over the cache's `CacheConfig.top_k` (None uses the cache's).
     `index`, when given, is where `source_nodes` are looked up, so they are the index's own
-    nodes (relationships included). The engine holds no per-query state: one engine may serve
-    many concurrent queries.
+    nodes (relationships included). `app_prompt` is the prompt it renders (`prompt.app_prompt`:
+    LlamaIndex's own QA template by default, nodes with their metadata as LlamaIndex shows them);
+    `cache_salt` keeps a tenant's KV apart. The engine holds no per-query state: one engine may
+    serve many concurrent queries.
     """
 
     cache: RAGCacheAPI
@@ -72,8 +76,15 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     similarity_top_k: int | None = None
     sampling: SamplingConfig | None = None
     streaming: bool = False
+    app_prompt: AppPrompt | None = Field(default=None, exclude=True)
+    cache_salt: str | None = None
     index: VectorStoreIndex | None = Field(default=None, exclude=True)
     _warned_no_context: bool = PrivateAttr(default=False)
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _check_cache(cls, value: Any) -> Any:
+        return require_cache(value, "RAGCacheQueryEngine(cache=...)")
 
     @field_validator("search")
     @classmethod
@@ -92,20 +103,20 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         prompt: BasePromptTemplate | str | PromptConfig | None = None,
         sampling: SamplingConfig | None = None,
         streaming: bool = False,
+        cache_salt: str | None = None,
         **search_options: Any,
     ) -> RAGCacheQueryEngine:
-        """An engine over `index`'s vector store. `prompt` (a LlamaIndex QA template with
-        `{context_str}` and `{query_str}`, or a `PromptConfig`) must match the cache's prompt:
-        the prompt head is part of the cache key, so it is set on the `RAGCache` (see
-        `prompt_config`); a mismatch raises `ConfigError`. `search_options` (nprobe, plan,
-        ef_search) go to `adapters.search_source`."""
-        if prompt is not None:
-            wanted = (
-                prompt
-                if isinstance(prompt, PromptConfig)
-                else prompt_config(prompt, cache.config.prompt)
-            )
-            check_prompt(cache.config.prompt, wanted)
+        """An engine over `index`'s vector store. `prompt` is the QA template it renders: a
+        LlamaIndex template (chat or text) with `{context_str}` and `{query_str}`, its text,
+        or a `PromptConfig` (RAGCache's own layout); None is LlamaIndex's default QA prompt.
+        Each prompt gets its own cached root, so engines with different prompts share one
+        cache. `search_options` (nprobe, plan, ef_search) go to `adapters.search_source`. A
+        retriever, a vector store or a cache that is not a `RAGCacheAPI` raises `TypeError`
+        here, naming what to pass instead."""
+        check_index(index)
+        require_cache(cache, "as_query_engine(index, cache=...)")
+        chat = bool(cache.config.prompt.chat_template)
+        rendered = app_prompt(prompt, chat=chat)
         if similarity_top_k is not None and (
             not isinstance(similarity_top_k, int) or similarity_top_k < 1
         ):
@@ -116,6 +127,8 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             similarity_top_k=similarity_top_k,
             sampling=sampling,
             streaming=streaming,
+            app_prompt=rendered,
+            cache_salt=cache_salt,
             index=index,
         )
 
@@ -125,18 +138,39 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         retriever: BaseRetriever,
         *,
         cache: RAGCacheAPI,
+        prompt: BasePromptTemplate | str | PromptConfig | None = None,
         sampling: SamplingConfig | None = None,
         streaming: bool = False,
+        cache_salt: str | None = None,
     ) -> RAGCacheQueryEngine:
         """An engine over any LlamaIndex retriever (metadata filters, hybrid search, ...).
-        The retriever runs as one search step (RAGCache cannot speculate) and decides k."""
+        The retriever runs as one search step (RAGCache cannot speculate) and decides k.
+        `prompt` as in `from_index`."""
+        if not isinstance(retriever, BaseRetriever):
+            raise wrong_type(
+                "RAGCacheQueryEngine.from_retriever(retriever)",
+                "a LlamaIndex retriever (BaseRetriever)",
+                retriever,
+                "for a VectorStoreIndex use as_query_engine(index, cache=cache)"
+                if isinstance(retriever, VectorStoreIndex)
+                else "",
+            )
+        require_cache(cache, "RAGCacheQueryEngine.from_retriever(retriever, cache=...)")
 
         def search(question: str, k: int) -> list[tuple[Document, float]]:
             hits = retriever.retrieve(question)
             return [(node_to_document(h.node), float(h.score or 0.0)) for h in hits]
 
         source = CallableSource(search, name=f"LlamaIndex {type(retriever).__name__}")
-        return cls(cache=cache, search=source, sampling=sampling, streaming=streaming)
+        rendered = app_prompt(prompt, chat=bool(cache.config.prompt.chat_template))
+        return cls(
+            cache=cache,
+            search=source,
+            sampling=sampling,
+            streaming=streaming,
+            app_prompt=rendered,
+            cache_salt=cache_salt,
+        )
 
     # ------------------------------------------------------------------ LlamaIndex entry points
 
@@ -160,7 +194,12 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         source = self._begin(query_str)
         if self.streaming:
             chunks = self.cache.stream(
-                query_str, search=source, top_k=self.similarity_top_k, sampling=self.sampling
+                query_str,
+                search=source,
+                top_k=self.similarity_top_k,
+                sampling=self.sampling,
+                prompt=self.app_prompt,
+                cache_salt=self.cache_salt,
             )
             first = next(chunks)  # the search is over once anything arrives: sources are known
             nodes = self._nodes_from_search(source)
@@ -168,7 +207,12 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             gen = self._sync_deltas(query_str, first, chunks, nodes, metadata)
             return StreamingResponse(gen, source_nodes=nodes, metadata=metadata)
         result = self.cache.query(
-            query_str, search=source, top_k=self.similarity_top_k, sampling=self.sampling
+            query_str,
+            search=source,
+            top_k=self.similarity_top_k,
+            sampling=self.sampling,
+            prompt=self.app_prompt,
+            cache_salt=self.cache_salt,
         )
         return self._response(query_str, result, source)
 
@@ -176,7 +220,12 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         source = self._begin(query_str)
         if self.streaming:
             chunks = self.cache.astream(
-                query_str, search=source, top_k=self.similarity_top_k, sampling=self.sampling
+                query_str,
+                search=source,
+                top_k=self.similarity_top_k,
+                sampling=self.sampling,
+                prompt=self.app_prompt,
+                cache_salt=self.cache_salt,
             )
             first = await anext(chunks)
             nodes = self._nodes_from_search(source)
@@ -184,7 +233,12 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             agen = self._async_deltas(query_str, first, chunks, nodes, metadata)
             return AsyncStreamingResponse(agen, source_nodes=nodes, metadata=metadata)
         result = await self.cache.aquery(
-            query_str, search=source, top_k=self.similarity_top_k, sampling=self.sampling
+            query_str,
+            search=source,
+            top_k=self.similarity_top_k,
+            sampling=self.sampling,
+            prompt=self.app_prompt,
+            cache_salt=self.cache_salt,
         )
         return self._response(query_str, result, source)
 
@@ -262,6 +316,27 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         return {**result.report(), "ragcache_result": result}
 
 
+def check_index(index: object) -> None:
+    """`TypeError` unless `index` is a `VectorStoreIndex`, naming what to do with the
+    objects people pass instead (a retriever, a bare vector store)."""
+    if isinstance(index, VectorStoreIndex):
+        return
+    where, expected = "as_query_engine(index)", "a LlamaIndex VectorStoreIndex"
+    if isinstance(index, BaseRetriever):
+        fix = (
+            "pass the index itself (as_query_engine(index, cache=cache)), or keep this retriever "
+            "with RAGCacheQueryEngine.from_retriever(retriever, cache=cache)"
+        )
+    elif isinstance(index, BasePydanticVectorStore):
+        fix = (
+            "wrap the store in an index first: VectorStoreIndex.from_vector_store(store, "
+            "embed_model=...), then as_query_engine(index, cache=cache)"
+        )
+    else:
+        fix = ""
+    raise wrong_type(where, expected, index, fix)
+
+
 def _check_query(query: object) -> None:
     text = query.query_str if isinstance(query, QueryBundle) else query
     if not isinstance(text, str) or not text.strip():
@@ -281,6 +356,7 @@ def as_query_engine(
     prompt: BasePromptTemplate | str | PromptConfig | None = None,
     sampling: SamplingConfig | None = None,
     streaming: bool = False,
+    cache_salt: str | None = None,
     **search_options: Any,
 ) -> RAGCacheQueryEngine:
     """The one-line replacement for `index.as_query_engine(...)` (see `from_index`)."""
@@ -291,5 +367,6 @@ def as_query_engine(
         prompt=prompt,
         sampling=sampling,
         streaming=streaming,
+        cache_salt=cache_salt,
         **search_options,
     )
