@@ -11,7 +11,7 @@ knowledge base whose search costs what a real one does (the paper's Table 3).
                     time), then L one at a time; vllm's gives search's share of its TTFT
       Poisson load  ragcache and ragcache-nospec, `repeats` rounds, order rotated, at one rate
                     for every ratio (`start_fraction` / vllm's light-load service time at the
-                    highest ratio, unless --rate)
+                    highest ratio, unless --rate); none with --light-only
     reported        mean TTFT and non-overlapped search time (the search time an answer waited
                     for: all of it without speculation, the part before the adopted
                     speculation started with it) with min..max spreads; search time per stage,
