@@ -30,8 +30,20 @@ maintenance = st.one_of(
 operation = st.one_of(begin, begin, finish, finish, maintenance)
 
 
-def _held(handle: RequestHandle) -> list[tuple[Node, dict[Tier, tuple[int, ...]]]]:
-    return [(node, dict(node.slots)) for node in handle.ledger.pins]
+def _held(
+    handle: RequestHandle, others: list[tuple[RequestHandle, Any]]
+) -> list[tuple[Node, dict[Tier, tuple[int, ...]]]]:
+    """The copies `handle`'s pinned nodes have and that are complete: a copy another open
+    request is still writing is not one a pin keeps (its writer's abort drops it; the tree
+    found this with a root's host backup that the aborted writer was storing)."""
+    writing = {(id(n), tier) for h, _ in others for n, tier in h.ledger.pending}
+    return [
+        (
+            node,
+            {tier: slots for tier, slots in node.slots.items() if (id(node), tier) not in writing},
+        )
+        for node in handle.ledger.pins
+    ]
 
 
 def _check_pins(open_handles: list[tuple[RequestHandle, Any]]) -> None:
@@ -96,7 +108,7 @@ def test_random_lifecycles_keep_invariants(
                 assert span.token_start >= loaded
             for span in plan.load:
                 assert all(s < (gpu if span.tier is Tier.GPU else host) for s in span.slots)
-            open_handles.append((handle, _held(handle)))
+            open_handles.append((handle, _held(handle, open_handles)))
         elif kind in ("confirm", "abort") and open_handles:
             handle, _ = open_handles.pop(op[1] % len(open_handles))
             (cache.confirm if kind == "confirm" else cache.abort)(handle)
