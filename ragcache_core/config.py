@@ -15,6 +15,11 @@ from typing import Any, ClassVar
 from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate
 from ragcache_core.errors import ConfigError, SamplingError
 
+SPECULATION_MIN_SEARCH_S = 0.1
+"""Speculation's gate by default: on a source whose searches take under 100 ms (every shipped
+workload's but search-heavy's: well under 1 ms) speculation was measured to cost, above it to
+gain; docs/benchmarks.md, "Search-heavy"."""
+
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents below."
 )
@@ -360,6 +365,10 @@ class CacheConfig:
     requests in prefill within `max_num_batched_tokens` (vLLM's per-step budget); the rest
     wait in the reordering queue. Speculation starts only while both have room."""
     speculation: bool = True
+    speculation_min_search_s: float = SPECULATION_MIN_SEARCH_S
+    """Speculate only while this RAGCache's recent searches (a moving mean per search source,
+    `runtime.speculation.SearchClock`) took at least this long; 0 always speculates. Below it
+    there is too little search to hide (docs/benchmarks.md, "Search-heavy")."""
     top_k: int = 2
 
     # Prompt and sampling.
@@ -405,6 +414,10 @@ class CacheConfig:
             raise ConfigError(f"max_cached_depth cannot be negative, got {self.max_cached_depth}")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if not self.speculation_min_search_s >= 0:  # NaN too
+            raise ConfigError(
+                f"speculation_min_search_s cannot be negative, got {self.speculation_min_search_s}"
+            )
         if self.max_retries < 0:
             raise ConfigError(f"max_retries cannot be negative, got {self.max_retries}")
 

@@ -39,7 +39,12 @@ class Counters:
     speculation_started: int = 0
     speculation_aborted: int = 0
     speculation_used: int = 0
+    speculation_gated: int = 0
+    """Searches that could speculate but did not: recent searches were faster than
+    `CacheConfig.speculation_min_search_s`."""
     search_hidden_s: float = 0.0
+    speculation_aborted_s: float = 0.0
+    """Time the aborted speculations were in flight (started to aborted): wasted work."""
     ttft_sum_s: float = 0.0
     prompt_moved_cuts: int = 0
     prompt_unplaced_docs: int = 0
@@ -157,18 +162,26 @@ class Metrics:
         self.restarts.inc()
 
     def record_speculation(
-        self, outcome: Literal["started", "aborted", "used"], *, search_hidden_s: float = 0.0
+        self,
+        outcome: Literal["started", "aborted", "used", "gated"],
+        *,
+        search_hidden_s: float = 0.0,
+        in_flight_s: float = 0.0,
     ) -> None:
-        """A speculative generation `started`, was `aborted` (wrong documents) or `used`
-        (`search_hidden_s`: the search time it overlapped)."""
+        """A speculative generation `started`, was `aborted` (wrong documents; `in_flight_s`:
+        how long it ran) or `used` (`search_hidden_s`: the search time it overlapped); or a
+        search did not speculate because searches were fast (`gated`)."""
         c = self.counters
         if outcome == "started":
             c.speculation_started += 1
         elif outcome == "aborted":
             c.speculation_aborted += 1
+            c.speculation_aborted_s += in_flight_s
         elif outcome == "used":
             c.speculation_used += 1
             c.search_hidden_s += search_hidden_s
+        elif outcome == "gated":
+            c.speculation_gated += 1
         else:
             raise ValueError(f"unknown speculation outcome {outcome!r}")
         self.speculation.labels(outcome).inc()

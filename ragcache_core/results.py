@@ -64,6 +64,10 @@ class QueryResult:
     finish_reason: str | None = None
     speculative: bool = False
     """True when the answer came from a speculative generation started before the search ended."""
+    search_hidden_s: float = 0.0
+    """The part of `retrieval_s` that the adopted speculative generation overlapped (from its
+    start to the search's end); 0 when the answer was not speculative. `retrieval_s -
+    search_hidden_s` is the search time the answer waited for (non-overlapped)."""
     retries: int = 0
     scores: tuple[float, ...] = ()
     """The search scores of `sources` (empty when the caller gave the documents)."""

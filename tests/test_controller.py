@@ -165,8 +165,14 @@ def test_speculation_on_and_off_give_the_same_answer(cache: RAGCache) -> None:
     assert after["speculation_used"] - before["speculation_used"] == 1
     assert speculative.speculative
     assert speculative.sources == tuple(final)
+    # The adopted speculation started on the second stage (after two 0.3 s stages): the
+    # answer waited for those, and the rest of the search was overlapped.
+    hidden = speculative.search_hidden_s
+    assert 0.0 < hidden < speculative.retrieval_s
+    assert speculative.retrieval_s - hidden >= 0.55
+    assert after["search_hidden_s"] - before["search_hidden_s"] == pytest.approx(hidden, abs=0.05)
     plain = cache.query(question, search=ScriptedSource([final]))
-    assert not plain.speculative
+    assert not plain.speculative and plain.search_hidden_s == 0.0
     assert speculative.token_ids == plain.token_ids == reference(cache, question, final)
 
 
@@ -179,7 +185,8 @@ def test_wrong_speculation_never_leaks(cache: RAGCache) -> None:
     result = cache.query(question, search=source)
     after = cache.stats()
     assert after["speculation_aborted"] - before["speculation_aborted"] == 1
-    assert not result.speculative
+    assert after["speculation_aborted_s"] > before["speculation_aborted_s"]
+    assert not result.speculative and result.search_hidden_s == 0.0
     assert result.sources == tuple(final)
     assert result.token_ids == reference(cache, question, final)
     assert result.token_ids != reference(cache, question, wrong)
@@ -210,6 +217,38 @@ def test_rapid_stage_changes_leak_no_slot(cache: RAGCache) -> None:
         result = asyncio.run(asyncio.wait_for(cache.aquery(question, search=source), 60))
         assert result.token_ids == reference(cache, question, final)
     assert cache.stats()["in_prefill"] == 0
+
+
+def test_speculation_waits_for_a_source_whose_searches_are_slow(cache: RAGCache) -> None:
+    """The gate (`speculation_min_search_s`): a source measured faster than it starts no
+    speculation; one not measured yet, or slow, does. Answers are the same either way."""
+    queries = cache._queries
+    saved = queries._config
+    queries._config = saved.with_(speculation_min_search_s=0.25)
+    final = [DOCS[0], DOCS[3]]
+    fast = ScriptedSource([[DOCS[1], DOCS[2]], final], delay_s=0.0)
+    slow = ScriptedSource([final, final], delay_s=0.2)
+    question = "Which capital is the oldest?"
+    try:
+        s0 = cache.stats()
+        first = cache.query(question, search=fast)  # not measured yet: speculates
+        s1 = cache.stats()
+        second = cache.query(question, search=fast)  # measured at a few ms: gated
+        s2 = cache.stats()
+        third = cache.query(question, search=slow)  # not measured yet, then 0.4 s
+        fourth = cache.query(question, search=slow)
+        s3 = cache.stats()
+    finally:
+        queries._config = saved
+    assert s1["speculation_started"] - s0["speculation_started"] == 1
+    assert s1["speculation_gated"] == s0["speculation_gated"]
+    assert s2["speculation_started"] == s1["speculation_started"]
+    assert s2["speculation_gated"] - s1["speculation_gated"] == 1 and not second.speculative
+    assert third.speculative and fourth.speculative
+    assert s3["speculation_gated"] == s2["speculation_gated"]
+    assert queries.clock.mean_s(fast) < 0.25 <= queries.clock.mean_s(slow)  # type: ignore[operator]
+    expected = reference(cache, question, final)
+    assert first.token_ids == second.token_ids == third.token_ids == expected
 
 
 def test_speculation_that_cannot_fit_is_skipped(cache: RAGCache) -> None:

@@ -30,6 +30,8 @@ from ragcache_core.config import CacheConfig
 from ragcache_core.search import SearchSource
 
 SMOKE_RATE = 4.0
+HEAVY_NAME = "search-heavy"
+"""`bench.search_heavy.NAME`: that workload runs alone, its own way."""
 
 
 def tqdm_recorder(log: TextIO) -> Recorder:
@@ -91,6 +93,17 @@ def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[
         "ablations": None,
     }
     bar = tqdm_recorder(log)
+    if mode.workloads == (HEAVY_NAME,):
+        from ragcache_core.bench.search_heavy import run_search_heavy
+
+        def checkpoint(done: dict[str, Any]) -> None:  # what is done survives a later failure
+            _write_json(done, args.out, started)
+
+        document = run_search_heavy(
+            mode.name, args, model, config, document["settings"], bar, log, checkpoint
+        )
+        _write_json(document, args.out, started)
+        return document
     engines = Engines(model, config, log)
     fixed = args.rate if args.rate is not None else (SMOKE_RATE if mode.name == "smoke" else None)
     try:

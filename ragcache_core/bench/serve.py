@@ -127,6 +127,10 @@ class Outcome:
     gpu_docs: int = 0
     host_docs: int = 0
     speculative: bool = False
+    search_s: float = 0.0
+    """Arrival to the end of the search (0 when the request brought its documents)."""
+    search_hidden_s: float = 0.0
+    """The part of `search_s` an adopted speculation overlapped (RAGCache only)."""
 
 
 class ServedSystem(Protocol):
@@ -226,11 +230,13 @@ class BaselineSystem:
     async def serve(self, request: Request, request_id: str) -> Outcome:
         t0 = time.perf_counter()
         documents = request.documents
+        search_s = 0.0
         if documents is None:
             if self.source is None:
                 raise ValueError("this request retrieves, but the system has no search source")
             found = await asyncio.to_thread(final_result, self.source, request.question, self.top_k)
             documents = found.documents
+            search_s = time.perf_counter() - t0
         prompt = self.prompts.build(request.question, documents)
         first, tokens, cached = 0.0, cast(tuple[int, ...], ()), 0
         async for event in self.engine.stream(request_id, prompt.token_ids, self.config.sampling):
@@ -239,7 +245,13 @@ class BaselineSystem:
             tokens, cached = event.token_ids, max(cached, event.num_cached_tokens)
         done = time.perf_counter()
         return Outcome(
-            first - t0, done - t0, tuple(tokens), prompt.num_tokens, cached, len(documents)
+            first - t0,
+            done - t0,
+            tuple(tokens),
+            prompt.num_tokens,
+            cached,
+            len(documents),
+            search_s=search_s,
         )
 
     async def reset(self) -> None:
@@ -290,13 +302,20 @@ class RAGCacheSystem:
             hits.gpu_docs,
             hits.host_docs,
             result.speculative,
+            result.retrieval_s,
+            result.search_hidden_s,
         )
 
     def counters(self) -> dict[str, Any]:
         """RAGCache's own counters since the last reset (warm-up requests included):
         speculation outcomes, and requests deferred on a document in flight."""
         stats = self.cache.stats()
-        keys = ("speculation_started", "speculation_aborted", "speculation_used")
+        keys = (
+            "speculation_started",
+            "speculation_aborted",
+            "speculation_used",
+            "speculation_aborted_s",
+        )
         counted = {k: stats[k] for k in keys if k in stats}
         counted["deferrals"] = stats["deferrals"] - self._deferrals_at_reset
         return counted

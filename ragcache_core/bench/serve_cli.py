@@ -4,8 +4,12 @@
     ragcache bench serve --quick            # real figures in under 10 minutes (demo stream)
     ragcache bench serve                    # the full sweep (~1.7 hours here, estimated by parts)
     ragcache bench serve --workloads long,noreuse --systems vllm,ragcache --repeats 3
+    ragcache bench serve --workloads search-heavy   # speculation's ablation, 1M-row index
 
 Writes DIR/serve.json (settings, git commit, every point) and PNG plots into `--out`.
+`search-heavy` (`bench.search_heavy`) runs alone: the real documents in an IVF index padded to
+1M rows, search on one core and vLLM on the other, ragcache against ragcache-nospec at each
+search ratio.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from typing import Any
 
 from ragcache_core.bench.serve import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
 from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS
+
+HEAVY = "search-heavy"
+"""`bench.search_heavy.NAME` (not imported here: `--help` stays light)."""
 
 
 def register(bench_subparsers: Any) -> None:
@@ -34,7 +41,9 @@ def register(bench_subparsers: Any) -> None:
     mode.add_argument("--smoke", action="store_true", help="tiny model, a few requests, no sweep")
     mode.add_argument("--quick", action="store_true", help="real figures in under 10 minutes")
     p.add_argument("--model", type=Path, default=None, help="a local checkpoint folder")
-    p.add_argument("--workloads", default=None, help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--workloads", default=None, help=f"comma list of {', '.join(WORKLOADS)}, or {HEAVY}"
+    )
     p.add_argument("--systems", default=None, help=f"comma list of {', '.join(MAIN_SYSTEMS)}")
     p.add_argument(
         "--ablations", default=None, help=f"comma list of {', '.join(ABLATIONS)}, or none"
@@ -56,6 +65,26 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--gpu-pool-tokens", type=int, default=8192)
     p.add_argument("--host-pool-tokens", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
+    heavy = p.add_argument_group("search-heavy (speculation's ablation)")
+    heavy.add_argument(
+        "--search-ratios", default=None, help="shares of the IVF lists probed, e.g. 0.125,0.25,1"
+    )
+    heavy.add_argument("--search-stages", type=int, default=None, help="stages per search")
+    heavy.add_argument("--kb-vectors", type=int, default=None, help="index rows, padding included")
+    heavy.add_argument("--kb-nlist", type=int, default=None, help="IVF lists")
+    heavy.add_argument("--kb-dimension", type=int, default=None, help="embedding dimension")
+    heavy.add_argument("--kb-codes", choices=("sq8", "fp16", "float32"), default=None)
+    heavy.add_argument(
+        "--light-only",
+        action="store_true",
+        help="one request at a time only (no Poisson stream per ratio)",
+    )
+    heavy.add_argument(
+        "--no-core-split",
+        dest="core_split",
+        action="store_false",
+        help="let search and vLLM share every core (default: one each)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-serve"), help="folder for JSON + PNGs")
     p.add_argument("--json", action="store_true", help="print the JSON document to stdout")
     p.set_defaults(func=_run)
@@ -101,9 +130,12 @@ def resolve_mode(args: argparse.Namespace) -> Any:
     overrides = {k: getattr(args, k) for k in ("requests", "warmup", "repeats", "max_points")}
     mode = replace(mode, **{k: v for k, v in overrides.items() if v is not None})
     systems = _names(args.systems, mode.systems, tuple(SYSTEMS), "system(s)")
+    workloads = _names(args.workloads, mode.workloads, (*WORKLOADS, HEAVY), "workload(s)")
+    if HEAVY in workloads and len(workloads) > 1:
+        raise CliError(f"{HEAVY} runs alone (its engines are pinned to their cores)")
     return replace(
         mode,
-        workloads=_names(args.workloads, mode.workloads, WORKLOADS, "workload(s)"),
+        workloads=workloads,
         systems=systems,
         ablations=_names(args.ablations, mode.ablations, ABLATIONS, "ablation(s)"),
     )
@@ -127,6 +159,10 @@ def _run(args: argparse.Namespace) -> int:
         document = run_bench(mode, args, model)
     if args.json:
         print(json.dumps(document, indent=1))
+    elif mode.workloads == (HEAVY,):
+        from ragcache_core.bench.search_heavy import print_search_heavy
+
+        print_search_heavy(document, sys.stdout)
     else:
         from ragcache_core.bench.report import print_tables
 

