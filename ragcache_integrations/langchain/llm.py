@@ -123,24 +123,11 @@ class DocumentMemory(BaseCallbackHandler):
     def find(self, prompt: str) -> tuple[Document, ...]:
         """The remembered documents found in `prompt`, in prompt order, each shown exactly as
         found (`prompt_text`); overlapping finds keep the earliest, longest one. Pure."""
-        with self._lock:
-            docs = list(self._docs.values())
-        found = []
-        for doc in docs:
-            start = prompt.find(doc.text)
-            if start >= 0:
-                found.append((start, -len(doc.text), doc))
-        found.sort(key=lambda item: (item[0], item[1]))
-        chosen, end = [], 0
-        for start, neg_len, doc in found:
-            if start >= end:
-                chosen.append(replace(doc, prompt_text=doc.text))
-                end = start - neg_len
-        return tuple(chosen)
+        return tuple(replace(doc, prompt_text=doc.text) for _, _, doc in self._spans(prompt))
 
-    def split(self, prompt: str) -> PromptSplit | None:
-        """Find remembered documents in `prompt` (pure; None when none are found or the text
-        between two found documents is more than a short separator)."""
+    def _spans(self, prompt: str) -> list[tuple[int, int, Document]]:
+        """(start, end, document) of each remembered document found in `prompt`, by position;
+        of overlapping finds the earliest, longest one."""
         with self._lock:
             docs = list(self._docs.values())
         found = []
@@ -155,6 +142,12 @@ class DocumentMemory(BaseCallbackHandler):
             if start >= end:  # skip documents overlapping one already chosen
                 chosen.append((start, start - neg_len, doc))
                 end = start - neg_len
+        return chosen
+
+    def split(self, prompt: str) -> PromptSplit | None:
+        """Find remembered documents in `prompt` (pure; None when none are found or the text
+        between two found documents is more than a short separator)."""
+        chosen = self._spans(prompt)
         if not chosen:
             return None
         for (_, prev_end, _), (start, _, _) in itertools.pairwise(chosen):
