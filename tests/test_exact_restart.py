@@ -53,6 +53,9 @@ def test_host_pool_survives_engine_restart(engine_pool, tiny_model: Path) -> Non
         )
         assert hit.connector.host_tokens == 128
         assert hit.token_ids == reference.token_ids == stored.token_ids
-        assert hit.logprobs == reference.logprobs
+        # The loaded KV was computed by the first engine's process and the reference by the
+        # second one's: two processes' float32 kernels agree to rounding, not always to the bit
+        # (CI saw 5e-7 once). A wrong KV moves logprobs by far more than this bound.
+        assert hit.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
     finally:
         second.close(unlink_host_pool=True)

@@ -1,5 +1,6 @@
-"""The quickstart scripts and notebooks run end to end (tiny model, two questions) and show the
-repeated question's documents served from the cache; quietly: vLLM's own lines go to the log
+"""The quickstart scripts and notebooks and the chat scripts run end to end (tiny model, two
+questions or two two-turn conversations) and show the repeated question's documents served from
+the cache; quietly: vLLM's own lines go to the log
 file they name, Faiss has enough points per IVF list, and nothing is printed at exit. The
 notebooks run with the command `examples/README.md` gives (`jupyter execute`)."""
 
@@ -17,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 QUICK = {"RAGCACHE_EXAMPLE_MODEL_SIZE": "tiny", "RAGCACHE_EXAMPLE_QUESTIONS": "2"}
 NAMES = ["llama_index_quickstart", "langchain_quickstart"]
+CHATS = ["llama_index_chat", "langchain_chat"]
 # On the terminal (or in a cell) these mean vLLM's lines, Faiss's warning or a noisy exit.
 NOISE = (
     "(EngineCore",
@@ -44,7 +46,7 @@ def _assert_quiet(output: str, log: Path) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + CHATS)
 def test_example_script(name: str, tiny_model: Path, tmp_path: Path) -> None:
     log = tmp_path / "vllm.log"
     done = subprocess.run(
@@ -58,10 +60,13 @@ def test_example_script(name: str, tiny_model: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_quiet(done.stdout + done.stderr, log)
     hit_lines = [line for line in done.stdout.splitlines() if "cache hits:" in line]
-    assert len(hit_lines) >= 3  # two questions and the repeat
+    assert len(hit_lines) >= 3  # two questions (or turns) and the repeat
     assert "cache hits: 0 GPU" in hit_lines[0]  # cold
-    assert "cache hits: 2 GPU" in hit_lines[2]  # the repeat of question 1
+    assert "cache hits: 2 GPU" in hit_lines[2]  # the repeat of question 1 (or conversation 1)
     assert "prompt tokens saved" in done.stdout
+    if name in CHATS:  # turn 2 carries turn 1, and conversation 2 starts afresh
+        history = [line for line in done.stdout.splitlines() if "history of " in line]
+        assert [("history of 2 messages" in line) for line in history] == [False, True] * 2
 
 
 def test_notebook_kernel_is_this_python() -> None:

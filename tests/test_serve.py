@@ -337,6 +337,32 @@ def test_chat_openai_changed_only_in_base_url_hits_on_repeat(
     assert headers["x-ragcache-hit-documents"] == "2"
 
 
+def test_llama_index_openai_like_changed_only_in_api_base_hits_on_repeat(
+    server: ServerProcess, references: dict[str, Any]
+) -> None:
+    """LlamaIndex's OpenAILike pointed at the server (nothing else changed) hits on a repeat;
+    the report reaches it in the raw response."""
+    openai_like = pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core.llms import ChatMessage
+
+    llm = openai_like.OpenAILike(
+        api_base=f"{server.url}/v1",
+        api_key=KEY,
+        model=server_model(server),
+        is_chat_model=True,
+        max_tokens=8,
+        temperature=0,
+    )
+    messages = [ChatMessage(role=m["role"], content=m["content"]) for m in FOUND_MESSAGES]
+    first, again = llm.chat(messages), llm.chat(messages)
+    reports = [response.raw.model_extra["ragcache"] for response in (first, again)]
+    assert all(report["found_documents"] for report in reports)
+    assert reports[1]["documents"] == [d.id for d in FOUND]
+    hits = reports[1]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == 2
+    assert again.message.content == first.message.content
+
+
 def test_completions_with_documents_take_the_prompt_as_question(
     oai: openai.OpenAI, references: dict[str, Any]
 ) -> None:
