@@ -6,6 +6,9 @@ it computed, so the reports can be checked against the runs (no vLLM runs here).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,3 +205,46 @@ def test_profile_grid_is_the_time_of_each_cached_and_new_pair(
     assert [list(row) for row in profile.prefill_s] == [
         [pytest.approx(t) for t in row] for row in expected
     ]
+
+
+# ---------------------------------------------------------------- the real engine (tiny model)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ragcache_core", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.vllm
+def test_bench_prefill_runs_on_the_real_engine(tiny_model: Path) -> None:
+    """`ragcache bench prefill` as documented, on vLLM: its one-token runs store (a
+    `max_tokens=1` request finishes in the step that stores it), the hits load every document
+    token of whole blocks, and each time is a real TTFT."""
+    done = _cli(
+        *("bench", "prefill", "--model", str(tiny_model)),
+        *("--doc-tokens", "128", "--repeats", "1", "--json"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads(done.stdout)["results"]
+    assert result["doc_tokens"] == 128
+    assert result["alignment_recomputed_tokens"] == 0  # 128 tokens: whole blocks, all loaded
+    assert all(result[k] > 0 for k in ("full_s", "gpu_hit_s", "host_hit_s", "floor_s"))
+
+
+@pytest.mark.vllm
+def test_profile_runs_on_the_real_engine(tiny_model: Path, tmp_path: Path) -> None:
+    """`ragcache profile` as documented, on vLLM: a 2 x 2 grid whose cached points stored
+    and loaded (the run fails otherwise), written as the cost model reads it."""
+    from ragcache_core.cost.profile import CostProfile
+
+    out = tmp_path / "profile.json"
+    done = _cli(
+        *("profile", "--model", str(tiny_model), "--out", str(out)),
+        *("--cached", "0", "128", "--new", "16", "32", "--repeats", "1"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = json.loads(out.read_text())
+    assert (profile["cached_tokens"], profile["new_tokens"]) == ([0, 128], [16, 32])
+    assert all(t > 0 for row in profile["prefill_s"] for t in row)
+    CostProfile.load(out)  # the cost model accepts it

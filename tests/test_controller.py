@@ -137,6 +137,20 @@ def test_answers_equal_plain_vllm_and_repeats_hit(cache: RAGCache) -> None:
     assert stats["tree"]["roots"] == 1 and metric(cache, "ragcache_roots") == 1
 
 
+def test_a_one_token_answer_stores_its_documents(cache: RAGCache) -> None:
+    """A `max_tokens=1` request (a letter answer) finishes in the step that stores its
+    documents, before that step's worker report: its documents are still cached, and the
+    next request hits them, exactly."""
+    cache.clear()
+    one = SamplingConfig(max_tokens=1, ignore_eos=True)
+    docs = [DOCS[2], DOCS[3]]
+    first = cache.generate("Which city is older?", docs, sampling=one)
+    assert first.hits.hit_docs == 0 and len(first.token_ids) == 1
+    second = cache.generate("Which city is larger?", docs, sampling=one)
+    assert second.hits.gpu_docs == 2
+    assert second.token_ids == reference(cache, "Which city is larger?", docs)[:1]
+
+
 def test_concurrent_requests_are_exact(cache: RAGCache) -> None:
     cache.clear()
     questions = [f"Question number {i}?" for i in range(6)]

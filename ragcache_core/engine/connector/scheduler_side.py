@@ -13,6 +13,7 @@ Pure Python over vLLM's scheduler objects; no tensors.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerR
 from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +63,8 @@ class SchedulerSide:
         self.config = config
         self.block_size = block_size
         self._tracked: dict[str, _Tracked] = {}
+        self._unconfirmed_stores: set[str] = set()
+        """Requests reported stored at `finished` before their step's worker report came."""
 
     def track_and_count_loads(
         self, req_id: str, params: dict[str, Any] | None, prompt_len: int, num_computed: int
@@ -113,9 +118,17 @@ class SchedulerSide:
         return step
 
     def on_worker_report(self, report: object) -> None:
-        """A step's outcome. Load failures: vLLM recomputes from the failed span's block, so
-        the prompt will be completed again and the store must be sent again then. Stores that
-        ran and copy times are recorded for the request's final report."""
+        """A step's outcome (vLLM calls it after a step whose workers had something to
+        report; a store that ran always has). Load failures: vLLM recomputes from the failed
+        span's block, so the prompt will be completed again and the store must be sent again
+        then. Stores that ran and copy times are recorded for the request's final report; a
+        store counted at `finished` that the next report lacks is logged as the bug it would
+        be."""
+        unconfirmed, self._unconfirmed_stores = self._unconfirmed_stores, set()
+        if isinstance(report, WorkerReport):
+            unconfirmed -= report.stored
+        for req_id in sorted(unconfirmed):
+            logger.error("RAGCache: request %s finished, but its store did not run", req_id)
         if not isinstance(report, WorkerReport):
             return
         for req_id, (load_s, store_s) in report.copy_s.items():
@@ -138,10 +151,21 @@ class SchedulerSide:
             tracked.loaded_end = min(tracked.loaded_end, first - first % self.block_size)
 
     def finished(self, req_id: str) -> dict[str, Any] | None:
-        """Forget the request; its report for `RequestOutput.kv_transfer_params`."""
+        """Forget the request; its report for `RequestOutput.kv_transfer_params`.
+
+        A store sent in this step counts as run: vLLM calls this hook (`request_finished`)
+        before the same step's worker report reaches `on_worker_report`, and a `max_tokens=1`
+        request finishes in the step that stores it. It has run by now: scheduling is
+        synchronous (step N+1 is scheduled after step N's output), the worker's store is
+        synchronous and a failing one fails the step, and the worker skips a store only for a
+        request whose load failed in that step, which vLLM does not finish in that step
+        (`update_from_output` skips it). The step's report is still checked."""
         tracked = self._tracked.pop(req_id, None)
         if tracked is None:
             return None
+        if tracked.store_sent and tracked.plan.store and not tracked.store_ran:
+            tracked.store_ran = True
+            self._unconfirmed_stores.add(req_id)
         return {RESULT_KEY: _result(tracked).to_json()}
 
     def hit_tokens_by_tier(self, req_id: str) -> dict[Tier, int]:
