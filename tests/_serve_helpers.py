@@ -129,11 +129,15 @@ def started(
     api_key: str | None = None,
     *,
     admin_key: str | None = None,
+    wait: bool = True,
 ) -> Iterator[ServerProcess]:
-    """A started server for a fixture (stopped and its log shown on failure)."""
+    """A started server for a fixture (stopped and its log shown on failure). `wait=False`
+    yields it while it boots, so a fixture can compute in-process references meanwhile and
+    call `wait_ready` after (two engines at once for a while: the boot is mostly imports)."""
     server = ServerProcess(model, args, log, api_key, admin_key=admin_key)
     try:
-        server.wait_ready()
+        if wait:
+            server.wait_ready()
         yield server
     finally:
         code = server.stop()

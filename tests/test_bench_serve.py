@@ -11,7 +11,10 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,20 +229,56 @@ def test_bad_arguments_are_one_line_exit_2(args: tuple[str, ...], message: str) 
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+QUICK_SYSTEMS = ("vllm", "ragcache")
+Runs = dict[str, Future[tuple[subprocess.CompletedProcess[str], Path]]]
+"""A test's engine run (its process and its --out folder), by test name."""
+
+
+def _engine_runs(model: Path, out: Path) -> dict[str, list[str]]:
+    """The command line of each test below that runs real engines, by test name."""
+    common = ["--model", str(model), "--out", str(out)]
+    return {
+        "test_smoke_serves_every_request_with_identical_answers": [
+            *("--smoke", "--systems", ",".join(SYSTEMS), *common, "--json")
+        ],
+        "test_quick_prints_a_calibrated_ladder_of_repeated_points": [
+            *("--quick", "--systems", ",".join(QUICK_SYSTEMS), *common),
+            *("--warmup", "2", "--requests", "3"),
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def engine_runs(
+    request: pytest.FixtureRequest,
+    tiny_model: Path,
+    engine_pool: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Runs]:
+    """The selected runs, started on first use, both at once: each is its own process (its
+    numbers are not compared with the other's), and most of a run is starting Python and
+    vLLM's engine processes, one core each."""
+    engine_pool.close()  # no test engine beside the runs' own
+
+    def run(name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        out = tmp_path_factory.mktemp(name[5:20])
+        return _cli(*_engine_runs(tiny_model, out)[name]), out
+
+    names = set(_engine_runs(tiny_model, Path()))
+    selected = [
+        item.originalname
+        for item in request.session.items
+        if isinstance(item, pytest.Function) and item.originalname in names
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(run, name) for name in selected}
+
+
 @pytest.mark.vllm
 def test_smoke_serves_every_request_with_identical_answers(
-    tiny_model: Path, tmp_path: Path
+    request: pytest.FixtureRequest, engine_runs: Runs
 ) -> None:
-    result = _cli(
-        "--smoke",
-        "--model",
-        str(tiny_model),
-        "--systems",
-        ",".join(SYSTEMS),
-        "--out",
-        str(tmp_path),
-        "--json",
-    )
+    result, tmp_path = engine_runs[request.node.originalname].result()
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert document == json.loads((tmp_path / "serve.json").read_text())
@@ -294,15 +333,14 @@ the repeats, ms), req/s, token and document hit rates."""
 
 @pytest.mark.vllm
 def test_quick_prints_a_calibrated_ladder_of_repeated_points(
-    tiny_model: Path, tmp_path: Path
+    request: pytest.FixtureRequest, tiny_model: Path, engine_runs: Runs
 ) -> None:
     """`ragcache bench serve --quick` as documented, its printed tables (not --json), on the
     tiny model and cut to 2 + 3 requests per point for the suite: the light load calibrates
     the first rate (1.0 / vllm's light-load service time), the ladder doubles it, each point
     runs twice and prints its min..max, RAGCache hits (plain vLLM does not), answers agree."""
-    systems = ("vllm", "ragcache")
-    args = ["--model", str(tiny_model), "--systems", ",".join(systems), "--out", str(tmp_path)]
-    result = _cli("--quick", *args, "--warmup", "2", "--requests", "3")
+    systems = QUICK_SYSTEMS
+    result, tmp_path = engine_runs[request.node.originalname].result()
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads((tmp_path / "serve.json").read_text())
     mode = document["settings"]["mode"]

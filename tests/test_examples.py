@@ -2,7 +2,11 @@
 questions or two two-turn conversations) and show the repeated question's documents served from
 the cache; quietly: vLLM's own lines go to the log
 file they name, Faiss has enough points per IVF list, and nothing is printed at exit. The
-notebooks run with the command `examples/README.md` gives (`jupyter execute`)."""
+notebooks run with the command `examples/README.md` gives (`jupyter execute`).
+
+The runs are separate processes with nothing shared but the built model, so the module starts
+them two at a time (most of a run is starting Python, vLLM and its engine processes, which use
+one core each) and each test checks its own run's outcome."""
 
 from __future__ import annotations
 
@@ -10,7 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,18 +53,75 @@ def _assert_quiet(output: str, log: Path) -> None:
     assert "Initializing a V1 LLM engine" in log.read_text()  # vLLM's lines went there
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize("name", NAMES + CHATS)
-def test_example_script(name: str, tiny_model: Path, tmp_path: Path) -> None:
-    log = tmp_path / "vllm.log"
+@dataclass(frozen=True)
+class Run:
+    """One example's finished process and where it ran."""
+
+    done: subprocess.CompletedProcess[str]
+    log: Path
+    folder: Path
+
+
+def _script(name: str, folder: Path) -> Run:
+    log = folder / "vllm.log"
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / f"{name}.py")],
         capture_output=True,
         text=True,
         env=_env(log),
         cwd=REPO,
-        timeout=400,
+        timeout=600,
     )
+    return Run(done, log, folder)
+
+
+def _notebook(name: str, folder: Path) -> Run:
+    copy = folder / f"{name}.ipynb"  # run beside a copy: --output writes next to its input
+    shutil.copy(EXAMPLES / f"{name}.ipynb", copy)
+    log = folder / "vllm.log"
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("jupyter")),
+            *("execute", "--timeout=300", "--output={notebook_name}-out", str(copy)),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(log),
+        cwd=REPO,
+        timeout=800,
+    )
+    return Run(done, log, folder)
+
+
+KINDS = {"test_example_script": _script, "test_example_notebook": _notebook}
+
+
+@pytest.fixture(scope="module")
+def runs(
+    request: pytest.FixtureRequest,
+    tiny_model: Path,
+    engine_pool: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Future[Run]]]:
+    """The selected tests' example runs, started on first use, two at a time."""
+    engine_pool.close()  # no test engine beside the examples' own
+    selected = [
+        (item.originalname, item.callspec.params["name"])
+        for item in request.session.items
+        if isinstance(item, pytest.Function) and item.originalname in KINDS
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            f"{test}:{name}": pool.submit(KINDS[test], name, tmp_path_factory.mktemp(name))
+            for test, name in selected
+        }
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", NAMES + CHATS)
+def test_example_script(name: str, runs: dict[str, Future[Run]]) -> None:
+    run = runs[f"test_example_script:{name}"].result()
+    done, log = run.done, run.log
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_quiet(done.stdout + done.stderr, log)
     hit_lines = [line for line in done.stdout.splitlines() if "cache hits:" in line]
@@ -82,23 +147,11 @@ def test_notebook_kernel_is_this_python() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMES)
-def test_example_notebook(name: str, tiny_model: Path, tmp_path: Path) -> None:
+def test_example_notebook(name: str, runs: dict[str, Future[Run]]) -> None:
     import nbformat
 
-    copy = tmp_path / f"{name}.ipynb"  # run beside a copy: --output writes next to its input
-    shutil.copy(EXAMPLES / f"{name}.ipynb", copy)
-    log = tmp_path / "vllm.log"
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("jupyter")),
-            *("execute", "--timeout=180", "--output={notebook_name}-out", str(copy)),
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(log),
-        cwd=REPO,
-        timeout=600,
-    )
+    run = runs[f"test_example_notebook:{name}"].result()
+    done, log, tmp_path = run.done, run.log, run.folder
     assert done.returncode == 0, done.stderr[-3000:]
     notebook = nbformat.read(tmp_path / f"{name}-out.ipynb", as_version=4)
     text = "\n".join(

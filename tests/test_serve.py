@@ -81,13 +81,23 @@ def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_model: Path, index_dir: Path, engine_pool: Any) -> dict[str, Any]:
+def booting(
+    tiny_model: Path, index_dir: Path, engine_pool: Any, tmp_path_factory: Any
+) -> Iterator[ServerProcess]:
+    """The server, started before the references are computed: it boots meanwhile."""
+    engine_pool.close()  # no test engine beside these two
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    args = [*SERVER_ARGS, "--index", str(index_dir)]
+    yield from started(tiny_model, args, log, api_key=KEY, admin_key=ADMIN, wait=False)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model: Path, index_dir: Path, booting: ServerProcess) -> dict[str, Any]:
     """Token ids from an in-process RAGCache (cached) and plain vLLM (no plan), closed after."""
     from ragcache_core.retrieval.index_store import LocalIndex
     from ragcache_core.runtime.prompt import PromptBuilder
     from ragcache_core.runtime.ragcache import RAGCache
 
-    engine_pool.close()  # one engine at a time
     refs: dict[str, Any] = {}
     with RAGCache(tiny_model, CONFIG) as cache:
         greedy = dataclasses.replace(SAMPLING, temperature=0.0)
@@ -150,12 +160,9 @@ def _plain(cache: Any, ids: list[int]) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_model: Path, index_dir: Path, references: dict[str, Any], tmp_path_factory: Any
-) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    args = [*SERVER_ARGS, "--index", str(index_dir)]
-    yield from started(tiny_model, args, log, api_key=KEY, admin_key=ADMIN)
+def server(booting: ServerProcess, references: dict[str, Any]) -> ServerProcess:
+    booting.wait_ready()
+    return booting
 
 
 @pytest.fixture(scope="module")

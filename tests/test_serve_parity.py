@@ -299,11 +299,20 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def refs(tiny_model: Path, engine_pool: Any) -> dict[str, Any]:
+def booting(
+    tiny_model: Path, engine_pool: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The server, started before the references are computed: it boots meanwhile."""
+    engine_pool.close()  # no test engine beside these two
+    log = tmp_path_factory.mktemp("parity-log") / "server.log"
+    yield from started(tiny_model, SERVER_ARGS, log, wait=False)
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_model: Path, booting: ServerProcess) -> dict[str, Any]:
     """Every case's references from one in-process RAGCache, closed after (module docstring)."""
     from ragcache_core.runtime.ragcache import RAGCache
 
-    engine_pool.close()  # one engine at a time
     out: dict[str, Any] = {}
     with RAGCache(tiny_model, CONFIG) as cache:
         tokenizer = cache.engine.tokenizer()
@@ -340,11 +349,9 @@ def _completion_params(body: dict[str, Any]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_model: Path, refs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("parity-log") / "server.log"
-    yield from started(tiny_model, SERVER_ARGS, log)
+def server(booting: ServerProcess, refs: dict[str, Any]) -> ServerProcess:
+    booting.wait_ready()
+    return booting
 
 
 @pytest.fixture(scope="module")
