@@ -1,4 +1,4 @@
-"""LangChain + RAGCache chat: LangChain's conversational retrieval recipe, answered by the cache.
+"""LangChain + RAGCache chat: `create_retrieval_chain` with a chat prompt, answered by the cache.
 
 `create_retrieval_chain(retriever, RAGCacheRunnable(prompt=...))` with the chain's own keys
 (`input`, `chat_history`, `context`) and your `ChatPromptTemplate` holding the history where you
@@ -6,7 +6,9 @@ put it. The documents come before the history, so they are cached and hit in eve
 and conversation that retrieves them; the turns are computed. Two conversations (two sessions)
 ask the same first question. The app keeps each session's messages itself here;
 `RunnableWithMessageHistory` around the same chain works too (docs/guide-langchain.md "Chat"),
-but LangChain 1.x deprecates it for LangGraph's persistence.
+but LangChain 1.x deprecates it for LangGraph's persistence. Turn 2 searches the message as
+typed; `create_history_aware_retriever` with `RAGCacheLLM` rephrases it first (the guide's
+"Chat" section).
 
 Runs offline, like the quickstart: RAGCache's built-in random-weight Llama (answers are noise,
 timings and cache hits are real) and the Wikipedia sample shipped in `ragcache_core/data/`.

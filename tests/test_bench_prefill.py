@@ -2,7 +2,8 @@
 served (rejected, nothing loaded, stores not run) fails the measurement instead of recording
 an uncached time as a hit. A fake engine stands in for vLLM + the connector: it keeps which
 pool slots hold KV, reports only what a plan really did to them, and times each run by what
-it computed, so the reports can be checked against the runs (no vLLM runs here)."""
+it computed, so the reports can be checked against the runs. The last two tests run both
+commands on the real engine (tiny model)."""
 
 from __future__ import annotations
 
@@ -217,10 +218,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.vllm
-def test_bench_prefill_runs_on_the_real_engine(tiny_model: Path) -> None:
+def test_bench_prefill_runs_on_the_real_engine(tiny_model: Path, engine_pool: Any) -> None:
     """`ragcache bench prefill` as documented, on vLLM: its one-token runs store (a
     `max_tokens=1` request finishes in the step that stores it), the hits load every document
     token of whole blocks, and each time is a real TTFT."""
+    engine_pool.close()  # one engine at a time
     done = _cli(
         *("bench", "prefill", "--model", str(tiny_model)),
         *("--doc-tokens", "128", "--repeats", "1", "--json"),
@@ -233,11 +235,14 @@ def test_bench_prefill_runs_on_the_real_engine(tiny_model: Path) -> None:
 
 
 @pytest.mark.vllm
-def test_profile_runs_on_the_real_engine(tiny_model: Path, tmp_path: Path) -> None:
+def test_profile_runs_on_the_real_engine(
+    tiny_model: Path, tmp_path: Path, engine_pool: Any
+) -> None:
     """`ragcache profile` as documented, on vLLM: a 2 x 2 grid whose cached points stored
     and loaded (the run fails otherwise), written as the cost model reads it."""
     from ragcache_core.cost.profile import CostProfile
 
+    engine_pool.close()  # one engine at a time
     out = tmp_path / "profile.json"
     done = _cli(
         *("profile", "--model", str(tiny_model), "--out", str(out)),

@@ -209,7 +209,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "ragcache_core", "bench", "serve", *args],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=800,  # under pytest-timeout's 900 s, so a stuck run fails here, not there
     )
 
 
@@ -270,8 +270,11 @@ def engine_runs(
         for item in request.session.items
         if isinstance(item, pytest.Function) and item.originalname in names
     ]
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
         yield {name: pool.submit(run, name) for name in selected}
+    finally:  # a stopped session (-x, Ctrl-C) waits only for the runs already going
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.vllm

@@ -8,6 +8,7 @@ caching is disabled in RAGCache mode), on the same prompt token ids.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -149,6 +150,28 @@ def test_a_one_token_answer_stores_its_documents(cache: RAGCache) -> None:
     second = cache.generate("Which city is larger?", docs, sampling=one)
     assert second.hits.gpu_docs == 2
     assert second.token_ids == reference(cache, "Which city is larger?", docs)[:1]
+
+
+def test_a_stop_string_keeps_the_documents_it_stored(
+    cache: RAGCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's front end ends a request on a stop string and aborts it in the engine core,
+    which then sends no connector report: the documents stored before its first token stay
+    cached (no error logged), and the next request hits them, exactly."""
+    cache.clear()
+    docs = [DOCS[4], DOCS[5]]
+    free = cache.generate("Tell me about Vienna.", docs, sampling=SAMPLING)
+    stop = free.answer[len(free.answer) // 2 :].strip()[:3]
+    assert stop, free.answer
+    cache.clear()
+    stopped = SamplingConfig(max_tokens=6, ignore_eos=True, stop=(stop,))
+    with caplog.at_level(logging.ERROR):
+        first = cache.generate("Tell me about Vienna.", docs, sampling=stopped)
+    assert first.finish_reason == "stop" and first.hits.hit_docs == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    second = cache.generate("Where is Lisbon?", docs)
+    assert second.hits.gpu_docs == 2
+    assert second.token_ids == reference(cache, "Where is Lisbon?", docs)
 
 
 def test_concurrent_requests_are_exact(cache: RAGCache) -> None:

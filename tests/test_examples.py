@@ -110,11 +110,14 @@ def runs(
         for item in request.session.items
         if isinstance(item, pytest.Function) and item.originalname in KINDS
     ]
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
         yield {
             f"{test}:{name}": pool.submit(KINDS[test], name, tmp_path_factory.mktemp(name))
             for test, name in selected
         }
+    finally:  # a stopped session (-x, Ctrl-C) waits only for the runs already going
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.vllm

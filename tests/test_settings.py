@@ -62,7 +62,15 @@ def test_a_pool_that_leaves_vllm_no_room_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["enable_prefix_caching", "kv_transfer_config", "async_scheduling", "dtype"]
+    "key",
+    [
+        "enable_prefix_caching",
+        "kv_transfer_config",
+        "async_scheduling",
+        "dtype",
+        "pipeline_parallel_size",
+        "speculative_config",
+    ],
 )
 def test_engine_extra_that_contradicts_the_connector_is_refused(key: str) -> None:
     spec = EngineSpec(model="m", connector=CONNECTOR, extra={key: True})

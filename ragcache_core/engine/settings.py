@@ -54,6 +54,10 @@ RESERVED_EXTRA: dict[str, str] = {
     "max_model_len": "set CacheConfig.max_model_len (prompts are checked against it)",
     "block_size": "set CacheConfig.block_size (the connector's plans depend on it)",
     "kv_cache_dtype": "RAGCache pools hold the model dtype only (no quantized KV)",
+    "pipeline_parallel_size": "the RAGCache connector counts a store sent in a request's "
+    "last step as run, which holds only with one batch in flight at a time",
+    "speculative_config": "with speculative decoding vLLM saves KV after the step's worker "
+    "report is built, so the connector would never see its stores",
 }
 """`engine_extra` keys that would contradict the RAGCache connector, and why (checked only
 for engines that load it)."""

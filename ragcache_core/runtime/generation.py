@@ -360,7 +360,11 @@ class Generator:
         result = ConnectorResult.from_transfer_params(report)
         timings["load_copy"] = result.load_copy_s
         timings["store_copy"] = result.store_copy_s
-        self._lifecycle.settle(handle, result)
+        # No connector report after a first token: vLLM's front end ended the request (a
+        # stop string) and the engine core saw an abort, which reports nothing. The first
+        # token proved the stores ran, so its confirmation stands (its hit counts read 0).
+        if report is not None or handle.is_open:
+            self._lifecycle.settle(handle, result)
         hits, doc_hit_tokens = served_hits(handle, result, attempt.prompt)
         timings["settle"] = time.perf_counter() - started
         return Generation(

@@ -19,8 +19,9 @@ class ConnectorResult:
 
     `loaded_tokens` prompt tokens were served from the pools (`gpu_tokens` + `host_tokens`);
     the rest were computed. `store_scheduled`: the scheduler put the plan's stores into the
-    step that completed the prompt. `stored`: the worker reported that those stores ran
-    (what a confirmation needs; a store that raises fails the step instead).
+    step that completed the prompt. `stored`: those stores ran (what a confirmation needs; a
+    store that raises fails the step instead): the worker reported it, or the request
+    finished in the step that stored (`SchedulerSide.finished`; its copy times then read 0).
     `failed_load_spans` lists load spans whose copy failed (vLLM recomputed from the block
     holding the failed span's first token). `rejected` lists why a plan was ignored (then
     nothing was copied at all). `load_copy_s` / `store_copy_s`: seconds the worker spent

@@ -45,7 +45,8 @@ class _Tracked:
     store_sent: bool = False
     failed_spans: list[int] = field(default_factory=list)
     store_ran: bool = False
-    """The worker reported that the store ran (set from its `WorkerReport`)."""
+    """The store ran: the worker's `WorkerReport` said so, or the request finished in the
+    step that stored (`finished`)."""
     load_copy_s: float = 0.0
     store_copy_s: float = 0.0
 
@@ -156,7 +157,8 @@ class SchedulerSide:
         A store sent in this step counts as run: vLLM calls this hook (`request_finished`)
         before the same step's worker report reaches `on_worker_report`, and a `max_tokens=1`
         request finishes in the step that stores it. It has run by now: scheduling is
-        synchronous (step N+1 is scheduled after step N's output), the worker's store is
+        synchronous (step N+1 is scheduled after step N's output: no async scheduling, no
+        pipeline parallelism, no speculative decoding, `RESERVED_EXTRA`), the worker's store is
         synchronous and a failing one fails the step, and the worker skips a store only for a
         request whose load failed in that step, which vLLM does not finish in that step
         (`update_from_output` skips it). The step's report is still checked."""
