@@ -50,7 +50,7 @@ def main() -> None:
     retriever = build_store().as_retriever(search_kwargs={"k": 2})
     model = build_tiny_model(size=MODEL_SIZE)  # or the folder of a real checkpoint
     config = CacheConfig(
-        gpu_pool_tokens=8192, host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=16)
+        host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=16)
     )
     with RAGCache(model, config) as cache:
         # LangChain's recipe, with RAGCacheRunnable where `create_stuff_documents_chain(llm,

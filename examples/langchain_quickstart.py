@@ -106,7 +106,6 @@ def main() -> None:
     model = build_tiny_model(size=MODEL_SIZE)  # or the folder of a real checkpoint
 
     config = CacheConfig(
-        gpu_pool_tokens=8192,
         host_pool_tokens=32768,
         sampling=SamplingConfig(max_tokens=16),
         # RAGCache's own layout (used where the chain brings no prompt of its own), with

@@ -71,7 +71,6 @@ def main() -> None:
     model = build_tiny_model(size=MODEL_SIZE)  # or the folder of a real checkpoint
 
     config = CacheConfig(
-        gpu_pool_tokens=8192,
         host_pool_tokens=32768,
         sampling=SamplingConfig(max_tokens=16),
     )

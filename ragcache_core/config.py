@@ -339,9 +339,11 @@ def _clamped_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
 class CacheConfig:
     """Settings of a `RAGCache`. Immutable; derive variants with `with_(...)`."""
 
-    # Pools and policy.
-    gpu_pool_tokens: int = 16_384
-    """Capacity of the GPU-tier pool in tokens (on CPU-only machines: a second pool in RAM)."""
+    # Tiers and policy.
+    gpu_pool_tokens: int | None = None
+    """Refused (kept only to name what replaced it): there is no GPU pool any more. The GPU
+    tier is vLLM's own KV cache with its prefix caching on, sized by `vllm_kv_cache_gib`
+    (docs/design.md 3.1)."""
     host_pool_tokens: int = 65_536
     """Capacity of the host-tier pool (shared memory) in tokens; 0 turns the host tier off."""
     page_size: int = 16
@@ -382,8 +384,8 @@ class CacheConfig:
     block_size: int | None = None
     """vLLM's block size: None is 32 on CPU (a multiple of 32 is required there), 16 on CUDA."""
     vllm_kv_cache_gib: float | None = None
-    """vLLM's own paged KV cache: None is 1 GiB on CPU; on CUDA vLLM sizes it from
-    `gpu_memory_utilization`, which leaves room for the GPU pool."""
+    """vLLM's own paged KV cache, which is RAGCache's GPU tier (its prefix cache): None is
+    1 GiB on CPU; on CUDA vLLM sizes it from `gpu_memory_utilization`."""
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None
@@ -399,9 +401,14 @@ class CacheConfig:
     restart_engine: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("gpu_pool_tokens", "host_pool_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} cannot be negative, got {getattr(self, name)}")
+        if self.gpu_pool_tokens is not None:
+            raise ConfigError(
+                "gpu_pool_tokens is gone: RAGCache has no GPU pool beside vLLM's KV cache any "
+                "more, vLLM's own prefix-cached blocks are the GPU tier; size it with "
+                "vllm_kv_cache_gib (GiB of vLLM KV cache; on CUDA, or gpu_memory_utilization)"
+            )
+        if self.host_pool_tokens < 0:
+            raise ConfigError(f"host_pool_tokens cannot be negative, got {self.host_pool_tokens}")
         if self.page_size < 1:
             raise ConfigError(f"page_size must be at least 1, got {self.page_size}")
         if self.max_prefill_bs < 1:

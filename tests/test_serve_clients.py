@@ -48,7 +48,7 @@ KEY = "client-key"
 GREEDY = SamplingConfig(max_tokens=8)
 DOCS = corpus(60)
 QUESTIONS = questions(12)
-ARGS = ["--gpu-pool-tokens", "8192", "--host-pool-tokens", "8192", "--top-k", "2"]
+ARGS = ["--host-pool-tokens", "8192", "--top-k", "2"]
 ARGS += ["--max-tokens", "8"]
 
 
@@ -113,7 +113,7 @@ def test_the_client_satisfies_the_protocol_and_reads_the_server(
     server: ServerProcess, client: RAGCacheClient
 ) -> None:
     assert isinstance(client, RAGCacheAPI)
-    assert client.config.top_k == 2 and client.config.gpu_pool_tokens == 8192
+    assert client.config.top_k == 2 and client.config.host_pool_tokens == 8192
     assert client.config.sampling.max_tokens == 8
     assert client.model.endswith("tiny-mha") and client.has_index
     with pytest.raises(RemoteError) as wrong:
@@ -181,7 +181,10 @@ def test_stats_and_invalidate(client: RAGCacheClient) -> None:
     assert stats["requests"] >= 1 and stats["tree"]["nodes"] >= 3
     assert stats["serve"]["capacity"] == 16 + 64
     assert client.invalidate("only-here-a") == 2  # the node and the one computed after it
-    assert client.generate(QUESTIONS[3], docs, sampling=GREEDY).hits.computed_docs == 2
+    # The document changed under its id: its new text is computed, and so is the one after it
+    # (vLLM's blocks of the old text never match the new token ids).
+    edited = (Document("only-here-a", DOCS[4].text + " Edited."), docs[1])
+    assert client.generate(QUESTIONS[3], edited, sampling=GREEDY).hits.computed_docs == 2
 
 
 def test_bad_input_raises_input_error(client: RAGCacheClient) -> None:

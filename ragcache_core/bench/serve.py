@@ -8,9 +8,12 @@ started once per system, not once per point.
 | system            | what                                                                    |
 |-------------------|-------------------------------------------------------------------------|
 | `vllm`            | vLLM + the same search, prefix caching off (the paper's baseline)        |
-| `vllm-apc`        | prefix caching on, KV = vLLM's cache + RAGCache's GPU pool ("GPU" KV)    |
-| `vllm-apc-total`  | prefix caching on, KV = vLLM's cache + both pools (RAGCache's total KV)  |
+| `vllm-apc`        | prefix caching on, KV = RAGCache's vLLM KV (its GPU tier: same "GPU")    |
+| `vllm-apc-total`  | prefix caching on, KV = RAGCache's vLLM KV + host pool (same total KV)   |
 | `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
+| `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
+| `ragcache-offload-proxy` | RAGCache with LRU, no reordering, no speculation: what vLLM's     |
+|                   | own CPU offload does (LRU over blocks, host written as computed)        |
 | `ragcache-nohost` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, LRU, ...)     |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
 
@@ -50,6 +53,9 @@ class SystemSpec:
     changes: Mapping[str, Any] = field(default_factory=dict)
     parent: str | None = None
     """An ablation's system: what it takes one thing away from (measured beside it)."""
+    host_kv_to_vllm: bool = False
+    """RAGCache with no host tier, its memory given to vLLM's KV cache (the GPU tier)
+    instead: the same total KV as `ragcache` and `vllm-apc-total`, in one memory."""
 
     @property
     def ablation(self) -> bool:
@@ -60,9 +66,24 @@ SYSTEMS: dict[str, SystemSpec] = {
     s.name: s
     for s in (
         SystemSpec("vllm", "vllm", "vLLM, prefix caching off, RAGCache connector loaded idle"),
-        SystemSpec("vllm-apc", "vllm", "vLLM prefix caching, KV = vLLM cache + GPU pool"),
-        SystemSpec("vllm-apc-total", "vllm", "vLLM prefix caching, KV = vLLM cache + both pools"),
+        SystemSpec("vllm-apc", "vllm", "vLLM prefix caching, KV = RAGCache's vLLM KV"),
+        SystemSpec(
+            "vllm-apc-total", "vllm", "vLLM prefix caching, KV = RAGCache's vLLM KV + host pool"
+        ),
         SystemSpec("ragcache", "ragcache", "RAGCache, all mechanisms on"),
+        SystemSpec(
+            "ragcache-onekv",
+            "ragcache",
+            "RAGCache, all of its KV in vLLM's cache (no host tier): vllm-apc-total's memory",
+            {"host_pool_tokens": 0},
+            host_kv_to_vllm=True,
+        ),
+        SystemSpec(
+            "ragcache-offload-proxy",
+            "ragcache",
+            "RAGCache as vLLM's CPU offload: LRU, no reordering, no speculation",
+            {"policy": "lru", "reorder": False, "speculation": False},
+        ),
         SystemSpec(
             "ragcache-nohost",
             "ragcache",
@@ -177,12 +198,9 @@ def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> Engi
     assert config.dtype is not None
     apc = name.startswith("vllm-apc")
     layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
-    # vLLM's own cache: the same as RAGCache's (None on CUDA: vLLM sizes it from its share of
-    # the GPU, which for RAGCache excludes the GPU pool and here includes it).
+    # vLLM's own cache: the same as RAGCache's, which is RAGCache's GPU tier (None on CUDA:
+    # vLLM sizes it from its share of the GPU, for RAGCache as here).
     kv_bytes = None if config.vllm_kv_cache_gib is None else int(config.vllm_kv_cache_gib * GIB)
-    if apc and kv_bytes is not None:
-        # Same "GPU" KV budget as RAGCache: vLLM's paged cache plus RAGCache's GPU pool.
-        kv_bytes += config.gpu_pool_tokens * layout.token_bytes
     if name.startswith("vllm-apc-total") and kv_bytes is not None:
         # Same total KV as RAGCache's two tiers (on CPU the host tier is just more RAM).
         kv_bytes += config.host_pool_tokens * layout.token_bytes
@@ -191,7 +209,7 @@ def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> Engi
     # as the `-noconn` ablation), and that must not count as caching.
     connector = None
     if not name.endswith("-noconn"):
-        connector = ConnectorConfig(layout=layout, gpu_slots=0).kv_transfer_config()
+        connector = ConnectorConfig(layout=layout).kv_transfer_config()
     spec = cache_engine_spec(
         str(model),
         config,
@@ -265,6 +283,19 @@ class BaselineSystem:
 # --------------------------------------------------------------------------- RAGCache
 
 
+def _total_kv_gib(model: str | Path, config: CacheConfig) -> float | None:
+    """vLLM's KV cache plus the host pool, in GiB (None where vLLM sizes its cache: CUDA)."""
+    from ragcache_core.engine.settings import GIB
+    from ragcache_core.storage.pool_layout import layout_for_model
+
+    config = resolved(config)
+    if config.vllm_kv_cache_gib is None:
+        return None
+    assert config.dtype is not None
+    layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
+    return config.vllm_kv_cache_gib + config.host_pool_tokens * layout.token_bytes / GIB
+
+
 class RAGCacheSystem:
     """RAGCache (or an ablation of it). It runs its own loop thread, usable from any loop."""
 
@@ -274,7 +305,10 @@ class RAGCacheSystem:
         from ragcache_core.runtime.ragcache import RAGCache
 
         self.name, self.source = name, source
-        self.config = config.with_(**SYSTEMS[name].changes)
+        spec = SYSTEMS[name]
+        if spec.host_kv_to_vllm:
+            config = config.with_(vllm_kv_cache_gib=_total_kv_gib(model, config))
+        self.config = config.with_(**spec.changes)
         started = time.perf_counter()
         self.cache = RAGCache(model, self.config, search=source)
         self.start_s = time.perf_counter() - started

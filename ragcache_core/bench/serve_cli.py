@@ -22,6 +22,7 @@ from typing import Any
 
 from ragcache_core.bench.serve import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
 from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS
+from ragcache_core.cli.output import add_removed_option
 
 HEAVY = "search-heavy"
 """`bench.search_heavy.NAME` (not imported here: `--help` stays light)."""
@@ -62,7 +63,7 @@ def register(bench_subparsers: Any) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=8, help="answer tokens (fixed length)")
     p.add_argument("--vllm-kv-gib", type=float, default=0.25, help="vLLM's own KV of every system")
-    p.add_argument("--gpu-pool-tokens", type=int, default=8192)
+    add_removed_option(p, "--gpu-pool-tokens", "--vllm-kv-gib")
     p.add_argument("--host-pool-tokens", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
     heavy = p.add_argument_group("search-heavy (speculation's ablation)")
@@ -121,11 +122,7 @@ def resolve_mode(args: argparse.Namespace) -> Any:
             raise CliError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.rate is not None and args.rate <= 0:
         raise CliError(f"--rate must be positive, got {args.rate}")
-    if (
-        args.max_tokens < 1
-        or args.vllm_kv_gib <= 0
-        or min(args.gpu_pool_tokens, args.host_pool_tokens) < 0
-    ):
+    if args.max_tokens < 1 or args.vllm_kv_gib <= 0 or args.host_pool_tokens < 0:
         raise CliError("--max-tokens and --vllm-kv-gib must be positive, pool sizes not negative")
     overrides = {k: getattr(args, k) for k in ("requests", "warmup", "repeats", "max_points")}
     mode = replace(mode, **{k: v for k, v in overrides.items() if v is not None})

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ragcache_core.bench.workloads import RETRIEVERS
-from ragcache_core.cli.output import add_verbose
+from ragcache_core.cli.output import add_removed_option, add_verbose
 
 WARMUP_CONCURRENCY = 4
 """Warm-up requests in flight at once (a closed loop)."""
@@ -85,7 +85,7 @@ def register(subparsers: Any) -> None:
         default=0.25,
         help="vLLM's own paged KV cache of every system (the scarce 'GPU' memory)",
     )
-    p.add_argument("--gpu-pool-tokens", type=int, default=8192, help="RAGCache's GPU pool")
+    add_removed_option(p, "--gpu-pool-tokens", "--vllm-kv-gib")
     p.add_argument("--host-pool-tokens", type=int, default=65536, help="RAGCache's host pool")
     p.add_argument("--speculation", choices=("on", "off"), default="on")
     p.add_argument("--reorder", choices=("on", "off"), default="on")
@@ -178,7 +178,6 @@ def _run(args: argparse.Namespace, model: Path, systems: list[str]) -> dict[str,
     config = CacheConfig(
         top_k=workload.top_k,
         sampling=default_sampling(args.max_tokens),
-        gpu_pool_tokens=args.gpu_pool_tokens,
         host_pool_tokens=args.host_pool_tokens,
         vllm_kv_cache_gib=args.vllm_kv_gib,
         speculation=args.speculation == "on",
@@ -274,7 +273,6 @@ def _settings(
         "top_k": workload.top_k,
         "max_tokens": args.max_tokens,
         "vllm_kv_gib": args.vllm_kv_gib,
-        "gpu_pool_tokens": args.gpu_pool_tokens,
         "host_pool_tokens": args.host_pool_tokens,
         "policy": config.policy,
         "reorder": config.reorder,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragcache_core.cli import CliError
+from ragcache_core.cli.output import add_removed_option
 
 if TYPE_CHECKING:
     from ragcache_core.serve.state import ServeSettings
@@ -97,7 +98,7 @@ def register(subparsers: Any) -> None:
 
 def _cache_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache (CacheConfig; docs/configuration.md)")
-    g.add_argument("--gpu-pool-tokens", type=int, default=None)
+    add_removed_option(g, "--gpu-pool-tokens", "--vllm-kv-cache-gib")
     g.add_argument("--host-pool-tokens", type=int, default=None)
     g.add_argument("--page-size", type=int, default=None)
     g.add_argument("--policy", default=None, help="pgdsf (default), gdsf, lru, lfu")
@@ -139,7 +140,6 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
 
     config = CacheConfig()
     changes = {
-        "gpu_pool_tokens": args.gpu_pool_tokens,
         "host_pool_tokens": args.host_pool_tokens,
         "page_size": args.page_size,
         "policy": args.policy,

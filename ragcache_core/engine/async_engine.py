@@ -107,20 +107,32 @@ class AsyncEngine:
         prompt_ids: list[int],
         sampling: SamplingConfig,
         kv_transfer_params: Mapping[str, Any] | None = None,
+        *,
+        read_prefix_cache: bool = True,
+        cache_salt: str = "",
     ) -> AsyncGenerator[StreamEvent, None]:
-        """Submit one request and yield its progress. Raises `EngineDied` if the engine core
-        died; cancelling the iteration aborts the request in vLLM."""
+        """Submit one request and yield its progress. `read_prefix_cache=False` keeps vLLM's
+        prefix cache (and every connector load) out of it: vLLM with caching off, the
+        reference of the exactness tests. `cache_salt` keeps its prefix-cache blocks to
+        requests of the same salt (a tenant, `compat.token_prompt`). Raises `EngineDied` if the engine core died;
+        cancelling the iteration aborts the request in vLLM."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         from ragcache_core.engine.compat import first_token_latency, token_prompt
         from ragcache_core.engine.sampling import sampling_params, step_logprobs
 
-        params = sampling_params(sampling, kv_transfer_params=kv_transfer_params)
+        params = sampling_params(
+            sampling,
+            kv_transfer_params=kv_transfer_params,
+            skip_reading_prefix_cache=not read_prefix_cache,
+        )
         if self.is_dead:
             raise EngineDied("the vLLM engine is not running")
         seen = 0  # tokens whose logprobs were reported
         try:
-            async for output in self._engine.generate(token_prompt(prompt_ids), params, request_id):
+            async for output in self._engine.generate(
+                token_prompt(prompt_ids, cache_salt), params, request_id
+            ):
                 completion = output.outputs[0]
                 new = step_logprobs(completion.logprobs, completion.token_ids, seen)
                 seen = len(completion.token_ids)
@@ -137,9 +149,10 @@ class AsyncEngine:
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine core died: {exc}") from exc
 
-    async def reset_prefix_cache(self) -> None:
-        """Empty vLLM's own prefix cache (when it is on)."""
-        await self._engine.reset_prefix_cache()
+    async def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's own prefix cache (when it is on). False when vLLM refused: a running
+        request holds blocks (vLLM's `BlockPool.reset_prefix_cache`)."""
+        return bool(await self._engine.reset_prefix_cache())
 
     async def abort(self, request_id: str) -> None:
         if not self.is_dead:

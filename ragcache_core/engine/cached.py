@@ -1,10 +1,11 @@
-"""`CachedEngine`: a vLLM engine started with the RAGCache connector and its two pools.
+"""`CachedEngine`: a vLLM engine started with the RAGCache connector and its host pool.
 
-App side of the data plane. It creates the host pool (shared memory that outlives the
-engine), checks that both pools fit before anything starts, starts vLLM with the connector,
-and runs requests with a given `Plan`, returning the connector's report. It decides no plan:
-`ragcache_core.runtime.sync_run.run_request` (or the controller) asks the `KnowledgeTree`,
-through the request lifecycle of `ragcache_core.runtime.lifecycle`.
+App side of the data plane. It creates the host pool (shared memory that outlives the engine),
+checks that it fits before anything starts, starts vLLM with the connector and its prefix caching on
+(vLLM's cached blocks are the GPU tier), and runs requests with a given `Plan`, returning the
+connector's report. It decides no plan: `ragcache_core.runtime.sync_run.run_request` (or the
+controller) asks the `KnowledgeTree`, through the request lifecycle of
+`ragcache_core.runtime.lifecycle`.
 """
 
 from __future__ import annotations
@@ -38,29 +39,23 @@ DEFAULT_PAGE_SIZE = 16
 
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
-    """Sizes of the two pools. `host_pool_name` names the shared-memory file, so a restarted
-    engine with the same name finds the same host pool (and its contents)."""
+    """The host pool's size. `host_pool_name` names the shared-memory file, so a restarted
+    engine with the same name finds the same host pool (and its contents). The GPU tier is
+    vLLM's own KV cache (`EngineSpec.kv_cache_bytes`)."""
 
-    gpu_pool_gib: float = 0.25
     host_pool_gib: float = 0.5
     page_size: int = DEFAULT_PAGE_SIZE
     host_pool_name: str = "default"
 
     def __post_init__(self) -> None:
-        if self.gpu_pool_gib < 0 or self.host_pool_gib < 0:
-            raise ConfigError(
-                f"pool sizes cannot be negative (gpu_pool_gib={self.gpu_pool_gib}, "
-                f"host_pool_gib={self.host_pool_gib})"
-            )
+        if self.host_pool_gib < 0:
+            raise ConfigError(f"host_pool_gib cannot be negative, got {self.host_pool_gib}")
         if self.page_size <= 0:
             raise ConfigError(f"page_size must be positive, got {self.page_size}")
 
-    def slots(self, layout: PoolLayout) -> tuple[int, int]:
-        """(GPU slots, host slots) for a layout."""
-        return (
-            int(self.gpu_pool_gib * GIB) // layout.slot_bytes,
-            int(self.host_pool_gib * GIB) // layout.slot_bytes,
-        )
+    def slots(self, layout: PoolLayout) -> int:
+        """Host slots for a layout."""
+        return int(self.host_pool_gib * GIB) // layout.slot_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +67,20 @@ class PlannedRun:
     logprobs: tuple[float, ...]
     ttft_s: float
     connector: ConnectorResult
+    num_cached_tokens: int = 0
+    """vLLM's count: its prefix-cache hit plus the tokens the connector loaded."""
+
+    @property
+    def gpu_hit_tokens(self) -> int:
+        """Prompt tokens vLLM's own prefix cache (the GPU tier) served: no byte moved."""
+        return max(0, self.num_cached_tokens - self.connector.external_tokens)
 
 
 class CachedEngine:
-    """vLLM + the RAGCache connector + both pools. Not thread-safe; `close()` when done.
+    """vLLM (prefix caching on) + the RAGCache connector + the host pool. Not thread-safe;
+    `close()` when done.
 
-    Raises `ConfigError` before starting vLLM when a pool does not fit in memory (with the
+    Raises `ConfigError` before starting vLLM when the pool does not fit in memory (with the
     numbers). The host pool file is kept on `close()` unless `unlink_host_pool=True`.
     """
 
@@ -93,19 +96,14 @@ class CachedEngine:
         self.layout = layout_for_model(
             spec.model, dtype=spec.dtype or default_dtype(device), page_size=pools.page_size
         )
-        gpu_slots, host_slots = pools.slots(self.layout)
+        host_slots = pools.slots(self.layout)
         self.config = ConnectorConfig(
             layout=self.layout,
-            gpu_slots=gpu_slots,
             host_slots=host_slots,
             host_pool_name=pools.host_pool_name if host_slots else "",
         )
         self.settings = build_settings(
-            replace(
-                spec,
-                connector=self.config.kv_transfer_config(),
-                gpu_pool_bytes=self.layout.pool_bytes(gpu_slots),
-            ),
+            replace(spec, connector=self.config.kv_transfer_config(), prefix_caching=True),
             device,
         )
         self._check_device_pool(self.settings)
@@ -118,10 +116,6 @@ class CachedEngine:
             if self.host_pool is not None:
                 self.host_pool.close()
             raise
-
-    @property
-    def gpu_slots(self) -> int:
-        return self.config.gpu_slots
 
     @property
     def host_slots(self) -> int:
@@ -142,11 +136,11 @@ class CachedEngine:
     ) -> PlannedRun:
         """Run one request (token ids) with `plan` (None: uncached). Blocks until it finishes.
 
-        `read_prefix_cache=True` lets vLLM's own prefix cache serve it (only meaningful when the
-        engine was started with it on; benchmarks use that for the floor). A request with a plan
-        always reads vLLM's prefix cache (vLLM would skip the connector's loads otherwise): with
-        vLLM's prefix caching on, `reset_prefix_cache()` first. Raises `InputError` when the
-        prompt does not fit in the context.
+        `read_prefix_cache=True` lets vLLM's own prefix cache serve a request without a plan
+        (benchmarks use that for the floor). A request with a plan always reads it: vLLM's prefix
+        cache is the GPU tier, and vLLM would skip the connector's loads otherwise;
+        `reset_prefix_cache()` first to have it served by the host pool alone. Raises `InputError`
+        when the prompt does not fit in the context.
         """
         return self.run_batch(
             [prompt],
@@ -216,8 +210,7 @@ class CachedEngine:
         self.close()
 
     def _check_device_pool(self, settings: EngineSettings) -> None:
-        """Refuse a device pool that cannot fit next to vLLM's own KV cache."""
-        wanted = self.layout.pool_bytes(self.config.gpu_slots)
+        """Refuse a host pool that cannot fit (on CPU: beside vLLM's own KV cache)."""
         host = self.layout.pool_bytes(self.config.host_slots)
         if host and HostPool.exists(self.pools.host_pool_name, self.layout, self.config.host_slots):
             host = 0  # reused: its memory is taken already
@@ -228,33 +221,25 @@ class CachedEngine:
         except ImportError:  # pragma: no cover
             cuda = False
         if cuda:
-            free, total = torch.cuda.mem_get_info()
-            left = int(free - settings.gpu_memory_utilization * total)
-            check_fits(
-                "the GPU KV pool (beside vLLM's gpu_memory_utilization share)",
-                wanted,
-                max(left, 0),
-                "lower gpu_pool_gib or gpu_memory_utilization",
-            )
             check_fits("the host KV pool", host, available_host_bytes(), "lower host_pool_gib")
         else:
-            # On CPU both pools and vLLM's own KV cache share the RAM.
+            # On CPU the host pool and vLLM's own KV cache share the RAM.
             vllm_kv = int((settings.kv_cache_space_gib or 0) * GIB)
             check_fits(
-                f"the KV pools ({wanted} bytes device pool + {host} bytes host pool + "
-                f"{vllm_kv} bytes of vLLM's own KV cache)",
-                wanted + host + vllm_kv,
+                f"the KV memory ({host} bytes host pool + {vllm_kv} bytes of vLLM's own KV cache)",
+                host + vllm_kv,
                 available_host_bytes(),
-                "lower gpu_pool_gib / host_pool_gib / kv_cache_space_gib",
+                "lower host_pool_gib / kv_cache_space_gib",
             )
 
 
 def require_plan_ran(run: PlannedRun, plan: Plan) -> int:
     """Check from the connector's report that `plan` ran; returns how many of the tokens it
-    asked to load vLLM computed instead (0 when every one was loaded).
+    asked to load vLLM computed instead (0 when every one was served: loaded from the host
+    pool, or already in vLLM's prefix cache, the GPU tier).
 
     Raises `RAGCacheError` when the connector rejected the plan, a store did not run, a load
-    failed or nothing was loaded: a measurement would otherwise record an uncached run (or one
+    failed or nothing was served: a measurement would otherwise record an uncached run (or one
     reading KV that was never written) as a hit."""
     result = run.connector
     problems = []
@@ -265,11 +250,12 @@ def require_plan_ran(run: PlannedRun, plan: Plan) -> int:
     if plan.load:
         if result.load_failed:
             problems.append(f"load spans {list(result.failed_load_spans)} failed")
-        elif not result.loaded_tokens:
-            problems.append(f"none of its {plan.num_loaded_tokens} tokens to load were loaded")
+        elif not result.loaded_tokens and not run.gpu_hit_tokens:
+            problems.append(f"none of its {plan.num_loaded_tokens} tokens to load were served")
     if problems:
         raise RAGCacheError(f"a planned run did not run as planned: {', '.join(problems)}")
-    return plan.num_loaded_tokens - result.loaded_tokens
+    served = max(result.loaded_tokens + run.gpu_hit_tokens, 0)
+    return max(0, plan.num_loaded_tokens - served)
 
 
 def _planned_run(prompt: Sequence[int], output: Any, ttft: float | None, wall: float) -> PlannedRun:
@@ -280,4 +266,5 @@ def _planned_run(prompt: Sequence[int], output: Any, ttft: float | None, wall: f
         logprobs=token_logprobs(completion),
         ttft_s=ttft if ttft is not None else wall,
         connector=ConnectorResult.from_transfer_params(output.kv_transfer_params),
+        num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
     )

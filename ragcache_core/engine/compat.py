@@ -57,10 +57,14 @@ def first_token_latency(output: Any) -> float | None:
     return float(first - arrival) if first and arrival else None
 
 
-def token_prompt(token_ids: list[int]) -> Any:
-    """A prompt given as token ids (no re-tokenization)."""
+def token_prompt(token_ids: list[int], cache_salt: str = "") -> Any:
+    """A prompt given as token ids (no re-tokenization). A non-empty `cache_salt` enters
+    vLLM's first block hash, so vLLM's prefix cache (RAGCache's GPU tier) is per tenant as the
+    knowledge tree's roots are."""
     from vllm.inputs import TokensPrompt
 
+    if cache_salt:
+        return TokensPrompt(prompt_token_ids=token_ids, cache_salt=cache_salt)
     return TokensPrompt(prompt_token_ids=token_ids)
 
 
@@ -114,3 +118,34 @@ def attention_backend_name(vllm_config: Any) -> str:
     except Exception:  # only for messages: never fail because of it
         pass
     return "unknown"
+
+
+def check_block_pool_hooks() -> None:
+    """Raise `ConfigError` unless this vLLM binds its GPU block pool to a KV connector
+    (`KVConnectorBase_V1.bind_gpu_block_pool`, called from `bind_kv_cache_manager` at
+    scheduler start) and the pool can drop hashes of blocks in use (`BlockPool.evict_blocks`).
+
+    The connector needs both to keep a failed load from being matched by a later request
+    (`SchedulerSide.on_worker_report`). Present in vllm 0.32 and 0.33; the connector API is
+    experimental (vllm-project/vllm#53067 would replace the binding with a scheduler
+    context), so a vLLM without them is refused at engine start, not discovered at the
+    first failed load."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.block_pool import BlockPool
+
+    from ragcache_core.errors import ConfigError
+
+    missing = [
+        name
+        for owner, name in (
+            (KVConnectorBase_V1, "bind_kv_cache_manager"),
+            (KVConnectorBase_V1, "bind_gpu_block_pool"),
+            (BlockPool, "evict_blocks"),
+        )
+        if not callable(getattr(owner, name, None))
+    ]
+    if missing:
+        raise ConfigError(
+            f"vLLM {vllm_version()} lacks {', '.join(missing)}: RAGCache's connector needs them "
+            f"to evict failed loads from vLLM's prefix cache (supported: {SUPPORTED_VLLM})"
+        )

@@ -1,9 +1,10 @@
 """Measure the engine's prefill time T(alpha cached, beta new) for the cost model.
 
-For each alpha on the grid, alpha tokens of KV are stored once in the GPU pool; then for each
-beta a request of alpha + beta tokens loads the alpha tokens through the RAGCache connector and
-computes the beta new ones. T is vLLM's TTFT (arrival to first token, one output token), the
-median over `repeats` runs with fresh new tokens. alpha = 0 is a full prefill. The result is a
+For each alpha on the grid, alpha tokens of KV are computed and stored once (host pool, and vLLM's
+prefix cache keeps the blocks: the GPU tier); then for each beta a request of alpha + beta tokens,
+with a plan through the RAGCache connector, is served the alpha tokens by the GPU tier (no copy) and
+computes the beta new ones. T is vLLM's TTFT (arrival to first token, one output token), the median
+over `repeats` runs with fresh new tokens. alpha = 0 is a full prefill. The result is a
 `CostProfile` (ragcache_core.cost.profile), the format PGDSF and the simulator read.
 """
 
@@ -84,7 +85,7 @@ def profile_prefill(
 
 
 def _engine_setup(model: str, cached: int, new: int) -> tuple[EngineSpec, PoolSettings]:
-    """One engine for the whole grid: a GPU pool that holds the largest cached prefix."""
+    """One engine for the whole grid: a host pool that holds the largest cached prefix."""
     layout = layout_for_model(model, dtype="float32", page_size=PAGE)
     pool_gib = (slots_for_tokens(cached, PAGE) + 1) * layout.slot_bytes / GIB
     longest = cached + new
@@ -95,7 +96,7 @@ def _engine_setup(model: str, cached: int, new: int) -> tuple[EngineSpec, PoolSe
         max_num_batched_tokens=longest + 16,
         kv_cache_bytes=int(max(1.0, 3 * (longest + 64) * layout.token_bytes / GIB) * GIB),
     )
-    return spec, PoolSettings(gpu_pool_gib=pool_gib, host_pool_gib=0.0, page_size=PAGE)
+    return spec, PoolSettings(host_pool_gib=pool_gib, page_size=PAGE)
 
 
 def _measure_row(
@@ -106,15 +107,16 @@ def _measure_row(
     repeats: int,
     on_point: Callable[[int, int, float], None] | None,
 ) -> list[float]:
-    """T(alpha, beta) for every beta: alpha tokens stored once, then loaded by each run.
+    """T(alpha, beta) for every beta: alpha tokens stored once, then served to each run by
+    vLLM's prefix cache (the GPU tier: the plan's host loads are past nothing, no copy).
     Raises `RAGCacheError` when a run was not served as planned (`require_plan_ran`)."""
     prefix = tokens(alpha)
     slots = tuple(range(slots_for_tokens(alpha, PAGE)))
     plan: Plan | None = None
     if alpha:
-        store = Plan(PAGE, store=(StoreSpan(slots, 0, alpha),))
+        store = Plan(PAGE, store=(StoreSpan(Tier.HOST, slots, 0, alpha),))
         require_plan_ran(engine.run(prefix + tokens(1), store, SAMPLING), store)
-        plan = Plan(PAGE, load=(LoadSpan(Tier.GPU, slots, 0, alpha),))
+        plan = Plan(PAGE, load=(LoadSpan(Tier.HOST, slots, 0, alpha),))
     row = []
     for beta in betas:
         times = []

@@ -12,8 +12,9 @@ the CPU ones, for tests that construct settings directly; everything else builds
 - block size: 32 on CPU (its attention needs a multiple of 32); 16 on CUDA (vLLM's default).
 - vLLM's KV cache: `kv_cache_bytes` (default 1 GiB of RAM) on CPU; on CUDA vLLM sizes it from
   `gpu_memory_utilization` unless `kv_cache_bytes` is given.
-- gpu_memory_utilization: 0.1 on CPU (the share of RAM vLLM may reserve); on CUDA 0.9 less the
-  RAGCache GPU pool, which is allocated after vLLM has sized its cache.
+- gpu_memory_utilization: 0.1 on CPU (the share of RAM vLLM may reserve); 0.9 on CUDA. There
+  is no RAGCache GPU pool beside it: vLLM's KV cache, with its prefix caching on, is
+  RAGCache's GPU tier (docs/design.md 3.1).
 - CUDA graphs: on for CUDA (the connector copies before and after the forward pass, never
   inside it, so nothing it does is captured); eager on CPU.
 - async scheduling: off whenever the RAGCache connector is loaded; vLLM's default otherwise.
@@ -42,11 +43,10 @@ from ragcache_core.errors import ConfigError, ModelError
 GIB = 1024**3
 CPU_KV_CACHE_BYTES = 1 * GIB
 CUDA_MEMORY_UTILIZATION = 0.9
-"""The share of GPU memory RAGCache lets vLLM and its device pool take together."""
+"""The share of GPU memory vLLM takes (its KV cache is RAGCache's GPU tier)."""
 
 RESERVED_EXTRA: dict[str, str] = {
-    "enable_prefix_caching": "RAGCache's pools are the cache; vLLM's prefix caching would "
-    "serve blocks before the connector's loads (use the vllm-apc baseline to measure it)",
+    "enable_prefix_caching": "vLLM's prefix cache is RAGCache's GPU tier: RAGCache turns it on",
     "kv_transfer_config": "RAGCache loads its own KV connector",
     "async_scheduling": "the RAGCache connector needs each step's load failures before the "
     "next step is scheduled",
@@ -79,7 +79,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.1
     """On CUDA the fraction of GPU memory vLLM may use; on CPU the fraction of RAM."""
     enable_prefix_caching: bool = False
-    """vLLM's own automatic prefix caching (off in RAGCache mode: the pools are the cache)."""
+    """vLLM's own automatic prefix caching (on for RAGCache: its blocks are the GPU tier)."""
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None
     seed: int = 0
@@ -219,8 +219,6 @@ class EngineSpec:
     kv_cache_bytes: int | None = None
     """vLLM's own paged KV cache. None: 1 GiB on CPU; on CUDA vLLM sizes it."""
     gpu_memory_utilization: float | None = None
-    gpu_pool_bytes: int = 0
-    """RAGCache's device pool, allocated after vLLM sized its cache: vLLM must leave room."""
     connector: Mapping[str, Any] | None = None
     """`KVTransferConfig` keyword arguments (the RAGCache connector), or None."""
     prefix_caching: bool = False
@@ -235,8 +233,8 @@ class EngineSpec:
 def build_settings(spec: EngineSpec, device: DeviceInfo) -> EngineSettings:
     """The `EngineSettings` for `spec` on `device` (pure: no hardware access).
 
-    Raises `ConfigError` when `spec.extra` contradicts the connector (see `RESERVED_EXTRA`),
-    when the GPU pool leaves vLLM no memory, or for invalid values.
+    Raises `ConfigError` when `spec.extra` contradicts the connector (see `RESERVED_EXTRA`)
+    or for invalid values.
     """
     with_connector = spec.connector is not None
     if with_connector:
@@ -248,7 +246,7 @@ def build_settings(spec: EngineSpec, device: DeviceInfo) -> EngineSettings:
     utilization = spec.gpu_memory_utilization
     if device.is_cuda:
         if utilization is None:
-            utilization = _cuda_utilization(spec.gpu_pool_bytes, device)
+            utilization = CUDA_MEMORY_UTILIZATION
         enforce_eager = False
     else:
         if kv_bytes is None:
@@ -284,21 +282,6 @@ def check_engine_extra(extra: Mapping[str, Any]) -> None:
         )
 
 
-def _cuda_utilization(pool_bytes: int, device: DeviceInfo) -> float:
-    """vLLM's share of the GPU: the usual 0.9 less the RAGCache pool, which is allocated
-    after vLLM has sized its KV cache from this share."""
-    if device.memory_bytes <= 0:
-        return CUDA_MEMORY_UTILIZATION
-    share = CUDA_MEMORY_UTILIZATION - pool_bytes / device.memory_bytes
-    if share < 0.2:
-        raise ConfigError(
-            f"the RAGCache GPU pool ({pool_bytes / GIB:.1f} GiB) leaves vLLM only "
-            f"{max(share, 0) * 100:.0f}% of {device.name or 'the GPU'}'s "
-            f"{device.memory_bytes / GIB:.1f} GiB: lower gpu_pool_tokens"
-        )
-    return round(share, 4)
-
-
 def resolve_device_defaults(config: CacheConfig, device: DeviceInfo) -> CacheConfig:
     """`config` with its device-dependent settings (dtype, block size, token budget) filled
     in."""
@@ -320,7 +303,6 @@ def cache_engine_spec(
     config: CacheConfig,
     *,
     connector: Mapping[str, Any] | None,
-    gpu_pool_bytes: int = 0,
     prefix_caching: bool = False,
     kv_cache_bytes: int | None = None,
 ) -> EngineSpec:
@@ -335,7 +317,6 @@ def cache_engine_spec(
         block_size=config.block_size,
         kv_cache_bytes=kv_cache_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        gpu_pool_bytes=gpu_pool_bytes,
         connector=connector,
         prefix_caching=prefix_caching,
         max_num_seqs=config.max_num_seqs,

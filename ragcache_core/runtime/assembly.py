@@ -1,5 +1,6 @@
-"""The parts of one `RAGCache`, built from its `CacheConfig`: the two KV pools and the
-connector's view of them, the knowledge tree, the admission queue, the engine settings.
+"""The parts of one `RAGCache`, built from its `CacheConfig`: the host KV pool and the connector's
+view of it (the GPU tier is vLLM's own KV cache), the knowledge tree, the admission queue, the
+engine settings.
 
 Pure construction (no engine is started here); `RAGCache.__init__` calls these in order.
 """
@@ -21,7 +22,7 @@ from ragcache_core.tree import KnowledgeTree, RootKey
 
 @dataclass(frozen=True)
 class Pools:
-    """Both KV pools of one cache: what the connector maps, and the host pool the app owns
+    """The KV pool of one cache: what the connector maps, and the host pool the app owns
     (shared memory that outlives an engine; None when the host tier is off)."""
 
     connector: ConnectorConfig
@@ -33,24 +34,23 @@ class Pools:
 
 
 def open_pools(model: str, config: CacheConfig) -> Pools:
-    """Size both pools from the config and create the host pool (a new shared-memory file
-    named after this process; the caller removes it)."""
+    """Size the host pool from the config and create it (a new shared-memory file named after
+    this process; the caller removes it)."""
     from ragcache_core.storage.pool_layout import layout_for_model
 
     assert config.dtype is not None  # resolved by `resolve_device_defaults`
     layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
-    gpu_slots = slots_in_tokens(config.gpu_pool_tokens, config.page_size)
     host_slots = slots_in_tokens(config.host_pool_tokens, config.page_size)
     name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if host_slots else ""
     host_pool = HostPool.create(name, layout, host_slots, reuse=False) if host_slots else None
-    connector = ConnectorConfig(
-        layout=layout, gpu_slots=gpu_slots, host_slots=host_slots, host_pool_name=name
-    )
+    connector = ConnectorConfig(layout=layout, host_slots=host_slots, host_pool_name=name)
     return Pools(connector, host_pool)
 
 
 def build_tree(config: CacheConfig, root_key: RootKey, connector: ConnectorConfig) -> KnowledgeTree:
-    """The knowledge tree over both pools, with the configured policy and cost model."""
+    """The knowledge tree over the host pool, with the configured policy and cost model. It
+    has no GPU tier of slots: vLLM's prefix cache holds the GPU-resident KV, so the tree
+    stores computed documents on the host tier (`Planner.store_tier`)."""
     from ragcache_core.cost import CostProfile, InterpolatedCostModel, default_cost_model
 
     cost_model = (
@@ -60,7 +60,7 @@ def build_tree(config: CacheConfig, root_key: RootKey, connector: ConnectorConfi
     )
     return KnowledgeTree(
         root_key,
-        gpu_slots=connector.gpu_slots,
+        gpu_slots=0,
         host_slots=connector.host_slots,
         page_size=config.page_size,
         policy=config.policy,
@@ -92,6 +92,6 @@ def build_engine_settings(
         model,
         config,
         connector=connector.kv_transfer_config(),
-        gpu_pool_bytes=connector.layout.pool_bytes(connector.gpu_slots),
+        prefix_caching=True,  # vLLM's prefix cache is the GPU tier
     )
     return build_settings(spec, device)

@@ -38,6 +38,9 @@ class Progress:
     first_token_at: float = 0.0
     logprobs: tuple[TokenLogprobs, ...] = ()
     """One per generated token, when the request asked for logprobs."""
+    cached_tokens: int = 0
+    """vLLM's `num_cached_tokens`: prompt tokens its prefix cache served plus those the
+    connector loaded."""
 
 
 @dataclass

@@ -97,6 +97,7 @@ async def follow(
                 shown_tokens, shown_text = len(event.token_ids), len(event.text)
             progress.text, progress.token_ids = event.text, event.token_ids
             progress.finish_reason = event.finish_reason
+            progress.cached_tokens = max(progress.cached_tokens, event.num_cached_tokens)
             if event.finished:
                 progress.report = event.kv_transfer_params
     # No token at all: finishing is the first.
@@ -344,7 +345,11 @@ class Generator:
         plan = attempt.plan
         params = {PLAN_KEY: plan.to_json()} if plan is not None else None
         stream = self._engines.engine.stream(
-            attempt.request_id, attempt.prompt.token_ids, attempt.sampling, params
+            attempt.request_id,
+            attempt.prompt.token_ids,
+            attempt.sampling,
+            params,
+            cache_salt=attempt.prompt.root_key.salt if attempt.prompt.root_key else "",
         )
         interval = attempt.sampling.stream_interval or 1
         attempt.progress = await follow(
@@ -362,10 +367,13 @@ class Generator:
         timings["store_copy"] = result.store_copy_s
         # No connector report after a first token: vLLM's front end ended the request (a
         # stop string) and the engine core saw an abort, which reports nothing. The first
-        # token proved the stores ran, so its confirmation stands (its hit counts read 0).
+        # token proved the stores ran, so its confirmation stands. Its hit counts read 0:
+        # without the report vLLM's count cannot be split into its own hit and the loads.
         if report is not None or handle.is_open:
             self._lifecycle.settle(handle, result)
-        hits, doc_hit_tokens = served_hits(handle, result, attempt.prompt)
+        known = report is not None or attempt.plan is None
+        cached = progress.cached_tokens if known else 0
+        hits, doc_hit_tokens = served_hits(handle, result, attempt.prompt, cached)
         timings["settle"] = time.perf_counter() - started
         return Generation(
             token_ids=progress.token_ids,

@@ -82,7 +82,6 @@ class Lifecycle:
             handle.plan,
             prompt_len=prompt.num_tokens,
             page_size=connector.page_size,
-            gpu_slots=connector.gpu_slots,
             host_slots=connector.host_slots,
         )
         if problems:
@@ -164,22 +163,38 @@ class Lifecycle:
 
 
 def served_hits(
-    handle: RequestHandle, result: ConnectorResult, prompt: BuiltPrompt
+    handle: RequestHandle, result: ConnectorResult, prompt: BuiltPrompt, vllm_cached: int
 ) -> tuple[CacheHits, int]:
-    """What the request read: hits per tier and the document tokens they cover. Nothing counts
-    as read when the plan was refused (by the app or the connector) or a load failed."""
+    """What the request read: hits per tier and the document tokens they cover.
+
+    The GPU tier is vLLM's prefix cache: `vllm_cached` (vLLM's `num_cached_tokens`) less the tokens
+    it accepted from the connector is its hit, and a document inside it is a GPU hit whether or not
+    the tree holds it; a document of the tree's hit prefix past it was loaded from the host tier.
+    Nothing the tree planned counts as read when the plan was refused (by the app or the connector)
+    or a load failed; vLLM's own hit still counts (its blocks are keyed by token ids)."""
     served = (
         handle.state is not RequestState.ABORTED and not result.rejected and not result.load_failed
     )
-    doc_hits = handle.hits.doc_hits if served else ()
-    gpu = sum(1 for h in doc_hits if h.tier is Tier.GPU)
-    host = sum(1 for h in doc_hits if h.tier is Tier.HOST)
+    in_tree = len(handle.hits.doc_hits) if served else 0  # the prompt's first documents
+    on_gpu = max(0, vllm_cached - result.external_tokens)
+    gpu = host = covered = 0
+    end = len(prompt.root_ids)
+    for position, spec in enumerate(prompt.doc_specs):
+        end += spec.num_tokens
+        if spec.num_tokens and end <= on_gpu:
+            gpu += 1
+        elif position < in_tree:
+            host += 1
+        else:
+            continue
+        covered += spec.num_tokens
+    cached = on_gpu + result.loaded_tokens
     hits = CacheHits(
         gpu_docs=gpu,
         host_docs=host,
         computed_docs=len(prompt.doc_specs) - gpu - host,
-        root_cached=served and handle.hits.root_cached,
-        cached_tokens=result.loaded_tokens,
-        computed_tokens=prompt.num_tokens - result.loaded_tokens,
+        root_cached=len(prompt.root_ids) <= cached and bool(prompt.root_ids),
+        cached_tokens=cached,
+        computed_tokens=prompt.num_tokens - cached,
     )
-    return hits, sum(h.num_tokens for h in doc_hits)
+    return hits, covered

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import logging
 import os
 import weakref
 from collections.abc import AsyncGenerator, Mapping, Sequence
@@ -50,6 +51,8 @@ from ragcache_core.search import SearchSource
 from ragcache_core.tree import KnowledgeTree
 
 __all__ = ["CacheHits", "QueryResult", "RAGCache", "StreamChunk"]
+
+logger = logging.getLogger(__name__)
 
 
 class RAGCache(RAGCacheAPI):
@@ -173,8 +176,9 @@ class RAGCache(RAGCacheAPI):
     async def astream_uncached(
         self, prompt_ids: Sequence[int], *, sampling: SamplingConfig | None = None
     ) -> AsyncGenerator[StreamChunk, None]:
-        """Plain vLLM on `prompt_ids` on this cache's engine, the cache neither read nor
-        written (`runtime/uncached.py`; what `ragcache serve` answers without documents). Streams
+        """Plain vLLM on `prompt_ids` on this cache's engine: the knowledge tree is neither read
+        nor written, vLLM's own prefix cache (the GPU tier, keyed by token ids) serves it as
+        vLLM would (`runtime/uncached.py`; what `ragcache serve` answers without documents). Streams
         like `astream`; the last chunk carries the `QueryResult` (no sources, no hits)."""
         ids = tuple(prompt_ids)
 
@@ -229,11 +233,17 @@ class RAGCache(RAGCacheAPI):
         return self._loop.run(drop())
 
     def clear(self) -> None:
-        """Forget every cached document and reset the counters."""
+        """Forget every cached document and reset the counters: the host tier, and vLLM's
+        prefix cache (the GPU tier) unless a running request holds blocks (then vLLM keeps
+        it, which is logged: its blocks are keyed by token ids, so they are never wrong)."""
 
         async def clear() -> None:
             self.metrics.record_tree(self.tree.counters)  # evictions before the clear count
             self.lifecycle.clear()
+            if not self.engine.is_dead and not await self.engine.reset_prefix_cache():
+                logger.warning(
+                    "RAGCache.clear(): vLLM kept its prefix cache (requests are running)"
+                )
             self.metrics.reset()
 
         self._loop.run(clear())

@@ -51,7 +51,8 @@ class RequestResult:
     ttft_s: float
     prompt_tokens: int
     gpu_hit_tokens: int
-    """Prompt tokens loaded from the GPU pool (system prompt included)."""
+    """Prompt tokens vLLM's prefix cache served (the GPU tier: no copy; system prompt
+    included)."""
     host_hit_tokens: int
     """Prompt tokens loaded from the host pool."""
     gpu_hit_docs: int
@@ -109,13 +110,13 @@ def run_request(
         lifecycle.abort(handle)
         raise
     confirmed = lifecycle.settle(handle, run.connector)
-    hits, _ = served_hits(handle, run.connector, prompt)
+    hits, _ = served_hits(handle, run.connector, prompt, run.num_cached_tokens)
     return RequestResult(
         token_ids=run.token_ids,
         logprobs=run.logprobs,
         ttft_s=run.ttft_s,
         prompt_tokens=prompt.num_tokens,
-        gpu_hit_tokens=run.connector.gpu_tokens,
+        gpu_hit_tokens=run.gpu_hit_tokens,
         host_hit_tokens=run.connector.host_tokens,
         gpu_hit_docs=hits.gpu_docs,
         host_hit_docs=hits.host_docs,

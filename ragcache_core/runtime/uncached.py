@@ -1,8 +1,10 @@
-"""Plain vLLM on given token ids, on RAGCache's engine: the cache is neither read nor written.
+"""Plain vLLM on given token ids, on RAGCache's engine: the knowledge tree is neither read nor
+written.
 
 What `ragcache serve` answers for a request it cannot cache (no documents, or a system prompt
 other than the tree's root), exactly as `vllm serve` would: the ids go to the engine with no
-plan, and vLLM's own prefix caching is off in a RAGCache engine. It waits for prefill room in
+plan, and vLLM's own prefix cache (RAGCache's GPU tier, keyed by token ids) serves and keeps
+their blocks as it does for any vLLM request. It waits for prefill room in
 RAGCache's admission like every request (nothing cached to reorder it by). A try that times
 out or loses its engine is counted and retried by the rule cached requests follow
 (`generation.check_retry`: unless text already reached the caller). Runs on RAGCache's loop
@@ -74,7 +76,10 @@ class UncachedRunner:
             ttft_s=progress.first_token_at - started,
             retrieval_s=0.0,
             queue_wait_s=wait_s,
-            hits=CacheHits(computed_tokens=len(ids)),
+            hits=CacheHits(
+                cached_tokens=progress.cached_tokens,
+                computed_tokens=len(ids) - progress.cached_tokens,
+            ),
             prompt_tokens=len(ids),
             finish_reason=progress.finish_reason,
             retries=retries,

@@ -72,10 +72,15 @@ class Placement:
 
     @staticmethod
     def gpu_usable(node: Node, handle: RequestHandle) -> bool:
-        """May `handle` put a GPU copy below `node`? Only if node's GPU copy is confirmed or
-        written by `handle` itself: another request's unconfirmed copy may still be aborted,
-        which would leave the new copy on GPU below a parent that is not."""
-        return Tier.GPU in node.ready or (node, Tier.GPU) in handle.ledger.pending
+        """May `handle` put a GPU copy below `node`? See `usable`."""
+        return Placement.usable(node, Tier.GPU, handle)
+
+    @staticmethod
+    def usable(node: Node, tier: Tier, handle: RequestHandle) -> bool:
+        """May `handle` put a `tier` copy below `node`? Only if node's copy there is confirmed
+        or written by `handle` itself: another request's unconfirmed copy may still be
+        aborted, which would leave the new copy below a parent without one."""
+        return tier in node.ready or (node, tier) in handle.ledger.pending
 
     def available(self, tier: Tier, handle: RequestHandle) -> int:
         """Slots of `tier` that `handle` can take without evicting."""

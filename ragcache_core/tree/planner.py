@@ -6,7 +6,9 @@ begin_request(root_key, root_tokens, docs, question_tokens, final)
   2. alpha = hit tokens, beta = every other prompt token; pin the hits, touch every node
      on the path, record a cost sample on the nodes this request computes
   3. promote host hits to GPU while room can be made (`_plan_hits`); keep a host copy of
-     the root (`_plan_root_backup`); store the uncached tail on GPU (`_plan_stores`)
+     the root (`_plan_root_backup`); store the uncached tail on the store tier
+     (`_plan_stores`): the GPU tier, or the host tier when the tree has no GPU tier (the
+     engine's: its GPU tier is vLLM's own KV cache, docs/design.md 3.1)
   4. plan = swap_out (made by the evictions of 3), promote, load, store
 """
 
@@ -65,6 +67,9 @@ class Planner:
         self.frequency_window = frequency_window
         self.backup_root = backup_root
         self.store_policy = store_policy
+        self.store_tier = Tier.GPU if placement.tiers[Tier.GPU].allocator.num_slots else Tier.HOST
+        """Where computed documents are stored: the GPU tier when the tree has one, else the
+        host tier (the engine: vLLM's prefix cache keeps the computed blocks on GPU)."""
         self.now = 0
         """Logical time: requests begun so far (never reset: nodes' `last_access` use it)."""
         self.final_requests = 0
@@ -190,11 +195,13 @@ class Planner:
     def _plan_hits(
         self, hits: Hits, starts: list[int], handle: RequestHandle
     ) -> tuple[list[SlotCopy], list[LoadSpan]]:
-        """Load spans for the hit prefix; promote host hits to GPU while room can be made."""
+        """Load spans for the hit prefix; promote host hits to GPU while room can be made (never
+        in a tree without GPU slots: the engine's host hits promote themselves into vLLM's
+        blocks)."""
         placement = self._placement
         promote: list[SlotCopy] = []
         load: list[LoadSpan] = []
-        promoting = True
+        promoting = self.store_tier is Tier.GPU
         for index, (node, tier) in enumerate(hits):
             source = tier
             if tier is Tier.HOST and Tier.GPU not in node.slots and promoting:
@@ -238,9 +245,9 @@ class Planner:
         cost_per_new: float,
         handle: RequestHandle,
     ) -> list[StoreSpan]:
-        """Create GPU copies for the uncached tail (root first if absent), one node at a time
-        while the store policy admits it and room can be made; stop at the first that does
-        not fit (a node's copy needs its parent's)."""
+        """Create copies on the store tier for the uncached tail (root first if absent), one
+        node at a time while the store policy admits it and room can be made; stop at the
+        first that does not fit (a node's copy needs its parent's)."""
         wanted: list[tuple[DocKey | RootKey, int, int]] = []
         if not path:
             wanted.append((root_key, root_tokens, 0))
@@ -250,19 +257,20 @@ class Planner:
         parent = path[-1] if path else None
         prefix = tuple(spec.key for spec in cached_docs[:first])
         store: list[StoreSpan] = []
+        tier = self.store_tier
         for key, num_tokens, start in wanted:
-            if parent is not None and not self._placement.gpu_usable(parent, handle):
-                break  # a GPU copy needs its parent on GPU, for sure (see gpu_usable)
+            if parent is not None and not self._placement.usable(parent, tier, handle):
+                break  # a copy needs its parent's in the same tier, for sure (see usable)
             count = slots_for_tokens(num_tokens, self.page_size)
             if isinstance(key, DocKey):
                 prefix = (*prefix, key)
                 if not self._admit_store(prefix, count, handle):
                     break
-            if not self._placement.make_room(Tier.GPU, count, handle):
+            if not self._placement.make_room(tier, count, handle):
                 break
             node, slots = self._store(key, parent, num_tokens, count, cost_per_new, handle)
             if num_tokens:
-                store.append(StoreSpan(slots, start, num_tokens))
+                store.append(StoreSpan(tier, slots, start, num_tokens))
             parent = node
         return store
 
@@ -275,13 +283,13 @@ class Planner:
         cost_per_new: float,
         handle: RequestHandle,
     ) -> tuple[Node, tuple[int, ...]]:
-        """Attach a node below `parent` with a GPU copy this request writes and pins (room is
-        made). Returns the node and its slots."""
+        """Attach a node below `parent` with a copy on the store tier this request writes and
+        pins (room is made). Returns the node and its slots."""
         standalone = self.cost_model.prefill_time(0, num_tokens) / num_tokens if num_tokens else 0.0
         node = self._prefixes.attach(
             key, parent, num_tokens, NodeStats(num_tokens, standalone, self.now)
         )
-        slots = self._placement.write_copy(node, Tier.GPU, count, handle)
+        slots = self._placement.write_copy(node, self.store_tier, count, handle)
         self._placement.pin(node, handle)
         handle.ledger.path.append(node)
         node.stats.record_computed(cost_per_new)
@@ -295,7 +303,7 @@ class Planner:
     def _admit_store(self, prefix: tuple[DocKey, ...], count: int, handle: RequestHandle) -> bool:
         """Whether the store policy lets the document ending `prefix` be stored now."""
         if self.store_policy == "no_evict":
-            return self._placement.available(Tier.GPU, handle) >= count
+            return self._placement.available(self.store_tier, handle) >= count
         if self.store_policy == "second":
             if prefix in self._seen:
                 del self._seen[prefix]

@@ -27,19 +27,16 @@ exactly as a real copy failure would."""
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
-    """Pool sizes and layout. `host_slots == 0` means no host tier (no shared-memory file)."""
+    """The host pool's size and layout. `host_slots == 0` means no host tier (no shared-memory
+    file). There is no GPU pool: the GPU tier is vLLM's own KV cache (docs/design.md 3.1)."""
 
     layout: PoolLayout
-    gpu_slots: int
     host_slots: int = 0
     host_pool_name: str = ""
 
     def __post_init__(self) -> None:
-        if self.gpu_slots < 0 or self.host_slots < 0:
-            raise ConfigError(
-                f"pool sizes cannot be negative (gpu_slots={self.gpu_slots}, "
-                f"host_slots={self.host_slots})"
-            )
+        if self.host_slots < 0:
+            raise ConfigError(f"the host pool size cannot be negative, got {self.host_slots}")
         if self.host_slots and not self.host_pool_name:
             raise ConfigError("a host pool needs a name (host_pool_name)")
 
@@ -51,7 +48,6 @@ class ConnectorConfig:
         return {
             EXTRA_KEY: {
                 "layout": self.layout.to_json(),
-                "gpu_slots": self.gpu_slots,
                 "host_slots": self.host_slots,
                 "host_pool_name": self.host_pool_name,
             }
@@ -66,7 +62,6 @@ class ConnectorConfig:
         data = extra[EXTRA_KEY]
         return cls(
             layout=PoolLayout.from_json(data["layout"]),
-            gpu_slots=int(data["gpu_slots"]),
             host_slots=int(data["host_slots"]),
             host_pool_name=str(data["host_pool_name"]),
         )

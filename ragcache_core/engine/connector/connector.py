@@ -43,6 +43,9 @@ class RAGCacheConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            from ragcache_core.engine.compat import check_block_pool_hooks
+
+            check_block_pool_hooks()
             self._scheduler = SchedulerSide(config, block_size)
         else:
             self._worker = WorkerSide(config, block_size)
@@ -97,6 +100,10 @@ class RAGCacheConnector(KVConnectorBase_V1):
             num_computed_tokens,
         )
         return count, False
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        # Gated by `compat.check_block_pool_hooks` at construction.
+        self._scheduler_side().bind_block_pool(gpu_block_pool)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler_side().after_alloc(request.request_id, num_external_tokens)

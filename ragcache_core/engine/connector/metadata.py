@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ragcache_core.plan import LoadSpan, SlotCopy, StoreSpan
+from ragcache_core.plan import LoadSpan, StoreSpan
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +23,6 @@ class RequestOps:
 
     req_id: str
     block_ids: tuple[int, ...]
-    swap_out: tuple[SlotCopy, ...] = ()
-    promote: tuple[SlotCopy, ...] = ()
     load: tuple[LoadSpan, ...] = ()
     load_lo: int = 0
     load_hi: int = 0

@@ -17,19 +17,22 @@ from ragcache_core.engine.connector.config import RESULT_KEY
 class ConnectorResult:
     """Outcome of one request's plan.
 
-    `loaded_tokens` prompt tokens were served from the pools (`gpu_tokens` + `host_tokens`);
-    the rest were computed. `store_scheduled`: the scheduler put the plan's stores into the
-    step that completed the prompt. `stored`: those stores ran (what a confirmation needs; a
-    store that raises fails the step instead): the worker reported it, or the request
+    `loaded_tokens` prompt tokens were loaded from the host pool (`host_tokens`, the same number),
+    of the `external_tokens` vLLM accepted from the connector (fewer after a failed load).
+    `gpu_tokens`: vLLM's own prefix-cache hit before them (the GPU tier, no copy), block-aligned, as
+    vLLM presented it to the connector; vLLM's `num_cached_tokens` less `external_tokens` is the
+    same hit to the token. The rest were computed. `store_scheduled`: the scheduler put the plan's
+    stores into the step that completed the prompt. `stored`: those stores ran (what a confirmation
+    needs; a store that raises fails the step instead): the worker reported it, or the request
     finished in the step that stored (`SchedulerSide.finished`; its copy times then read 0).
-    `failed_load_spans` lists load spans whose copy failed (vLLM recomputed from the block
-    holding the failed span's first token). `rejected` lists why a plan was ignored (then
-    nothing was copied at all). `load_copy_s` / `store_copy_s`: seconds the worker spent
-    copying in the steps that ran this request's copies (shared with the other requests of
-    those steps).
+    `failed_load_spans` lists load spans whose copy failed (vLLM recomputed from the block holding
+    the failed span's first token). `rejected` lists why a plan was ignored (then nothing was copied
+    at all). `load_copy_s` / `store_copy_s`: seconds the worker spent copying in the steps that ran
+    this request's copies (shared with the other requests of those steps).
     """
 
     loaded_tokens: int = 0
+    external_tokens: int = 0
     gpu_tokens: int = 0
     host_tokens: int = 0
     store_scheduled: bool = False
@@ -46,6 +49,7 @@ class ConnectorResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "loaded_tokens": self.loaded_tokens,
+            "external_tokens": self.external_tokens,
             "gpu_tokens": self.gpu_tokens,
             "host_tokens": self.host_tokens,
             "store_scheduled": self.store_scheduled,
@@ -60,6 +64,7 @@ class ConnectorResult:
     def from_json(cls, data: dict[str, Any]) -> ConnectorResult:
         return cls(
             loaded_tokens=int(data["loaded_tokens"]),
+            external_tokens=int(data["external_tokens"]),
             gpu_tokens=int(data["gpu_tokens"]),
             host_tokens=int(data["host_tokens"]),
             store_scheduled=bool(data["store_scheduled"]),

@@ -1,11 +1,17 @@
 """Scheduler-side connector logic (runs in vLLM's engine-core process).
 
-It reads each request's plan from `kv_transfer_params`, tells vLLM how many prompt tokens the
-worker will load, and puts each request's copies into the step where they must run:
+vLLM's prefix caching is on: it matches its own cached blocks first (the GPU tier) and asks
+how many tokens past that hit the connector will load (`get_num_new_matched_tokens`). This
+side reads each request's plan from `kv_transfer_params`, answers with the host-tier tokens
+past vLLM's hit, and puts each request's copies into the step where they must run:
 
-    first step the request is scheduled   swap_out, promote (once), load (when vLLM accepted
-                                          the external tokens)
+    first step the request is scheduled   load (when vLLM accepted the external tokens)
     step whose forward completes prompt   store (the prompt's KV is then final in paged KV)
+
+A load that failed leaves vLLM's prefix cache holding hashes of blocks with bad KV (under
+`kv_load_failure_policy="recompute"` vLLM keeps them for the recomputation): this side evicts
+those hashes, from the failed block to the request's last, through the block pool vLLM binds
+(`bind_gpu_block_pool`), before the next step is scheduled, so no later request matches them.
 
 It decides nothing about what is cached: the plan says which slots, the app owns them.
 Pure Python over vLLM's scheduler objects; no tensors.
@@ -21,7 +27,7 @@ from ragcache_core.engine.connector.config import FAULT_KEY, RESULT_KEY, Connect
 from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerReport
 from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
-from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, StoreSpan
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +45,10 @@ class _Tracked:
     load_lo: int = 0
     load_hi: int = 0
     loaded_end: int = 0
-    """End of the prompt prefix actually served from the pools (after failures)."""
+    """End of the prompt prefix actually served from the host pool (after failures)."""
+    local_tokens: int = 0
+    """vLLM's own prefix-cache hit (the GPU tier), block-aligned, at its last scheduling."""
     load_pending: bool = False
-    copies_sent: bool = False
     store_sent: bool = False
     failed_spans: list[int] = field(default_factory=list)
     store_ran: bool = False
@@ -66,6 +73,12 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._unconfirmed_stores: set[str] = set()
         """Requests reported stored at `finished` before their step's worker report came."""
+        self.block_pool: Any = None
+        """vLLM's `BlockPool`, bound by vLLM at scheduler start (`bind_block_pool`)."""
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        """vLLM's GPU block pool: where failed loads' hashes are evicted (`on_worker_report`)."""
+        self.block_pool = block_pool
 
     def track_and_count_loads(
         self, req_id: str, params: dict[str, Any] | None, prompt_len: int, num_computed: int
@@ -83,7 +96,10 @@ class SchedulerSide:
 
     def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
         tracked = self._tracked.get(req_id)
-        if tracked is None or num_external_tokens <= 0:
+        if tracked is None or tracked.problems or tracked.store_sent:
+            return
+        tracked.local_tokens = tracked.query_start
+        if num_external_tokens <= 0:
             return
         tracked.load_lo = tracked.query_start
         tracked.load_hi = tracked.query_start + num_external_tokens
@@ -122,9 +138,10 @@ class SchedulerSide:
         """A step's outcome (vLLM calls it after a step whose workers had something to
         report; a store that ran always has). Load failures: vLLM recomputes from the failed
         span's block, so the prompt will be completed again and the store must be sent again
-        then. Stores that ran and copy times are recorded for the request's final report; a
-        store counted at `finished` that the next report lacks is logged as the bug it would
-        be."""
+        then, and the failed blocks' hashes (from the failed span's block to the request's
+        last block) leave vLLM's prefix cache now. Stores that ran and copy times are
+        recorded for the request's final report; a store counted at `finished` that the next
+        report lacks is logged as the bug it would be."""
         unconfirmed, self._unconfirmed_stores = self._unconfirmed_stores, set()
         if isinstance(report, WorkerReport):
             unconfirmed -= report.stored
@@ -150,6 +167,20 @@ class SchedulerSide:
             tracked.store_ran = False
             first = max(tracked.plan.load[span].token_start, tracked.load_lo)
             tracked.loaded_end = min(tracked.loaded_end, first - first % self.block_size)
+            self._evict_from(tracked, first // self.block_size)
+
+    def _evict_from(self, tracked: _Tracked, first_block: int) -> None:
+        """Drop the prefix-cache hashes of `tracked`'s blocks from `first_block` on: they were
+        loaded wrong or computed over KV loaded wrong. The request keeps the blocks and
+        recomputes them; no other request can match them any more."""
+        bad = set(tracked.block_ids[first_block:])
+        if not bad:
+            return
+        if self.block_pool is None:
+            raise RuntimeError(
+                "RAGCache: a load failed but vLLM bound no block pool to evict its blocks from"
+            )
+        self.block_pool.evict_blocks(bad)
 
     def finished(self, req_id: str) -> dict[str, Any] | None:
         """Forget the request; its report for `RequestOutput.kv_transfer_params`.
@@ -170,13 +201,6 @@ class SchedulerSide:
             self._unconfirmed_stores.add(req_id)
         return {RESULT_KEY: _result(tracked).to_json()}
 
-    def hit_tokens_by_tier(self, req_id: str) -> dict[Tier, int]:
-        tracked = self._tracked.get(req_id)
-        if tracked is None:
-            return {}
-        result = _result(tracked)
-        return {Tier.GPU: result.gpu_tokens, Tier.HOST: result.host_tokens}
-
     def _track(
         self, req_id: str, params: dict[str, Any] | None, prompt_len: int
     ) -> _Tracked | None:
@@ -190,7 +214,6 @@ class SchedulerSide:
                     plan,
                     prompt_len=prompt_len,
                     page_size=self.config.page_size,
-                    gpu_slots=self.config.gpu_slots,
                     host_slots=self.config.host_slots,
                 )
             )
@@ -212,11 +235,6 @@ class SchedulerSide:
         if tracked.problems:
             return None
         plan = tracked.plan
-        swap_out: tuple[SlotCopy, ...] = ()
-        promote: tuple[SlotCopy, ...] = ()
-        if not tracked.copies_sent:
-            tracked.copies_sent = True
-            swap_out, promote = plan.swap_out, plan.promote
         load: tuple[LoadSpan, ...] = ()
         lo = hi = 0
         if tracked.load_pending:
@@ -229,13 +247,11 @@ class SchedulerSide:
         if completes_prompt and not tracked.store_sent:
             tracked.store_sent = True
             store = plan.store
-        if not (swap_out or promote or load or store):
+        if not (load or store):
             return None
         return RequestOps(
             req_id=req_id,
             block_ids=tuple(tracked.block_ids),
-            swap_out=swap_out,
-            promote=promote,
             load=load,
             load_lo=lo,
             load_hi=hi,
@@ -245,15 +261,16 @@ class SchedulerSide:
 
 
 def _result(tracked: _Tracked) -> ConnectorResult:
-    tokens = {Tier.GPU: 0, Tier.HOST: 0}
+    host = 0
     for span in tracked.plan.load:
         first = max(span.token_start, tracked.load_lo)
         last = min(span.token_start + span.num_tokens, tracked.loaded_end)
-        tokens[span.tier] += max(0, last - first)
+        host += max(0, last - first)
     return ConnectorResult(
-        loaded_tokens=tokens[Tier.GPU] + tokens[Tier.HOST],
-        gpu_tokens=tokens[Tier.GPU],
-        host_tokens=tokens[Tier.HOST],
+        loaded_tokens=host,
+        external_tokens=tracked.load_hi - tracked.load_lo,
+        gpu_tokens=tracked.local_tokens,
+        host_tokens=host,
         store_scheduled=tracked.store_sent and bool(tracked.plan.store),
         stored=tracked.store_ran,
         failed_load_spans=tuple(tracked.failed_spans),

@@ -25,33 +25,39 @@ if TYPE_CHECKING:
     from ragcache_core.storage.copy.base import TokenIndex
 
 
-def plan_problems(
-    plan: Plan, *, prompt_len: int, page_size: int, gpu_slots: int, host_slots: int
-) -> list[str]:
+def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: int) -> list[str]:
     """Everything wrong with `plan` for a prompt of `prompt_len` tokens (empty when valid).
 
     Valid means: the pools' page size; loads are contiguous from position 0; every span's
-    slot count matches its tokens; every slot is inside its pool; stores lie in the prompt.
+    slot count matches its tokens; every slot is inside the host pool; stores lie in the
+    prompt. The engine has no GPU pool (its GPU tier is vLLM's own KV cache), so any GPU-pool
+    part of a plan (swap_out, promote, a GPU load or store) is refused.
     """
     problems: list[str] = []
-    capacity = {Tier.GPU: gpu_slots, Tier.HOST: host_slots}
 
     def check_slots(what: str, slots: Sequence[int], tier: Tier) -> None:
-        bad = [s for s in slots if not 0 <= s < capacity[tier]]
-        if bad:
+        if tier is not Tier.HOST:
             problems.append(
-                f"{what}: {tier} slot(s) {bad[:4]} outside the pool (0..{capacity[tier] - 1})"
+                f"{what} uses the {tier} pool: the engine has none (vLLM's own KV cache is "
+                "the GPU tier)"
+            )
+            return
+        bad = [s for s in slots if not 0 <= s < host_slots]
+        if bad and not host_slots:
+            problems.append(f"{what}: the engine has no host pool (host_pool_tokens=0)")
+        elif bad:
+            problems.append(
+                f"{what}: host slot(s) {bad[:4]} outside the pool (0..{host_slots - 1})"
             )
 
     if plan.page_size != page_size:
         problems.append(f"plan page size {plan.page_size} != pool page size {page_size}")
         return problems
-    for i, copy in enumerate(plan.swap_out):
-        check_slots(f"swap_out[{i}] source", copy.src_slots, Tier.GPU)
-        check_slots(f"swap_out[{i}] destination", copy.dst_slots, Tier.HOST)
-    for i, copy in enumerate(plan.promote):
-        check_slots(f"promote[{i}] source", copy.src_slots, Tier.HOST)
-        check_slots(f"promote[{i}] destination", copy.dst_slots, Tier.GPU)
+    if plan.swap_out or plan.promote:
+        problems.append(
+            "swap_out/promote copy between pools: the engine has no GPU pool (vLLM's own KV "
+            "cache is the GPU tier)"
+        )
     position = 0
     for i, load in enumerate(plan.load):
         if load.token_start != position:
@@ -77,7 +83,7 @@ def plan_problems(
                 f"store[{i}]: {len(store.slots)} slots for {store.num_tokens} tokens "
                 f"(page size {page_size})"
             )
-        check_slots(f"store[{i}]", store.slots, Tier.GPU)
+        check_slots(f"store[{i}]", store.slots, store.tier)
     return problems
 
 
