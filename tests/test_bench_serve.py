@@ -220,9 +220,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("--workloads", "nope"), "unknown workload"),
         (("--requests", "0"), "--requests must be positive"),
         (("--model", "/no/such/model"), "does not exist"),
+        (("--systems", "vllm,vllm-offload"), "vLLM refuses its native CPU offload here"),
     ],
 )
 def test_bad_arguments_are_one_line_exit_2(args: tuple[str, ...], message: str) -> None:
+    """(`vllm-offload` is refused this way only where no CUDA device is: on this machine.)"""
     result = _cli("--smoke", *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr

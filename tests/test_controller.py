@@ -122,6 +122,11 @@ def reference(
     return cache._loop.run(run())
 
 
+def forget_gpu_tier(cache: RAGCache) -> None:
+    """Empty vLLM's prefix cache only (the GPU tier), so the next hits must be the host's."""
+    assert cache._loop.run(cache.engine.reset_prefix_cache())
+
+
 def test_answers_equal_plain_vllm_and_repeats_hit(cache: RAGCache) -> None:
     cache.clear()
     docs = [DOCS[0], DOCS[1]]
@@ -157,8 +162,26 @@ def test_a_one_token_answer_stores_its_documents(cache: RAGCache) -> None:
     first = cache.generate("Which city is older?", docs, sampling=one)
     assert first.hits.hit_docs == 0 and len(first.token_ids) == 1
     second = cache.generate("Which city is larger?", docs, sampling=one)
-    assert second.hits.gpu_docs == 2
+    assert second.hits.hit_docs == 2
     assert second.token_ids == reference(cache, "Which city is larger?", docs)[:1]
+    # vLLM's prefix cache would serve them even if RAGCache never stored: without it, the
+    # host tier must (the stores ran).
+    forget_gpu_tier(cache)
+    third = cache.generate("Which city is smaller?", docs, sampling=one)
+    assert (third.hits.host_docs, third.hits.gpu_docs) == (2, 0)
+    assert third.token_ids == reference(cache, "Which city is smaller?", docs)[:1]
+
+
+def test_clear_forgets_both_tiers(cache: RAGCache) -> None:
+    """`clear()` empties the host tier and vLLM's prefix cache (the GPU tier): the next
+    request computes everything, exactly."""
+    docs = [DOCS[0], DOCS[5]]
+    cache.generate("Where?", docs)
+    assert cache.generate("Where again?", docs).hits.hit_docs == 2
+    cache.clear()
+    after = cache.generate("Where again?", docs)
+    assert after.hits.hit_docs == 0 and after.hits.cached_tokens == 0
+    assert after.token_ids == reference(cache, "Where again?", docs)
 
 
 def test_a_stop_string_keeps_the_documents_it_stored(
@@ -178,8 +201,9 @@ def test_a_stop_string_keeps_the_documents_it_stored(
         first = cache.generate("Tell me about Vienna.", docs, sampling=stopped)
     assert first.finish_reason == "stop" and first.hits.hit_docs == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    forget_gpu_tier(cache)  # vLLM would serve them whether or not RAGCache stored them
     second = cache.generate("Where is Lisbon?", docs)
-    assert second.hits.hit_docs == 2 and second.hits.host_docs == 1  # the last one's tail
+    assert (second.hits.host_docs, second.hits.gpu_docs) == (2, 0)
     assert second.token_ids == reference(cache, "Where is Lisbon?", docs)
 
 

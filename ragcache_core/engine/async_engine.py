@@ -114,8 +114,8 @@ class AsyncEngine:
         """Submit one request and yield its progress. `read_prefix_cache=False` keeps vLLM's
         prefix cache (and every connector load) out of it: vLLM with caching off, the
         reference of the exactness tests. `cache_salt` keeps its prefix-cache blocks to
-        requests of the same salt (a tenant, `compat.token_prompt`). Raises `EngineDied` if the engine core died;
-        cancelling the iteration aborts the request in vLLM."""
+        requests of the same salt (a tenant, `compat.token_prompt`). Raises `EngineDied` if
+        the engine core died; cancelling the iteration aborts the request in vLLM."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         from ragcache_core.engine.compat import first_token_latency, token_prompt
