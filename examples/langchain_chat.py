@@ -49,9 +49,7 @@ def main() -> None:
     print(f"vLLM's log: {quiet_vllm()}")
     retriever = build_store().as_retriever(search_kwargs={"k": 2})
     model = build_tiny_model(size=MODEL_SIZE)  # or the folder of a real checkpoint
-    config = CacheConfig(
-        host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=16)
-    )
+    config = CacheConfig(host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=16))
     with RAGCache(model, config) as cache:
         # LangChain's recipe, with RAGCacheRunnable where `create_stuff_documents_chain(llm,
         # prompt)` would be.

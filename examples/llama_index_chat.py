@@ -36,9 +36,7 @@ def main() -> None:
     print(f"vLLM's log: {quiet_vllm()}")
     index = build_index(load_corpus([sample_file("demo_corpus.jsonl")]))
     model = build_tiny_model(size=MODEL_SIZE)  # or the folder of a real checkpoint
-    config = CacheConfig(
-        host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=16)
-    )
+    config = CacheConfig(host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=16))
     with RAGCache(model, config) as cache:
         # Instead of index.as_chat_engine(chat_mode="condense_plus_context", ...).
         chat = as_chat_engine(

@@ -71,7 +71,11 @@ class Metrics:
             "ragcache_doc_hits", "Documents served from a pool", ["tier"], registry=r
         )
         self.misses = Counter("ragcache_doc_misses", "Documents computed", registry=r)
-        self.tokens_saved = Counter("ragcache_tokens_saved", "Prompt tokens loaded", registry=r)
+        self.tokens_saved = Counter(
+            "ragcache_tokens_saved",
+            "Prompt tokens not computed (vLLM's hit + host loads)",
+            registry=r,
+        )
         self.speculation = Counter(
             "ragcache_speculation", "Speculative generations", ["outcome"], registry=r
         )
