@@ -215,6 +215,31 @@ def test_after_alloc_records_vllms_own_hit_and_loads_only_past_it() -> None:
     assert result.loaded_tokens == 8 and result.stored
 
 
+def test_a_preempted_request_keeps_its_first_schedulings_counts() -> None:
+    """vLLM's `num_cached_tokens` counts the first scheduling only: a request preempted in
+    prefill and scheduled again (its loaded blocks now in vLLM's prefix cache, so a smaller
+    load) still reports the first scheduling's hit and external tokens, so the app's split of
+    vLLM's count into its own hit and the host loads stays right. The resumed load runs."""
+    side, _ = _side()
+    assert side.track_and_count_loads("r", {PLAN_KEY: PLAN.to_json()}, 30, 0) == 16
+    side.after_alloc("r", 16)
+    side.build_step(_output([("r", [0, 1, 2], 0)], {"r": 8}))
+    # Preempted, then resumed: vLLM now holds 8 of the loaded tokens itself.
+    assert side.track_and_count_loads("r", {PLAN_KEY: PLAN.to_json()}, 30, 8) == 8
+    side.after_alloc("r", 8)
+    resumed = SimpleNamespace(
+        req_ids=["r"],
+        resumed_req_ids={"r"},
+        new_block_ids=[([4, 5, 6, 7],)],
+        num_computed_tokens=[8],
+    )
+    (ops,) = side.build_step(_output([], {"r": 22}, resumed)).requests
+    assert (ops.load_lo, ops.load_hi, ops.block_ids) == (8, 16, (4, 5, 6, 7))
+    side.on_worker_report(WorkerReport(stored={"r"}))
+    result = ConnectorResult.from_transfer_params(side.finished("r"))
+    assert (result.gpu_tokens, result.external_tokens) == (0, 16)
+
+
 def test_a_full_gpu_hit_loads_nothing() -> None:
     """vLLM's prefix cache covers every planned load: nothing to load, no byte moves, and
     the whole hit is reported as vLLM's (GPU) hit."""

@@ -205,6 +205,12 @@ def test_a_stop_string_keeps_the_documents_it_stored(
     second = cache.generate("Where is Lisbon?", docs)
     assert (second.hits.host_docs, second.hits.gpu_docs) == (2, 0)
     assert second.token_ids == reference(cache, "Where is Lisbon?", docs)
+    # Stopped again, now over cached documents: without the connector's report the split of
+    # vLLM's count into its own hit and the host loads is unknown, so its hits read 0 (not
+    # the tree's hits counted as host hits).
+    again = cache.generate("Tell me about Vienna.", docs, sampling=stopped)
+    assert again.finish_reason == "stop" and again.token_ids == first.token_ids
+    assert again.hits.hit_docs == 0 and again.hits.cached_tokens == 0
 
 
 def test_concurrent_requests_are_exact(cache: RAGCache) -> None:

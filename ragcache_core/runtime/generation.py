@@ -371,9 +371,14 @@ class Generator:
         # without the report vLLM's count cannot be split into its own hit and the loads.
         if report is not None or handle.is_open:
             self._lifecycle.settle(handle, result)
-        known = report is not None or attempt.plan is None
-        cached = progress.cached_tokens if known else 0
-        hits, doc_hit_tokens = served_hits(handle, result, attempt.prompt, cached)
+        if report is not None or attempt.plan is None:
+            hits, doc_hit_tokens = served_hits(
+                handle, result, attempt.prompt, progress.cached_tokens
+            )
+        else:
+            prompt = attempt.prompt
+            hits = CacheHits(computed_docs=len(prompt.doc_specs), computed_tokens=prompt.num_tokens)
+            doc_hit_tokens = 0
         timings["settle"] = time.perf_counter() - started
         return Generation(
             token_ids=progress.token_ids,

@@ -177,8 +177,8 @@ class RAGCache(RAGCacheAPI):
         self, prompt_ids: Sequence[int], *, sampling: SamplingConfig | None = None
     ) -> AsyncGenerator[StreamChunk, None]:
         """Plain vLLM on `prompt_ids` on this cache's engine: the knowledge tree is neither read
-        nor written, vLLM's own prefix cache (the GPU tier, keyed by token ids) serves it as
-        vLLM would (`runtime/uncached.py`; what `ragcache serve` answers without documents). Streams
+        nor written, and vLLM's prefix cache is not read (`runtime/uncached.py`: no tenant salt
+        here; what `ragcache serve` answers without documents). Streams
         like `astream`; the last chunk carries the `QueryResult` (no sources, no hits)."""
         ids = tuple(prompt_ids)
 

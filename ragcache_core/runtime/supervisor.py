@@ -94,8 +94,8 @@ class EngineSupervisor:
 
     async def restart(self, dead_epoch: int) -> None:
         """Replace the engine of `dead_epoch` (once, however many requests saw it die).
-        GPU-pool copies are gone with the worker; confirmed host-pool copies survive in the
-        app's shared memory. Raises `RAGCacheError` when `restart_engine` is off."""
+        vLLM's prefix cache (the GPU tier) is gone with the engine; confirmed host-pool copies
+        survive in the app's shared memory. Raises `RAGCacheError` when `restart_engine` is off."""
         async with self._restart_lock:
             if dead_epoch != self.epoch:
                 return  # another request restarted it already

@@ -3,8 +3,10 @@ written.
 
 What `ragcache serve` answers for a request it cannot cache (no documents, or a system prompt
 other than the tree's root), exactly as `vllm serve` would: the ids go to the engine with no
-plan, and vLLM's own prefix cache (RAGCache's GPU tier, keyed by token ids) serves and keeps
-their blocks as it does for any vLLM request. It waits for prefill room in
+plan and do not read vLLM's prefix cache (RAGCache's GPU tier): the tenant salt of such a
+request is not known here, and an unsalted read would let one tenant probe another's prompts
+through the cached-token count. The blocks they compute are cached unsalted, which no salted
+request can match. It waits for prefill room in
 RAGCache's admission like every request (nothing cached to reorder it by). A try that times
 out or loses its engine is counted and retried by the rule cached requests follow
 (`generation.check_retry`: unless text already reached the caller). Runs on RAGCache's loop
@@ -76,10 +78,7 @@ class UncachedRunner:
             ttft_s=progress.first_token_at - started,
             retrieval_s=0.0,
             queue_wait_s=wait_s,
-            hits=CacheHits(
-                cached_tokens=progress.cached_tokens,
-                computed_tokens=len(ids) - progress.cached_tokens,
-            ),
+            hits=CacheHits(computed_tokens=len(ids)),
             prompt_tokens=len(ids),
             finish_reason=progress.finish_reason,
             retries=retries,
@@ -97,7 +96,7 @@ class UncachedRunner:
         request_id = f"uncached-{next(self._ids)}"
         epoch = self._engines.epoch
         try:
-            stream = self._engines.engine.stream(request_id, ids, sampling)
+            stream = self._engines.engine.stream(request_id, ids, sampling, read_prefix_cache=False)
             timeout = self._config.request_timeout_s
             interval = sampling.stream_interval or 1
             progress = await follow(stream, timeout, emit, lambda _: lease.release(), interval)

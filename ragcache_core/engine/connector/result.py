@@ -20,15 +20,16 @@ class ConnectorResult:
     `loaded_tokens` prompt tokens were loaded from the host pool (`host_tokens`, the same number),
     of the `external_tokens` vLLM accepted from the connector (fewer after a failed load).
     `gpu_tokens`: vLLM's own prefix-cache hit before them (the GPU tier, no copy), block-aligned, as
-    vLLM presented it to the connector; vLLM's `num_cached_tokens` less `external_tokens` is the
-    same hit to the token. The rest were computed. `store_scheduled`: the scheduler put the plan's
-    stores into the step that completed the prompt. `stored`: those stores ran (what a confirmation
-    needs; a store that raises fails the step instead): the worker reported it, or the request
-    finished in the step that stored (`SchedulerSide.finished`; its copy times then read 0).
-    `failed_load_spans` lists load spans whose copy failed (vLLM recomputed from the block holding
-    the failed span's first token). `rejected` lists why a plan was ignored (then nothing was copied
-    at all). `load_copy_s` / `store_copy_s`: seconds the worker spent copying in the steps that ran
-    this request's copies (shared with the other requests of those steps).
+    vLLM presented it to the connector; vLLM's `num_cached_tokens` less `external_tokens` (both from
+    the request's first scheduling) is the same hit to the token. The rest were computed.
+    `store_scheduled`: the scheduler put the plan's stores into the step that completed the prompt.
+    `stored`: those stores ran (what a confirmation needs; a store that raises fails the step
+    instead): the worker reported it, or the request finished in the step that stored
+    (`SchedulerSide.finished`; its copy times then read 0). `failed_load_spans` lists load spans
+    whose copy failed (vLLM recomputed from the block holding the failed span's first token).
+    `rejected` lists why a plan was ignored (then nothing was copied at all). `load_copy_s` /
+    `store_copy_s`: seconds the worker spent copying in the steps that ran this request's copies
+    (shared with the other requests of those steps).
     """
 
     loaded_tokens: int = 0

@@ -47,7 +47,11 @@ class _Tracked:
     loaded_end: int = 0
     """End of the prompt prefix actually served from the host pool (after failures)."""
     local_tokens: int = 0
-    """vLLM's own prefix-cache hit (the GPU tier), block-aligned, at its last scheduling."""
+    """vLLM's own prefix-cache hit (the GPU tier), block-aligned, at its first scheduling."""
+    external_at_first: int | None = None
+    """The tokens vLLM accepted from the connector at the request's first scheduling: what
+    its `num_cached_tokens` counts beside its own hit (vLLM reports the first scheduling's
+    counts; a preempted request that loads again does not change them)."""
     load_pending: bool = False
     store_sent: bool = False
     failed_spans: list[int] = field(default_factory=list)
@@ -98,7 +102,9 @@ class SchedulerSide:
         tracked = self._tracked.get(req_id)
         if tracked is None or tracked.problems or tracked.store_sent:
             return
-        tracked.local_tokens = tracked.query_start
+        if tracked.external_at_first is None:
+            tracked.local_tokens = tracked.query_start
+            tracked.external_at_first = max(num_external_tokens, 0)
         if num_external_tokens <= 0:
             return
         tracked.load_lo = tracked.query_start
@@ -268,7 +274,7 @@ def _result(tracked: _Tracked) -> ConnectorResult:
         host += max(0, last - first)
     return ConnectorResult(
         loaded_tokens=host,
-        external_tokens=tracked.load_hi - tracked.load_lo,
+        external_tokens=tracked.external_at_first or 0,
         gpu_tokens=tracked.local_tokens,
         host_tokens=host,
         store_scheduled=tracked.store_sent and bool(tracked.plan.store),

@@ -2,7 +2,7 @@
 
 Three kinds of copy exist, all driven by index tensors built from a plan:
 
-    copy_pages  whole slots between pools        GPU pool <-> host pool (swap_out, promote)
+    copy_pages  whole slots between pools        (the two-pool model; the engine has no GPU pool)
     load        pool rows -> paged KV rows       LoadSpan: (slot, row) -> (block, offset)
     store       paged KV rows -> pool rows       StoreSpan: (block, offset) -> (slot, row)
 
