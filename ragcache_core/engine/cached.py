@@ -191,8 +191,12 @@ class CachedEngine:
         ]
 
     def reset_prefix_cache(self) -> None:
-        """Empty vLLM's own prefix cache (when on), so the next run cannot hit it."""
-        self.engine.llm.reset_prefix_cache()
+        """Empty vLLM's own prefix cache (when on), so the next run cannot hit it; the
+        connector's protected set lets go of its blocks first (`AsyncEngine.reset_prefix_cache`
+        says why twice)."""
+        llm = self.engine.llm
+        if not llm.reset_prefix_cache(reset_connector=True):
+            llm.reset_prefix_cache()
 
     def close(self, *, unlink_host_pool: bool = False) -> None:
         """Stop vLLM. The host pool file stays (for a restart) unless `unlink_host_pool`."""

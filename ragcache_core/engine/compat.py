@@ -123,10 +123,12 @@ def attention_backend_name(vllm_config: Any) -> str:
 def check_block_pool_hooks() -> None:
     """Raise `ConfigError` unless this vLLM binds its GPU block pool to a KV connector
     (`KVConnectorBase_V1.bind_gpu_block_pool`, called from `bind_kv_cache_manager` at
-    scheduler start) and the pool can drop hashes of blocks in use (`BlockPool.evict_blocks`).
+    scheduler start), the pool can drop hashes of blocks in use (`BlockPool.evict_blocks`),
+    and it takes and gives back references on a flat list of blocks (`touch`, `free_blocks`).
 
-    The connector needs both to keep a failed load from being matched by a later request
-    (`SchedulerSide.on_worker_report`). Present in vllm 0.32 and 0.33; the connector API is
+    The connector needs the first two to keep a failed load from being matched by a later
+    request (`SchedulerSide.on_worker_report`), the last two for the protected set
+    (`SchedulerSide._protect`). Present in vllm 0.32 and 0.33; the connector API is
     experimental (vllm-project/vllm#53067 would replace the binding with a scheduler
     context), so a vLLM without them is refused at engine start, not discovered at the
     first failed load."""
@@ -141,11 +143,14 @@ def check_block_pool_hooks() -> None:
             (KVConnectorBase_V1, "bind_kv_cache_manager"),
             (KVConnectorBase_V1, "bind_gpu_block_pool"),
             (BlockPool, "evict_blocks"),
+            (BlockPool, "touch"),
+            (BlockPool, "free_blocks"),
         )
         if not callable(getattr(owner, name, None))
     ]
     if missing:
         raise ConfigError(
             f"vLLM {vllm_version()} lacks {', '.join(missing)}: RAGCache's connector needs them "
-            f"to evict failed loads from vLLM's prefix cache (supported: {SUPPORTED_VLLM})"
+            "to evict failed loads from vLLM's prefix cache and hold the protected set "
+            f"(supported: {SUPPORTED_VLLM})"
         )

@@ -11,8 +11,10 @@ engine), goes through it; everything else in `runtime/` only asks it.
                     copies become readable and its pins go
         ▼  finish: the connector's report (`ConnectorResult`)
     settle          a failed load removes the node it read; a handle still open (no first
-                    token seen) is confirmed or aborted by the report
+                    token seen) is confirmed or aborted by the report; the protect entries
+                    the engine reports held join the protected set
     abort           the request died before its first token: its unconfirmed copies go
+                    (and, at any point without a report, its protect entries are released)
     adopt           a speculation became the answer: it counts toward PGDSF frequency
 
 `served_hits` (what the request read, per tier) only reads a handle and a report.
@@ -87,6 +89,7 @@ class Lifecycle:
         if problems:
             logger.error("RAGCache built an invalid plan (%s); running uncached", problems)
             tree.abort(handle)
+            tree.abandon_protection(handle)
             return handle, None
         return handle, handle.plan
 
@@ -107,6 +110,7 @@ class Lifecycle:
         nothing to settle. Either way a failed load removes the node it read, at this prefix
         only (`KnowledgeTree.invalidate_loads`)."""
         tree = self.tree
+        tree.settle_protection(handle, result.protected, result.released)
         if handle.state is RequestState.ABORTED:
             return False
         every_copy_ran = not result.rejected and (result.stored or not handle.plan.store)
@@ -133,9 +137,11 @@ class Lifecycle:
     def abort(self, handle: RequestHandle) -> None:
         """The request ended without its stores proven (an error, a cancellation, a timeout):
         its unconfirmed copies are dropped and its pins go. A handle already ended is left
-        as it is."""
+        as it is. Protect entries it asked for and no report settled are released by the next
+        plan (it may have finished in the engine, or not)."""
         if handle.is_open:
             self.tree.abort(handle)
+        self.tree.abandon_protection(handle)
 
     def adopt(self, handle: RequestHandle) -> None:
         """A speculative generation became the answer: it counts toward PGDSF frequency like
@@ -153,8 +159,14 @@ class Lifecycle:
         """Forget every cached document (the policy's clocks and frequencies restart too)."""
         self.tree.clear()
 
+    def engine_released_protection(self) -> None:
+        """The engine let go of every protected block (`reset_prefix_cache` with the
+        connector's reset, which `clear()` sends): the protected set is empty."""
+        self.tree.protected.forget_engine()
+
     def lose_gpu_tier(self) -> None:
-        """The engine died: every GPU copy went with its worker; confirmed host copies stay."""
+        """The engine died: every GPU copy went with its worker, and its protected set with
+        it; confirmed host copies stay."""
         self.tree.drop_tier(Tier.GPU)
 
     def check_integrity(self) -> None:

@@ -126,14 +126,15 @@ class RAGCache(RAGCacheAPI):
             # Remove the shared-memory file even if close() is never called.
             self._pool_finalizer = weakref.finalize(self, remove_pool, pools.name)
         self.connector = pools.connector
-        self.lifecycle = Lifecycle(
-            build_tree(config, self.prompts.root_key, self.connector), self.connector
-        )
-        self.metrics.watch_roots(lambda: self.lifecycle.tree.num_roots)
-        self.admission = build_admission(config)
         self.engine_settings = build_engine_settings(
             self.model, config, self.connector, self.device
         )
+        self.lifecycle = Lifecycle(
+            build_tree(config, self.prompts.root_key, self.connector, self.engine_settings),
+            self.connector,
+        )
+        self.metrics.watch_roots(lambda: self.lifecycle.tree.num_roots)
+        self.admission = build_admission(config)
         self._engines = EngineSupervisor(self.engine_settings, config, self.lifecycle, self.metrics)
         self._generator = Generator(
             config=config,
@@ -233,17 +234,21 @@ class RAGCache(RAGCacheAPI):
         return self._loop.run(drop())
 
     def clear(self) -> None:
-        """Forget every cached document and reset the counters: the host tier, and vLLM's
-        prefix cache (the GPU tier) unless a running request holds blocks (then vLLM keeps
-        it, which is logged: its blocks are keyed by token ids, so they are never wrong)."""
+        """Forget every cached document and reset the counters: the host tier, the protected
+        set, and vLLM's prefix cache (the GPU tier) unless a running request holds blocks
+        (then vLLM keeps it, which is logged: its blocks are keyed by token ids, so they are
+        never wrong)."""
 
         async def clear() -> None:
             self.metrics.record_tree(self.tree.counters)  # evictions before the clear count
             self.lifecycle.clear()
-            if not self.engine.is_dead and not await self.engine.reset_prefix_cache():
-                logger.warning(
-                    "RAGCache.clear(): vLLM kept its prefix cache (requests are running)"
-                )
+            if not self.engine.is_dead:
+                reset = await self.engine.reset_prefix_cache()
+                self.lifecycle.engine_released_protection()
+                if not reset:
+                    logger.warning(
+                        "RAGCache.clear(): vLLM kept its prefix cache (requests are running)"
+                    )
             self.metrics.reset()
 
         self._loop.run(clear())

@@ -7,7 +7,9 @@ parts, each of which changes only what its docstring says:
   * `PrefixTree` (prefix.py): nodes by path, the walk, attach/detach, the document index;
   * `Placement` (placement.py): copies over the GPU/host tiers, pins, make room, eviction,
     the GPU slots held for a swap-out's request (slots: tier_slots.py, allocator.py);
-  * `Planner` (planner.py): `begin_request` and its steps, access statistics, store policy.
+  * `Planner` (planner.py): `begin_request` and its steps, access statistics, store policy;
+  * `ProtectedSet` (protected.py): the documents the policy keeps in vLLM's blocks (the
+    engine's GPU tier), carried to the engine by the plans' protect/release parts.
 
 Request lifecycle:
 
@@ -19,6 +21,7 @@ Request lifecycle:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 from ragcache_core.capacity import slots_in_tokens
@@ -32,6 +35,7 @@ from ragcache_core.tree.node import Node
 from ragcache_core.tree.placement import Placement
 from ragcache_core.tree.planner import STORE_POLICIES, Planner
 from ragcache_core.tree.prefix import PrefixTree, match_result, readable_prefix
+from ragcache_core.tree.protected import ProtectedSet
 from ragcache_core.tree.request import RequestHandle, RequestState
 from ragcache_core.tree.results import CacheStats, MatchResult, TreeCounters
 
@@ -51,6 +55,8 @@ class KnowledgeTree:
     `store_policy` decides which computed documents are stored: "always" (the paper), "second"
     (only a document met before at the same prefix: one-off documents never cost a store or
     an eviction) or "no_evict" (only while free room is left: stores never evict).
+    `protected_tokens` is the protected set's budget: tokens of vLLM's blocks (`block_size`
+    tokens each; default `page_size`) the policy keeps from vLLM's eviction (0: none).
     Raises `ConfigError` for settings out of range.
     """
 
@@ -67,7 +73,11 @@ class KnowledgeTree:
         frequency_window: int | None = None,
         backup_root: bool = False,
         store_policy: str = "always",
+        protected_tokens: int = 0,
+        block_size: int | None = None,
     ) -> None:
+        if protected_tokens < 0:
+            raise ConfigError(f"protected_tokens cannot be negative, got {protected_tokens}")
         if max_depth is not None and max_depth < 0:
             raise ConfigError(f"max_depth cannot be negative, got {max_depth}")
         if frequency_window is not None and frequency_window <= 0:
@@ -97,6 +107,8 @@ class KnowledgeTree:
             backup_root=backup_root,
             store_policy=store_policy,
         )
+        self.protected = ProtectedSet(protected_tokens, block_size or page_size, self.policy)
+        """The protected set (read freely; changed only through the methods below)."""
         self._next_request_id = 0
         self._open: dict[int, RequestHandle] = {}
 
@@ -189,6 +201,8 @@ class KnowledgeTree:
             open_requests=len(self._open),
             page_size=self.page_size,
             roots=self.num_roots,
+            protected_nodes=len(self.protected),
+            protected_tokens=self.protected.protected_tokens,
         )
 
     def iter_nodes(self) -> Iterator[Node]:
@@ -224,6 +238,9 @@ class KnowledgeTree:
             final=final,
         )
         self._next_request_id += 1
+        protect, release = self.protected.plan(handle)
+        if protect or release:
+            handle.plan = dataclasses.replace(handle.plan, protect=protect, release=release)
         self._open[handle.request_id] = handle
         self._placement.compact()
         return handle
@@ -244,6 +261,19 @@ class KnowledgeTree:
         self._check_open(handle)
         self._placement.discard_written(handle)
         self._finish(handle, RequestState.ABORTED)
+        self.protected.sweep()
+
+    def settle_protection(
+        self, handle: RequestHandle, protected: Sequence[int], released: Sequence[int]
+    ) -> None:
+        """The connector's report on `handle`'s protect entries and on releases
+        (`ProtectedSet.settle`). For open and ended handles alike; once per handle."""
+        self.protected.settle(handle, tuple(protected), tuple(released))
+
+    def abandon_protection(self, handle: RequestHandle) -> None:
+        """`handle` ended without a connector report: its protect entries, if any are still
+        unsettled, are released by the next plan (`ProtectedSet.abandon`)."""
+        self.protected.abandon(handle)
 
     def mark_final(self, handle: RequestHandle) -> None:
         """A speculative request turned out to use the final documents: count its retrievals
@@ -258,6 +288,9 @@ class KnowledgeTree:
         for handle in list(self._open.values()):
             self.abort(handle)
         self._placement.drop_tier(tier)
+        if tier is Tier.GPU:
+            self.protected.forget_engine()
+        self.protected.sweep()
 
     def invalidate(self, doc_id: str) -> int:
         """Drop every node of document `doc_id` (any content hash, any prefix) and their
@@ -286,6 +319,7 @@ class KnowledgeTree:
         In-flight requests stay valid: their pinned nodes are detached and freed when they
         finish."""
         self._placement.clear()
+        self.protected.release_all()
         self.policy.reset()
         self._planner.reset()
         self._placement.reset_counters()
@@ -296,6 +330,7 @@ class KnowledgeTree:
         self._prefixes.check()
         self._placement.check(OpenHoldings.of(self._open.values()))
         self._planner.check()
+        self.protected.check()
         for request_id, handle in self._open.items():
             if not handle.is_open or handle.request_id != request_id:
                 fail(f"{handle!r} is registered as open request {request_id}")
@@ -310,6 +345,7 @@ class KnowledgeTree:
         for node in nodes:
             if node.attached:
                 self._placement.remove(node)
+        self.protected.sweep()
         return before - self._prefixes.num_doc_nodes
 
     def _finish(self, handle: RequestHandle, state: RequestState) -> None:

@@ -27,7 +27,9 @@ class RequestLedger:
     - `held_gpu_slots`: GPU slots freed by its swap-outs, which only this request may reuse
       until it completes (its own plan reads them before it writes them; anyone else might
       write them first);
-    - `swap_out`: the swap-out copies of its plan, in eviction order.
+    - `swap_out`: the swap-out copies of its plan, in eviction order;
+    - `protecting`: the protected-set entries its plan asks the engine to hold, until the
+      connector's report says which it holds (`ProtectedSet.settle`) or it ends without one.
     """
 
     path: list[Node] = field(default_factory=list)
@@ -35,6 +37,7 @@ class RequestLedger:
     pending: list[tuple[Node, Tier]] = field(default_factory=list)
     held_gpu_slots: list[int] = field(default_factory=list)
     swap_out: list[SlotCopy] = field(default_factory=list)
+    protecting: tuple[int, ...] = ()
 
 
 class RequestHandle:

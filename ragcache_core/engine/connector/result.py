@@ -29,7 +29,10 @@ class ConnectorResult:
     whose copy failed (vLLM recomputed from the block holding the failed span's first token).
     `rejected` lists why a plan was ignored (then nothing was copied at all). `load_copy_s` /
     `store_copy_s`: seconds the worker spent copying in the steps that ran this request's copies
-    (shared with the other requests of those steps).
+    (shared with the other requests of those steps). `protected`: the plan's protect entries
+    the scheduler side holds now (held before, or taken at this request's finish); a protect
+    entry missing from it is not held. `released`: entries let go of since the previous report
+    (this plan's `release`, or `reset_cache`), whichever request's plan named them.
     """
 
     loaded_tokens: int = 0
@@ -42,6 +45,8 @@ class ConnectorResult:
     rejected: tuple[str, ...] = ()
     load_copy_s: float = 0.0
     store_copy_s: float = 0.0
+    protected: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
 
     @property
     def load_failed(self) -> bool:
@@ -59,6 +64,8 @@ class ConnectorResult:
             "rejected": list(self.rejected),
             "load_copy_s": self.load_copy_s,
             "store_copy_s": self.store_copy_s,
+            "protected": list(self.protected),
+            "released": list(self.released),
         }
 
     @classmethod
@@ -74,6 +81,8 @@ class ConnectorResult:
             rejected=tuple(str(p) for p in data["rejected"]),
             load_copy_s=float(data["load_copy_s"]),
             store_copy_s=float(data["store_copy_s"]),
+            protected=tuple(int(k) for k in data["protected"]),
+            released=tuple(int(k) for k in data["released"]),
         )
 
     @classmethod
