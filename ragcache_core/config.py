@@ -344,12 +344,13 @@ class CacheConfig:
     """Refused (kept only to name what replaced it): there is no GPU pool any more. The GPU
     tier is vLLM's own KV cache with its prefix caching on, sized by `vllm_kv_cache_gib`
     (docs/design.md 3.1)."""
-    protected_gpu_tokens: int | None = None
+    protected_gpu_tokens: int | None = 0
     """The protected set's budget: tokens of vLLM's cached blocks that the policy keeps from
     vLLM's LRU eviction, given to the documents PGDSF ranks highest (docs/design.md 2.2).
-    None: half of vLLM's KV cache, less whatever would leave under two `max_model_len`
-    requests' room beside it (`runtime.assembly.protected_budget`); 0 when vLLM sizes its KV
-    cache itself (CUDA without `vllm_kv_cache_gib`). 0 leaves the GPU tier to vLLM's LRU."""
+    0 (the default: measured, it tied or lost, docs/benchmarks.md "The protected set") leaves
+    the GPU tier to vLLM's LRU. None: half of vLLM's KV cache, less whatever would leave under
+    two `max_model_len` requests' room beside it (`runtime.assembly.protected_budget`; 0 when
+    vLLM sizes its KV cache itself: CUDA without `vllm_kv_cache_gib`)."""
     host_pool_tokens: int = 65_536
     """Capacity of the host-tier pool (shared memory) in tokens; 0 turns the host tier off."""
     page_size: int = 16

@@ -2,7 +2,7 @@
 PGDSF ranking, prefix closure, releases until the engine confirms them) and the scheduler
 side's references on vLLM's blocks (`SchedulerSide._protect`), over a block pool that counts
 references the way vLLM's does. The same code runs in the real engine in
-tests/test_protected_set.py."""
+tests/test_controller.py ("the protected set")."""
 
 from __future__ import annotations
 
@@ -262,6 +262,26 @@ def test_an_entry_the_engine_let_go_of_leaves_the_tree_set() -> None:
     tree.settle_protection(handle, (), (a_key,))  # released under pressure: a and b leave
     assert len(tree.protected) == 1 and tree.protected.pressure_releases == 1
     tree.check_integrity()
+
+
+def test_the_automatic_budget_leaves_two_max_length_requests_beside_it() -> None:
+    from ragcache_core.config import CacheConfig
+    from ragcache_core.runtime.assembly import protected_budget
+
+    token_bytes = LAYOUT.token_bytes
+    settings = SimpleNamespace(
+        kv_cache_space_gib=8192 * token_bytes / 2**30, max_model_len=1024, block_size=32
+    )
+    auto = CacheConfig(protected_gpu_tokens=None)
+    assert protected_budget(CacheConfig(), CONFIG, settings) == 0  # type: ignore[arg-type]
+    half = protected_budget(auto, CONFIG, settings)  # type: ignore[arg-type]
+    assert half == 4096  # half of 8,192 tokens: two 1,024-token requests fit beside it
+    settings.max_model_len = 3000
+    assert protected_budget(auto, CONFIG, settings) == 2176  # 8,192 - 2 x 3,000, in blocks
+    settings.kv_cache_space_gib = None  # vLLM sizes its cache itself (CUDA)
+    assert protected_budget(auto, CONFIG, settings) == 0
+    chosen = CacheConfig(protected_gpu_tokens=100)
+    assert protected_budget(chosen, CONFIG, settings) == 100
 
 
 def test_plan_problems_name_bad_protect_spans() -> None:

@@ -13,10 +13,10 @@ started once per system, not once per point.
 | `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
 | `vllm-offload`    | prefix caching + vLLM's native CPU offload, the host pool's size (CUDA) |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
-| `ragcache-offload-proxy` | RAGCache with LRU, no protected set, no reordering, no speculation: |
-|                   | what vLLM's own CPU offload does (LRU over blocks, host written as computed) |
-| `ragcache-nohost` / `-noprotect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
-|                   | no protected set, LRU, ...)                                             |
+| `ragcache-offload-proxy` | RAGCache with LRU, no reordering, no speculation: what vLLM's     |
+|                   | own CPU offload does (LRU over blocks, host written as computed)        |
+| `ragcache-nohost` / `-protect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
+|                   | the protected set on, LRU, ...)                                         |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
 
 Every system gets the same prompt token ids (one `PromptBuilder` config), the same sampling and
@@ -89,8 +89,8 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec(
             "ragcache-offload-proxy",
             "ragcache",
-            "RAGCache as vLLM's CPU offload: LRU, no protected set, no reordering, no speculation",
-            {"policy": "lru", "protected_gpu_tokens": 0, "reorder": False, "speculation": False},
+            "RAGCache as vLLM's CPU offload: LRU, no reordering, no speculation",
+            {"policy": "lru", "reorder": False, "speculation": False},
         ),
         SystemSpec(
             "ragcache-nohost",
@@ -100,10 +100,10 @@ SYSTEMS: dict[str, SystemSpec] = {
             parent="ragcache",
         ),
         SystemSpec(
-            "ragcache-noprotect",
+            "ragcache-protect",
             "ragcache",
-            "RAGCache, no protected set (vLLM's LRU alone decides its blocks)",
-            {"protected_gpu_tokens": 0},
+            "RAGCache with the protected set (its automatic budget; off by default)",
+            {"protected_gpu_tokens": None},
             parent="ragcache",
         ),
         SystemSpec(

@@ -50,9 +50,9 @@ def open_pools(model: str, config: CacheConfig) -> Pools:
 def protected_budget(
     config: CacheConfig, connector: ConnectorConfig, settings: EngineSettings
 ) -> int:
-    """The protected set's budget in tokens (`CacheConfig.protected_gpu_tokens`; None: half of
-    vLLM's KV cache, capped so that two `max_model_len` requests always fit beside it, in
-    whole vLLM blocks; 0 when vLLM sizes its KV cache itself)."""
+    """The protected set's budget in tokens (`CacheConfig.protected_gpu_tokens`, default 0;
+    None: half of vLLM's KV cache, capped so that two `max_model_len` requests always fit
+    beside it, in whole vLLM blocks; 0 when vLLM sizes its KV cache itself)."""
     if config.protected_gpu_tokens is not None:
         return config.protected_gpu_tokens
     if settings.kv_cache_space_gib is None:
