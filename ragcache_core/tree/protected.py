@@ -95,7 +95,7 @@ class ProtectedSet:
         then its documents in prompt order). Records the spans as the handle's."""
         self.sweep()
         protect: list[ProtectSpan] = []
-        path = handle.ledger.path
+        path = handle.ledger.path if self.budget_tokens else []  # 0: no protection at all
         start = 0
         for node in path:
             span_start, start = start, start + node.num_tokens
@@ -127,7 +127,7 @@ class ProtectedSet:
             node = by_key.get(key)
             if node is None:
                 if key in held:  # left the tree meanwhile: the engine holds it for nothing
-                    self._releasing[key] = 0
+                    self._releasing.setdefault(key, 0)
                 continue
             if key in held:
                 self._members[node].held = True

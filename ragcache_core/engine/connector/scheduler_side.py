@@ -252,7 +252,9 @@ class SchedulerSide:
             tracked.store_ran = True
             self._unconfirmed_stores.add(req_id)
         protected = () if aborted or not tracked.store_sent else self._protect(tracked)
-        released, self._released = tuple(sorted(self._released)), set()
+        released: tuple[int, ...] = ()
+        if not aborted:  # vLLM drops an aborted request's report: keep them for the next
+            released, self._released = tuple(sorted(self._released)), set()
         return {RESULT_KEY: _result(tracked, protected, released).to_json()}
 
     def _protect(self, tracked: _Tracked) -> tuple[int, ...]:
