@@ -21,8 +21,11 @@ from test_first_hour import NOISE, VLLM_MARKS, _env
 
 pytestmark = pytest.mark.vllm
 
-WARMUP, REQUESTS = 8, 8
-"""Enough for RAGCache to hit a document again: the seeded stream repeats one by then."""
+WARMUP, REQUESTS = 16, 8
+"""Enough for RAGCache to hit documents again whatever the timing: after 16 warm-up requests
+the seeded stream repeats four of the next 8 documents (measured: 50% of documents hit). After
+8 it repeated one, which a loaded CI run once did not hit (0% of documents; the cause,
+timing most likely, was not pinned down)."""
 SYSTEMS = ("vllm", "vllm-apc", "ragcache")
 """The demo's default systems."""
 DEMO_MAX_LINES = 40
@@ -84,7 +87,7 @@ def test_demo_prints_its_settings_and_one_row_per_system(demo: DemoRun) -> None:
 def test_demo_answers_identically_and_ragcache_hits(demo: DemoRun) -> None:
     """The cache never changes an answer; RAGCache reads the system prompt from the first
     measured request on and, since its two tiers hold every chunk of the stream, every
-    chunk the warm-up retrieved again (the seeded stream repeats one); plain vLLM reuses
+    chunk the warm-up retrieved again (the seeded stream repeats four); plain vLLM reuses
     nothing."""
     stdout = demo.stdout
     total = WARMUP + REQUESTS
