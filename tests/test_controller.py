@@ -689,8 +689,10 @@ def test_an_aborted_request_protects_nothing(protecting: RAGCache) -> None:
     while cache.stats()["engine_requests"] and time.monotonic() < deadline:
         time.sleep(0.1)  # vLLM has let go of the request (and of its own blocks)
     assert cache.stats()["engine_requests"] == 0
-    assert len(cache.tree.protected) == 0
-    assert not held_in_engine(cache)
+    # No report comes for an aborted request: the tree cannot know what the engine holds, so
+    # it counts nothing as held and has the next plan release the request's entries.
+    assert len(cache.tree.protected) == 0 and cache.tree.protected.releasing_tokens > 0
+    assert not held_in_engine(cache)  # the engine took none
 
 
 def test_invalidated_documents_are_released_by_the_next_plan(protecting: RAGCache) -> None:

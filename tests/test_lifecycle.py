@@ -204,3 +204,28 @@ def test_served_hits_counts_a_doc_vllm_holds_that_the_tree_does_not() -> None:
     assert (hits.gpu_docs, hits.host_docs, hits.cached_tokens, doc_tokens) == (1, 0, 16, 10)
     life.abort(handle)
     life.tree.check_integrity()
+
+
+@pytest.mark.parametrize("confirmed_first", [True, False])
+def test_a_request_without_a_report_releases_what_it_asked_to_protect(
+    confirmed_first: bool,
+) -> None:
+    """No report (vLLM's front end aborted the request, e.g. at a stop string): whether the
+    engine holds its protect entries is unknown, so the next plan releases them; none is left
+    counted as held, or silently forgotten while the engine holds its blocks."""
+    tree = KnowledgeTree(ROOT, gpu_slots=0, host_slots=64, page_size=PAGE, protected_tokens=64)
+    life = Lifecycle(tree, _connector())
+    handle, plan = life.open(_prompt("a"), final=True)
+    assert plan is not None and plan.protect
+    keys = {span.key for span in plan.protect}
+    if confirmed_first:
+        life.first_token(handle)
+        life.abort(handle)  # what `Generator._settle` does for a confirmed handle, no report
+    else:
+        assert not life.settle(handle, ConnectorResult())  # unreported: not stored
+    assert len(tree.protected) == 0
+    assert tree.protected.releasing_tokens == 4 * 4  # the root's 6 and a's 10 tokens: 4 blocks
+    nxt, _ = life.open(_prompt("b"), final=True)
+    assert keys <= set(nxt.plan.release)
+    life.abort(nxt)
+    tree.check_integrity()

@@ -253,6 +253,23 @@ def test_memory_pressure_releases_the_lowest_ranked_entries_first() -> None:
     assert ConnectorResult.from_transfer_params(side.finished("b")).released == (2,)
 
 
+def test_memory_pressure_keeps_an_entry_whose_release_would_free_nothing() -> None:
+    side, pool = _side()
+    ranked = Plan(
+        page_size=PAGE, protect=(ProtectSpan(1, 0, 4, rank=5.0), ProtectSpan(2, 4, 4, rank=1.0))
+    )
+    _scheduled(side, "a", ranked, 10)
+    side.finished("a")
+    pool.touch([pool.blocks[1]])  # a running request reads entry 2's block too
+    # 16 blocks needed, 14 free: entry 2 ranks lowest, but letting go of it frees nothing;
+    # entry 1 frees one. Then nothing can free more: entry 2 stays.
+    side.relieve(SimpleNamespace(num_scheduled_tokens={"x": 4 * 15}))
+    assert side.protected_blocks == 1 and pool.blocks[0].ref_cnt == 0
+    assert pool.blocks[1].ref_cnt == 2
+    _scheduled(side, "b", Plan(page_size=PAGE), 4)
+    assert ConnectorResult.from_transfer_params(side.finished("b")).released == (1,)
+
+
 def test_an_entry_the_engine_let_go_of_leaves_the_tree_set() -> None:
     tree = _tree(budget=64)
     plan, _ = _run(tree, [_doc("a"), _doc("b")])

@@ -129,9 +129,9 @@ def _measure_length(
 ) -> PrefillResult:
     """The four timings of one document length (module docstring), medians over `repeats`:
     uncached; store the document in the host pool, then run with vLLM's prefix cache holding
-    it (GPU hit); the same with vLLM's prefix cache emptied first (host hit); vLLM's own
-    prefix cache without a plan (floor). Raises `RAGCacheError` when a GPU hit moved bytes or
-    a host hit was served by vLLM's prefix cache."""
+    it (GPU hit), alternating with vLLM's own prefix cache without a plan (floor); then the
+    same plan with vLLM's prefix cache emptied first (host hit). Raises `RAGCacheError` when
+    a GPU hit moved bytes or a host hit was served by vLLM's prefix cache."""
     from ragcache_core.engine.cached import require_plan_ran
     from ragcache_core.errors import RAGCacheError
     from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
@@ -161,10 +161,15 @@ def _measure_length(
     ]
     store = Plan(PAGE, store=(StoreSpan(Tier.HOST, slots, 0, n),))
     require_plan_ran(engine.run(doc + tokens(QUESTION_TOKENS), store, SAMPLING), store)
-    gpu_hit = [ttft(load) for _ in range(repeats)]
+    # A GPU hit and the floor read the same cached blocks: measured in alternating pairs
+    # (the order swapped every pair), so the machine's drift falls on both alike.
+    gpu_hit: list[float] = []
+    floor: list[float] = []
+    for i in range(repeats):
+        pair = [(gpu_hit, load), (floor, None)]
+        for times, plan in pair if i % 2 == 0 else pair[::-1]:
+            times.append(ttft(plan))
     host_hit = [ttft(load, gpu_tier=False) for _ in range(repeats)]
-    ttft(None)  # the document back into vLLM's prefix cache
-    floor = [ttft(None) for _ in range(repeats)]
     return PrefillResult(
         doc_tokens=n,
         full_s=statistics.median(full),

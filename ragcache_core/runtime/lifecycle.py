@@ -110,7 +110,10 @@ class Lifecycle:
         nothing to settle. Either way a failed load removes the node it read, at this prefix
         only (`KnowledgeTree.invalidate_loads`)."""
         tree = self.tree
-        tree.settle_protection(handle, result.protected, result.released)
+        if result.reported:
+            tree.settle_protection(handle, result.protected, result.released)
+        else:  # the engine may hold its protect entries: the next plan releases them
+            tree.abandon_protection(handle)
         if handle.state is RequestState.ABORTED:
             return False
         every_copy_ran = not result.rejected and (result.stored or not handle.plan.store)

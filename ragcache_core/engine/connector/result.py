@@ -7,7 +7,7 @@ decide what to confirm (see docs/data-plane.md, "Store/confirm protocol").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ragcache_core.engine.connector.config import RESULT_KEY
@@ -33,6 +33,8 @@ class ConnectorResult:
     the scheduler side holds now (held before, or taken at this request's finish); a protect
     entry missing from it is not held. `released`: entries let go of since the previous report
     (this plan's `release`, or `reset_cache`), whichever request's plan named them.
+    `reported`: the result came from the connector's report (False: no report came, as for
+    a request vLLM's front end aborted; then nothing is known of its protect entries).
     """
 
     loaded_tokens: int = 0
@@ -47,6 +49,7 @@ class ConnectorResult:
     store_copy_s: float = 0.0
     protected: tuple[int, ...] = ()
     released: tuple[int, ...] = ()
+    reported: bool = field(default=False, compare=False)
 
     @property
     def load_failed(self) -> bool:
@@ -83,6 +86,7 @@ class ConnectorResult:
             store_copy_s=float(data["store_copy_s"]),
             protected=tuple(int(k) for k in data["protected"]),
             released=tuple(int(k) for k in data["released"]),
+            reported=True,
         )
 
     @classmethod

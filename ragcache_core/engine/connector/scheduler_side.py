@@ -115,16 +115,23 @@ class SchedulerSide:
         """Keep vLLM able to schedule the next step without preempting for protected blocks:
         while its free blocks (cached ones with no reference included) are fewer than the
         running requests may take next step (each request as many as this step, plus one),
-        let go of the lowest-ranked entry (the deepest of equal rank first). The app learns
-        it from the next report's `released`."""
+        let go of the lowest-ranked entry (the deepest of equal rank first) among those whose
+        release frees a block (one no running request also holds: `ref_cnt` 1); none such,
+        nothing goes. The app learns it from the next report's `released`."""
         if not self._protected or self.block_pool is None:
             return
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         size = self.block_size
         need = sum(-(-tokens // size) + 1 for tokens in scheduled.values())
-        while self._protected and self.block_pool.get_num_free_blocks() < need:
-            key = min(self._protected, key=lambda k: (self._protected[k][0], -k))
-            self._release(key)
+        while self.block_pool.get_num_free_blocks() < need:
+            freeing = [
+                key
+                for key, (_, blocks) in self._protected.items()
+                if any(block.ref_cnt == 1 for block in blocks)
+            ]
+            if not freeing:
+                return
+            self._release(min(freeing, key=lambda k: (self._protected[k][0], -k)))
 
     def track_and_count_loads(
         self, req_id: str, params: dict[str, Any] | None, prompt_len: int, num_computed: int
