@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -323,6 +324,47 @@ def test_smoke_serves_every_request_with_identical_answers(
     }
     for name in ("ttft_vs_rate.png", "ttft_cdf.png", "throughput_slo.png", "hit_rates.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+@pytest.mark.vllm
+def test_sigterm_closes_the_engines_it_started(
+    tiny_model: Path, tmp_path: Path, engine_pool: Any
+) -> None:
+    """SIGTERM (a job runner's stop, `kill`) ends a command as Ctrl-C does: its vLLM engine
+    processes go with it (before, they outlived it, holding its output pipes and memory)."""
+    import psutil
+
+    engine_pool.close()  # no test engine beside this one
+    log = tmp_path / "stderr.txt"
+    children: list[psutil.Process] = []
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "ragcache_core", "bench", "serve", "--smoke"),
+                *("--systems", "vllm", "--model", str(tiny_model), "--out", str(tmp_path)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while "engine started" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the engine runs in processes of its own"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 143, log.read_text()[-2000:]
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.pid for p in alive]
+        assert log.read_text().rstrip().endswith("terminated")
+    finally:
+        for process in [proc, *children]:
+            if isinstance(process, subprocess.Popen):
+                if process.poll() is None:
+                    process.kill()
+            elif process.is_running():
+                process.kill()
 
 
 QUICK_ROW = re.compile(

@@ -7,6 +7,8 @@ happen inside `func`, so `ragcache --help` stays instant.
 
 Errors the user can fix (a missing model folder, a malformed trace) are raised as
 `CliError`; `main` prints them as one line and exits with code 2, without a traceback.
+SIGTERM ends a command the way Ctrl-C does (exit code 143), so the engines it started are
+closed on the way out instead of outliving it (`ragcache serve` drains on it instead).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from ragcache_core.errors import RAGCacheError
@@ -37,6 +41,18 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 class CliError(RAGCacheError):
     """A problem with the command's input, printed as one line (exit code 2)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be: every `finally` on the way out runs."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+OWN_SIGTERM = frozenset({"serve"})
+"""Commands that handle SIGTERM themselves (uvicorn drains the server)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,12 +80,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if args.command in OWN_SIGTERM or threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         code: int = args.func(args)
     except RAGCacheError as exc:
         # User-fixable problems: one clear line, no traceback.
         print(f"ragcache {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
