@@ -32,19 +32,17 @@ from typing import Any
 import httpx
 
 from ragcache_core.bench.workloads import index_source, load_workload
-from ragcache_core.cli.replicas import Layout, find_router, router_command, serve_command
+from ragcache_core.cli.replicas import (
+    Layout,
+    find_router,
+    hold_ports,
+    router_command,
+    serve_command,
+)
 from ragcache_core.client.affinity import AffinityKeys, affinity_key
 from ragcache_core.documents import Document
 from ragcache_core.retrieval.trace import tokenizer_counter
 from ragcache_core.search import SearchSource, final_result
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def retrieved(questions: list[str], source: SearchSource, top_k: int) -> list[list[Document]]:
@@ -197,8 +195,10 @@ def main() -> None:
         flush=True,
     )
     router_bin = find_router(None)
-    base = free_port()
-    layout = Layout("127.0.0.1", free_port(), (base, free_port()))
+    # Every port bound and held until its process takes it (`ragcache replicas`' way): the
+    # replicas inherit their sockets; each router's are let go just before it starts.
+    held = [hold_ports("127.0.0.1", 0, 0, 2, 0), hold_ports("127.0.0.1", 0, 0, 0, 0)]
+    layout = held[0].layout
     from ragcache_core.storage.pool_layout import layout_for_model
 
     token_bytes = layout_for_model(str(args.model), dtype="float32", page_size=16).token_bytes
@@ -210,16 +210,21 @@ def main() -> None:
     procs = []
     for i in range(2):
         log = (args.out / f"replica-{i}.log").open("wb")
-        cmd = serve_command(layout, i, args.model, None, extra)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        fd = held[0].replica_sockets[i].fileno()
+        cmd = serve_command(layout, i, args.model, None, extra, fd=fd)
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))
+        )
+    held[0].release_replicas()  # each replica holds its own (a killed one's port closes)
     routers = []
     try:
         for url in layout.replica_urls:
             wait_health(url + "/health", procs)
         urls = {}
-        for policy in ("round_robin", "consistent_hash"):
-            rl = Layout("127.0.0.1", free_port(), layout.replica_ports)
-            cmd = router_command(router_bin, rl, policy, free_port(), None)
+        for ports, policy in zip(held, ("round_robin", "consistent_hash"), strict=True):
+            rl = Layout("127.0.0.1", ports.layout.port, layout.replica_ports)
+            cmd = router_command(router_bin, rl, policy, ports.prometheus_port, None)
+            ports.release_router()
             log = (args.out / f"router-{policy}.log").open("wb")
             routers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             wait_health(rl.router_url + "/readiness", routers)
@@ -243,6 +248,8 @@ def main() -> None:
             print(f"kill: {json.dumps(result['kill'])}", flush=True)
         (args.out / f"replica-bench-{args.workload}.json").write_text(json.dumps(result, indent=1))
     finally:
+        for ports in held:
+            ports.close()
         for r in routers:
             r.terminate()
         for p in procs:

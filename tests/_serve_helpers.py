@@ -1,14 +1,20 @@
-"""A real `ragcache serve` process for tests: started from this checkout on a free port of
-127.0.0.1, waited for (`/health`), stopped with SIGTERM (the graceful drain), its log kept."""
+"""A real `ragcache serve` process for tests: started from this checkout with `--port 0` (the
+server binds a free port of 127.0.0.1 before its engine starts and logs it; the port is read
+back from its log, never picked here and released), waited for (`/health`), stopped with
+SIGTERM (the graceful drain), its log kept. In-process apps get a socket that the test binds
+and holds (`held_socket`, `serve_in_thread`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,10 +28,41 @@ API_KEY_ENV = "RAGCACHE_API_KEY"
 ADMIN_KEY_ENV = "RAGCACHE_ADMIN_KEY"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
+BOUND = re.compile(r"bound http://127\.0\.0\.1:(\d+); starting the engine")
+
+
+@contextlib.contextmanager
+def held_socket() -> Iterator[socket.socket]:
+    """A socket bound to a free port of 127.0.0.1 and held for the block (so nobody else can
+    take the port): hand it to a server, or use its port where one must be taken."""
+    sock = socket.socket()
+    try:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        yield sock
+    finally:
+        sock.close()
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, sock: socket.socket, **config: Any) -> Iterator[str]:
+    """`app` under real uvicorn, in a thread, on the held `sock`; yields its URL once it
+    listens, and stops it after the block."""
+    import uvicorn
+
+    port = sock.getsockname()[1]
+    options = {"log_level": "error", **config}
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **options))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 240
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 class ServerProcess:
@@ -43,13 +80,12 @@ class ServerProcess:
     ):
         """`new_session`: the server leads a process group of its own (with its engine and
         watchdog), so a test can kill all of them at once."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._port: int | None = None
         self.api_key = api_key
         self.admin_key = admin_key
         self.log = log
         command = [sys.executable, "-m", "ragcache_core", "serve", "--model", str(model)]
-        command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        command += ["--host", "127.0.0.1", "--port", "0", *args]
         if api_key is not None:
             command += ["--api-key", api_key]
         if admin_key is not None:
@@ -72,6 +108,21 @@ class ServerProcess:
         return self.process.pid
 
     @property
+    def port(self) -> int:
+        """The port the server bound (read from its log; it binds before its engine starts,
+        so `wait_ready` knows it within seconds)."""
+        if self._port is None:
+            found = BOUND.search(self.log.read_text(errors="replace"))
+            if found is None:
+                raise RuntimeError(f"the server has not bound its port yet:\n{self.tail()}")
+            self._port = int(found.group(1))
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
@@ -80,6 +131,11 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.process.returncode}):\n{self.tail()}")
+            try:
+                self.port  # noqa: B018 (read from the log once it is there)
+            except RuntimeError:
+                time.sleep(0.2)
+                continue
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return

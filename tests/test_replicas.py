@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _serve_helpers import REPO, free_port
+from _serve_helpers import REPO
 
 from ragcache_core.cli import CliError
 from ragcache_core.cli.replicas import find_router
@@ -34,6 +33,7 @@ pytestmark = pytest.mark.vllm
 
 SERVE_ARGS = ["--host-pool-tokens", "8192", "--max-tokens", "4"]
 READY = re.compile(r"r(\d) (http://\S+) \(pid (\d+)\)")
+ROUTER = re.compile(r"^ready: router (http://\S+) ")
 
 
 @dataclass
@@ -45,18 +45,6 @@ class Cluster:
     log_dir: Path
 
 
-def _adjacent_free_ports() -> int:
-    for _ in range(50):
-        base = free_port()
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise AssertionError("no two adjacent free ports")
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
@@ -64,10 +52,11 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     except CliError as exc:
         pytest.skip(str(exc))
     log_dir = tmp_path_factory.mktemp("replicas")
-    port = free_port()
     cmd = [sys.executable, "-m", "ragcache_core", "replicas", "--model", str(tiny_model)]
-    cmd += ["--replicas", "2", "--port", str(port), "--base-port", str(_adjacent_free_ports())]
-    cmd += ["--prometheus-port", str(free_port()), "--router", router, "--log-dir", str(log_dir)]
+    # Every port 0: `ragcache replicas` binds them and holds them (no port picked here and
+    # released); the "ready:" line names them.
+    cmd += ["--replicas", "2", "--port", "0", "--base-port", "0", "--prometheus-port", "0"]
+    cmd += ["--router", router, "--log-dir", str(log_dir)]
     cmd += ["--stop-timeout", "30", "--", *SERVE_ARGS]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     env.pop("RAGCACHE_API_KEY", None)
@@ -77,8 +66,10 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         ready = _read_ready(process, log_dir)
         found = READY.findall(ready)
+        router_url = ROUTER.match(ready)
+        assert router_url is not None, ready
         yield Cluster(
-            router=f"http://127.0.0.1:{port}",
+            router=router_url.group(1),
             replicas={f"r{i}": url for i, url, _ in found},
             pids={f"r{i}": int(pid) for i, _, pid in found},
             process=process,

@@ -200,6 +200,18 @@ def _model(oai: openai.OpenAI) -> str:
 # ---------------------------------------------------------------------- surface
 
 
+def test_port_0_binds_before_the_engine_and_names_the_port_it_got(server: ServerProcess) -> None:
+    """Started with --port 0: the port was bound (and logged) before the engine started,
+    "ready on" came after the engine, with the same port, and the replica name uses it."""
+    log = server.tail(10_000)
+    bound = log.index(f"bound {server.url}; starting the engine")
+    assert bound < log.index(f"ready on {server.url}")
+    engine = [i for i in (log.find("vLLM"), log.find("vllm")) if i >= 0]
+    assert engine and bound < min(engine), "the engine started before the port was bound"
+    health = httpx.get(f"{server.url}/health")
+    assert health.headers["x-ragcache-replica"] == f"127.0.0.1:{server.port}"
+
+
 def test_health_metrics_open_models_and_v1_guarded(server: ServerProcess, oai: Any) -> None:
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     metrics = httpx.get(f"{server.url}/metrics").text
@@ -947,8 +959,13 @@ def test_a_second_server_on_the_same_port_is_refused(
         timeout=120,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
     )
-    assert done.returncode != 0
-    assert "another ragcache serve process already serves" in done.stdout + done.stderr
+    # Refused at the bind, before any engine: one line that names the port.
+    assert done.returncode == 2, done.stderr
+    message = done.stderr.strip().splitlines()
+    assert message == [
+        f"ragcache serve: error: cannot bind --port {server.port} on 127.0.0.1: another program "
+        "holds it ([Errno 98]); choose another --port, or 0 for any free port"
+    ], done.stderr
 
 
 def test_every_serve_metric_moved(server: ServerProcess) -> None:

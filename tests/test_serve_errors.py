@@ -16,16 +16,13 @@ test_serve_parity.py.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from _serve_helpers import free_port
+from _serve_helpers import held_socket, serve_in_thread
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from test_serve_unit import HeldCache
@@ -48,21 +45,12 @@ def shared(tiny_model: Path) -> Iterator[tuple[str, HeldCache, Any]]:
     200), under real uvicorn in a thread."""
     cache = HeldCache(tiny_model)
     cache.release.set()
-    port = free_port()
-    settings = ServeSettings(model=str(tiny_model), port=port, max_waiting=8, api_key="k")
-    app = create_app(settings, cache_factory=lambda s: cache)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", cache, app
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with held_socket() as sock:
+        port = sock.getsockname()[1]
+        settings = ServeSettings(model=str(tiny_model), port=port, max_waiting=8, api_key="k")
+        app = create_app(settings, cache_factory=lambda s: cache)
+        with serve_in_thread(app, sock) as url:
+            yield url, cache, app
 
 
 @pytest.fixture

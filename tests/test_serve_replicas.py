@@ -10,8 +10,7 @@ replicas is in test_replicas.py.
 
 from __future__ import annotations
 
-import threading
-import time
+import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,8 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from _serve_helpers import free_port
+from _serve_helpers import held_socket, serve_in_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -37,17 +35,6 @@ from ragcache_core.serve.app import create_app
 from ragcache_core.serve.state import ServeSettings
 
 ADMIN = {"Authorization": "Bearer adm"}
-
-
-def run_in_thread(app: Any, port: int) -> tuple[uvicorn.Server, threading.Thread]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 240
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
-        time.sleep(0.05)
-    return server, thread
 
 
 # ---------------------------------------------------------------------- the affinity key
@@ -110,17 +97,13 @@ class FakeReplicas:
 
 @pytest.fixture
 def fake_url() -> Iterator[Callable[[FakeReplicas], str]]:
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+    with contextlib.ExitStack() as servers:
 
-    def start(fake: FakeReplicas) -> str:
-        port = free_port()
-        servers.append(run_in_thread(fake.app, port))
-        return f"http://127.0.0.1:{port}"
+        def start(fake: FakeReplicas) -> str:
+            sock = servers.enter_context(held_socket())
+            return servers.enter_context(serve_in_thread(fake.app, sock))
 
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(30)
+        yield start
 
 
 def test_the_client_sends_the_first_documents_key_and_none_without_documents(
@@ -197,33 +180,32 @@ def trio(tiny_model: Path) -> Iterator[Trio]:
     from transformers import AutoTokenizer  # imported once here: lazy imports race in threads
 
     assert AutoTokenizer is not None
-    ports = [free_port() for _ in range(3)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    dead = f"http://127.0.0.1:{free_port()}"
-    peers = [(urls[1], urls[2]), (urls[0],), (dead,)]
-    caches = [CountingCache({}) for _ in range(3)]
-    apps = [
-        create_app(
-            ServeSettings(
-                model=str(tiny_model),
-                port=ports[i],
-                api_key="k",
-                admin_key="adm",
-                replica_id=f"r{i}",
-                peers=peers[i],
-            ),
-            cache_factory=lambda s, c=caches[i]: c,
-        )
-        for i in range(3)
-    ]
-    with ThreadPoolExecutor(3) as pool:
-        started = list(pool.map(run_in_thread, apps, ports))
-    try:
+    with contextlib.ExitStack() as stack:
+        # Four held ports: three servers and a "dead" peer, bound and never listening.
+        socks = [stack.enter_context(held_socket()) for _ in range(4)]
+        ports = [sock.getsockname()[1] for sock in socks]
+        urls = [f"http://127.0.0.1:{p}" for p in ports[:3]]
+        dead = f"http://127.0.0.1:{ports[3]}"
+        peers = [(urls[1], urls[2]), (urls[0],), (dead,)]
+        caches = [CountingCache({}) for _ in range(3)]
+        apps = [
+            create_app(
+                ServeSettings(
+                    model=str(tiny_model),
+                    port=ports[i],
+                    api_key="k",
+                    admin_key="adm",
+                    replica_id=f"r{i}",
+                    peers=peers[i],
+                ),
+                cache_factory=lambda s, c=caches[i]: c,
+            )
+            for i in range(3)
+        ]
+        with ThreadPoolExecutor(3) as pool:
+            servers = [serve_in_thread(app, sock) for app, sock in zip(apps, socks, strict=False)]
+            list(pool.map(stack.enter_context, servers))  # started at once
         yield Trio(urls, caches, dead)
-    finally:
-        for server, thread in started:
-            server.should_exit = True
-            thread.join(30)
 
 
 def test_an_invalidation_reaches_every_peer_and_names_the_one_it_could_not(trio: Trio) -> None:

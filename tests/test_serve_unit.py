@@ -25,10 +25,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from _serve_helpers import REPO, free_port
+from _serve_helpers import REPO, held_socket, serve_in_thread
 from fastapi.testclient import TestClient
 
+from ragcache_core.cli.replicas import hold_ports
 from ragcache_core.client.wire import (
     config_from_json,
     config_to_json,
@@ -60,6 +60,7 @@ from ragcache_core.serve.jobs import (
     sampling_for,
 )
 from ragcache_core.serve.keys import read_key_file
+from ragcache_core.serve.listen import adopt_socket, bind_socket
 from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
 from ragcache_core.serve.schemas import ChatRequest, CompletionRequest
 from ragcache_core.serve.state import ServeSettings
@@ -551,22 +552,15 @@ class HeldCache:
 def held_server(tiny_model: Path) -> Iterator[tuple[str, HeldCache, Any]]:
     """The real app (capacity 1 running + 1 waiting) under real uvicorn, in a thread."""
     cache = HeldCache(tiny_model)
-    port = free_port()
-    settings = ServeSettings(model=str(tiny_model), port=port, max_waiting=1, api_key="k")
-    app = create_app(settings, cache_factory=lambda s: cache)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", cache, app
-    finally:
-        cache.release.set()
-        server.should_exit = True
-        thread.join(30)
+    with held_socket() as sock:
+        port = sock.getsockname()[1]
+        settings = ServeSettings(model=str(tiny_model), port=port, max_waiting=1, api_key="k")
+        app = create_app(settings, cache_factory=lambda s: cache)
+        with serve_in_thread(app, sock) as url:
+            try:
+                yield url, cache, app
+            finally:
+                cache.release.set()
     assert cache.closed  # the lifespan closed the cache
 
 
@@ -613,7 +607,11 @@ def test_while_draining_requests_get_503_and_health_says_so(
 
 
 def test_one_process_owns_a_port() -> None:
-    port = free_port()
+    with held_socket() as sock:  # (held: no server can take the port meanwhile)
+        _one_owner(sock.getsockname()[1])
+
+
+def _one_owner(port: int) -> None:
     refused = pytest.raises(ConfigError, match="one process owns the engine")
     with sole_owner("127.0.0.1", port), refused, sole_owner("127.0.0.1", port):
         pass
@@ -639,6 +637,62 @@ def test_the_cli_refuses_more_than_one_worker(tiny_model: Path) -> None:
         timeout=120,
     )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_a_taken_port_is_one_line_that_names_it() -> None:
+    """The bind comes first (serve/listen.py), so a taken port is refused before any engine,
+    for `ragcache serve` and for each port `ragcache replicas` needs, with nothing left bound."""
+    with held_socket() as sock:
+        port = sock.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"cannot bind --port {port} on 127.0.0.1: another"):
+            bind_socket("127.0.0.1", port)
+        for ports in ((port, 0, 0), (0, port, 0), (0, 0, port)):
+            with pytest.raises(ConfigError, match=f" {port} on 127.0.0.1: another program"):
+                hold_ports("127.0.0.1", ports[0], ports[1], 2, ports[2])
+    with pytest.raises(ConfigError, match="not an address of this machine"):
+        bind_socket("192.0.2.123", 0)  # (TEST-NET-1: never this machine's; nothing is sent)
+    held = hold_ports("127.0.0.1", 0, 0, 2, 0)  # all free: distinct ports, all held
+    try:
+        ports = [held.layout.port, held.prometheus_port, *held.layout.replica_ports]
+        assert len(set(ports)) == 4 and 0 not in ports
+        for taken in ports:
+            with pytest.raises(ConfigError, match=f"cannot bind --port {taken} "):
+                bind_socket("127.0.0.1", taken)
+        held.release_router()  # the router binds its two itself
+        bind_socket("127.0.0.1", held.layout.port).close()
+    finally:
+        held.close()
+
+
+def test_serve_adopts_an_inherited_socket_or_says_what_the_fd_is() -> None:
+    with held_socket() as sock:
+        adopted = adopt_socket(os.dup(sock.fileno()))
+        assert adopted.getsockname() == sock.getsockname() and not adopted.get_inheritable()
+        adopted.close()
+    with pytest.raises(ConfigError, match="--fd 987: not an open socket"):
+        adopt_socket(987)
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(ConfigError, match=f"--fd {read_end}: not an open socket"):
+            adopt_socket(read_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_the_cli_refuses_a_taken_port_before_the_engine(tiny_model: Path) -> None:
+    command = [sys.executable, "-m", "ragcache_core", "serve", "--model", str(tiny_model)]
+    with held_socket() as sock:
+        port = sock.getsockname()[1]
+        done = subprocess.run(
+            [*command, "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"ragcache serve: error: cannot bind --port {port} on 127.0.0.1: another program holds "
+        "it ([Errno 98]); choose another --port, or 0 for any free port"
+    ]
+    assert "vllm" not in done.stdout.lower()  # no engine was started
 
 
 # ---------------------------------------------------------------------- crash hygiene
@@ -775,24 +829,16 @@ def guarded_server(
     assert request.param.replace("httptools", "HttpTools").lower() in protocol.__name__.lower()
     cache = HeldCache(tiny_model)
     cache.release.set()
-    port = free_port()
-    settings = ServeSettings(
-        model=str(tiny_model), port=port, max_body_bytes=1024, read_timeout_s=1.0
-    )
-    app = create_app(settings, cache_factory=lambda s: cache)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=protocol)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", cache
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with held_socket() as sock:
+        settings = ServeSettings(
+            model=str(tiny_model),
+            port=sock.getsockname()[1],
+            max_body_bytes=1024,
+            read_timeout_s=1.0,
+        )
+        app = create_app(settings, cache_factory=lambda s: cache)
+        with serve_in_thread(app, sock, http=protocol) as url:
+            yield url, cache
 
 
 def test_headers_and_bodies_are_bounded_in_size_and_time(

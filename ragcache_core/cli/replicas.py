@@ -4,8 +4,13 @@ machine, for tests and trials (docs/deploy.md, "Many replicas").
     ragcache replicas --model DIR --replicas 2 [--port 8000] [--base-port 8001]
         [--gpus 0,1] [--router-policy consistent_hash] [--log-dir DIR] -- [serve options]
 
-1. Replica i: `ragcache serve --host HOST --port BASE+i --replica-id r<i> --peers <the
-   others>` plus the serve options after `--` (cache sizes, --index, keys), with
+0. Every port is bound here first (`hold_ports`): the replicas' (BASE+i, or any free port with
+   `--base-port 0`), the router's and its metrics' (0: any free one). A taken port is one line
+   that names it, before any engine starts. Each replica's socket is handed to it as an
+   inherited file descriptor (`ragcache serve --fd`), so its port is never free in between; the
+   router's two are let go just before the router binds them itself.
+1. Replica i: `ragcache serve --fd <its socket> --replica-id r<i> --peers <the others>` plus
+   the serve options after `--` (cache sizes, --index, keys), with
    `CUDA_VISIBLE_DEVICES=<gpus[i]>` when `--gpus` is given.
 2. Wait until every replica's `/health` is 200 (vllm-router counts a worker it never probed as
    healthy).
@@ -22,14 +27,17 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from ragcache_core.cli import CliError
+from ragcache_core.serve.listen import bind_socket, bound_port
 
 ROUTER_ENV = "RAGCACHE_VLLM_ROUTER"
 ROUTER_VERSION = "0.1.17"
@@ -44,8 +52,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="DIR")
     p.add_argument("--replicas", type=int, default=2, metavar="N")
     p.add_argument("--host", default="127.0.0.1", help="router and replicas (%(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="the router's (%(default)s)")
-    p.add_argument("--base-port", type=int, default=8001, help="replica i: BASE+i (%(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="the router's (%(default)s; 0: any)")
+    p.add_argument(
+        "--base-port", type=int, default=8001, help="replica i: BASE+i (%(default)s; 0: any)"
+    )
     p.add_argument("--gpus", default=None, help="comma list: replica i sees GPU gpus[i]")
     p.add_argument(
         "--router-policy",
@@ -53,7 +63,9 @@ def register(subparsers: Any) -> None:
         help="vllm-router --policy (%(default)s: document affinity on X-Session-Id)",
     )
     p.add_argument("--router", default=None, help=f"the vllm-router binary (${ROUTER_ENV})")
-    p.add_argument("--prometheus-port", type=int, default=29000, help="the router's metrics")
+    p.add_argument(
+        "--prometheus-port", type=int, default=29000, help="the router's metrics (0: any)"
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("RAGCACHE_API_KEY"),
@@ -83,6 +95,55 @@ class Layout:
         return tuple(f"http://{self.host}:{p}" for p in self.replica_ports)
 
 
+@dataclass(frozen=True, slots=True)
+class HeldPorts:
+    """Every port of a layout, bound now and held: the replicas' sockets (each handed to its
+    replica, `serve_command(..., fd=)`, then `release_replicas`: a replica's port must close
+    when the replica dies, so that the router is refused there, not left waiting) and the
+    router's and its metrics' (`release_router` just before the router starts: it binds them
+    itself)."""
+
+    layout: Layout
+    prometheus_port: int
+    replica_sockets: tuple[socket.socket, ...]
+    router_sockets: tuple[socket.socket, ...]
+
+    def release_replicas(self) -> None:
+        """Close this process's copies of the replicas' sockets (once each replica has its own)."""
+        for sock in self.replica_sockets:
+            sock.close()
+
+    def release_router(self) -> None:
+        for sock in self.router_sockets:
+            sock.close()
+
+    def close(self) -> None:
+        for sock in (*self.replica_sockets, *self.router_sockets):
+            sock.close()
+
+
+def hold_ports(
+    host: str, port: int, base_port: int, replicas: int, prometheus_port: int
+) -> HeldPorts:
+    """Bind every port `ragcache replicas` needs (0: any free port; replica i gets BASE+i,
+    or any free port for BASE 0); `ConfigError` naming the first taken port, with nothing
+    left bound."""
+    held: list[socket.socket] = []
+    try:
+        for i in range(replicas):
+            want = base_port + i if base_port else 0
+            held.append(bind_socket(host, want, what=f"replica {i}'s port (--base-port + {i})"))
+        held.append(bind_socket(host, port, what="--port"))
+        held.append(bind_socket(host, prometheus_port, what="--prometheus-port"))
+    except BaseException:
+        for sock in held:
+            sock.close()
+        raise
+    ports = [bound_port(sock) for sock in held]
+    layout = Layout(host, ports[replicas], tuple(ports[:replicas]))
+    return HeldPorts(layout, ports[-1], tuple(held[:replicas]), tuple(held[replicas:]))
+
+
 def find_router(given: str | None) -> str:
     """The vllm-router binary, or `CliError` saying how to install it."""
     candidates = [given, os.environ.get(ROUTER_ENV), shutil.which("vllm-router")]
@@ -97,16 +158,28 @@ def find_router(given: str | None) -> str:
 
 
 def serve_command(
-    layout: Layout, i: int, model: Path, api_key: str | None, extra: list[str]
+    layout: Layout,
+    i: int,
+    model: Path,
+    api_key: str | None,
+    extra: Sequence[str],
+    *,
+    fd: int | None = None,
 ) -> list[str]:
+    """Replica i's command: on its socket `fd` (inherited: pass it in `pass_fds`), else on
+    its port of `layout`."""
     peers = [u for j, u in enumerate(layout.replica_urls) if j != i]
     cmd = [sys.executable, "-m", "ragcache_core", "serve", "--model", str(model)]
-    cmd += ["--host", layout.host, "--port", str(layout.replica_ports[i]), "--replica-id", f"r{i}"]
+    if fd is None:
+        cmd += ["--host", layout.host, "--port", str(layout.replica_ports[i])]
+    else:
+        cmd += ["--fd", str(fd)]
+    cmd += ["--replica-id", f"r{i}"]
     if peers:
         cmd += ["--peers", *peers]
     if api_key:
         cmd += ["--api-key", api_key]
-    return cmd + extra
+    return cmd + list(extra)
 
 
 def router_command(
@@ -155,8 +228,12 @@ def wait_for(
     raise CliError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
-def _spawn(cmd: list[str], env: dict[str, str], log: IO[bytes] | None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+def _spawn(
+    cmd: list[str], env: dict[str, str], log: IO[bytes] | None, pass_fds: Sequence[int] = ()
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None, pass_fds=pass_fds
+    )
 
 
 def _log(log_dir: Path | None, name: str) -> IO[bytes] | None:
@@ -194,15 +271,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise CliError(f"--replicas must be >= 1, got {args.replicas}")
     extra = [a for a in args.serve_args if a != "--"]
-    for forbidden in ("--host", "--port", "--replica-id", "--peers", "--api-key"):
+    for forbidden in ("--host", "--port", "--fd", "--replica-id", "--peers", "--api-key"):
         if forbidden in extra:
             raise CliError(f"{forbidden} is set by ragcache replicas; drop it after --")
     gpus = args.gpus.split(",") if args.gpus else None
     if gpus is not None and len(gpus) < args.replicas:
         raise CliError(f"--gpus lists {len(gpus)} GPU(s) for {args.replicas} replicas")
     binary = find_router(args.router)
-    ports = tuple(args.base_port + i for i in range(args.replicas))
-    layout = Layout(args.host, args.port, ports)
+    held = hold_ports(args.host, args.port, args.base_port, args.replicas, args.prometheus_port)
+    layout = held.layout
     replicas: list[subprocess.Popen[bytes]] = []
     router: subprocess.Popen[bytes] | None = None
     stopping: list[int] = []
@@ -217,11 +294,14 @@ def _run(args: argparse.Namespace) -> int:
             env = dict(os.environ)
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i]
-            cmd = serve_command(layout, i, args.model, args.api_key, extra)
-            replicas.append(_spawn(cmd, env, _log(args.log_dir, f"replica-{i}")))
+            fd = held.replica_sockets[i].fileno()
+            cmd = serve_command(layout, i, args.model, args.api_key, extra, fd=fd)
+            replicas.append(_spawn(cmd, env, _log(args.log_dir, f"replica-{i}"), (fd,)))
+        held.release_replicas()  # each replica holds its own now
         for url in layout.replica_urls:
             wait_for(url + "/health", replicas, args.startup_timeout, stopping)
-        cmd = router_command(binary, layout, args.router_policy, args.prometheus_port, args.api_key)
+        cmd = router_command(binary, layout, args.router_policy, held.prometheus_port, args.api_key)
+        held.release_router()
         router = _spawn(cmd, dict(os.environ), _log(args.log_dir, "router"))
         wait_for(layout.router_url + "/readiness", [router], 60.0, stopping)
         print(
@@ -234,6 +314,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         _supervise(router, replicas, stopping)
     finally:
+        held.close()
         stop(router, replicas, args.stop_timeout)
     return 0 if stopping else 1
 

@@ -35,7 +35,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="model folder")
     p.add_argument("--index", type=Path, default=None, metavar="DIR", help="a ragcache index")
     p.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
-    p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="default: %(default)s; 0: any free port (bound before the engine starts; the "
+        "'ready on' log line names it)",
+    )
+    p.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve on a bound TCP socket inherited as file descriptor N (for supervisors, as "
+        "ragcache replicas does); its address replaces --host and --port",
+    )
     p.add_argument(
         "--api-key", default=os.environ.get(API_KEY_ENV), help=f"bearer key (env {API_KEY_ENV})"
     )
@@ -123,11 +137,22 @@ def _serve(args: argparse.Namespace) -> int:
     model = check_model_folder(args.model)
     if args.index is not None and not (args.index / "manifest.json").is_file():
         raise CliError(f"--index {args.index}: not a ragcache index (no manifest.json)")
-    settings = _settings(args, str(model))
-    logging.getLogger("ragcache_core.serve").setLevel(logging.INFO)
-    from ragcache_core.serve.app import run
+    from ragcache_core.serve.listen import adopt_socket, bind_socket, bound_host, bound_port
 
-    run(settings)
+    # The port is held from here on, before the engine's start (serve/listen.py).
+    if args.fd is not None:
+        sock = adopt_socket(args.fd)
+        args.host, args.port = bound_host(sock), bound_port(sock)
+    else:
+        sock = bind_socket(args.host, args.port)
+    try:
+        settings = _settings(args, str(model))
+        logging.getLogger("ragcache_core.serve").setLevel(logging.INFO)
+        from ragcache_core.serve.app import run
+
+        run(settings, sock)
+    finally:
+        sock.close()
     return 0
 
 

@@ -1,13 +1,15 @@
 """One `ragcache serve` process: `create_app(settings)` (the FastAPI app; no module-level app),
 its middleware, its lifespan, and `run` (uvicorn, one worker, draining on SIGTERM).
 
-Startup (`run`, then the lifespan): remove what crashed servers left (host pools and vLLM
-segments of processes that are gone, stale engine locks: one line says what), start the
-watchdog (serve/watchdog.py: the engine dies with this process, even on SIGKILL), take the
-engine lock (serve/owner.py: one process per port), build the cache (a `RAGCache` over
-`--index`, ~25 s on CPU, in a worker thread), the render lanes, the bounded queue and the
-server's metrics. Shutdown: refuse new requests (503), then close the cache (engine stopped,
-shared-memory host pool removed). Draining:
+Startup (`run`, then the lifespan): bind the listening socket (serve/listen.py: the port is
+held from the first moment; a taken port fails at once; port 0 takes any free one), remove
+what crashed servers left (host pools and vLLM segments of processes that are gone, stale
+engine locks: one line says what), start the watchdog (serve/watchdog.py: the engine dies
+with this process, even on SIGKILL), take the engine lock (serve/owner.py: one process per
+port), build the cache (a `RAGCache` over `--index`, ~25 s on CPU, in a worker thread), the
+render lanes, the bounded queue and the server's metrics; then uvicorn listens on the socket
+and "ready on URL" is logged, with the bound port. Shutdown: refuse new requests (503), then
+close the cache (engine stopped, shared-memory host pool removed). Draining:
 
     SIGTERM ─► the queue refuses new requests (503) and uvicorn stops accepting connections
             ─► requests in flight finish (at most `drain_timeout_s`, then they are cancelled:
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import socket
 from collections.abc import AsyncIterator
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -40,6 +44,7 @@ from ragcache_core.serve.errors import CountedResponses, install_handlers
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
 from ragcache_core.serve.known import KnownDocuments
 from ragcache_core.serve.limits import BodyLimitMiddleware, guarded_protocol
+from ragcache_core.serve.listen import bind_socket, bound_port
 from ragcache_core.serve.owner import reclaim_locks, sole_owner
 from ragcache_core.serve.queue import BoundedQueue
 from ragcache_core.serve.replicas import ReplicaHeaderMiddleware
@@ -70,7 +75,6 @@ def create_app(settings: ServeSettings, *, cache_factory: CacheFactory | None = 
         with sole_owner(settings.host, settings.port):
             state = await asyncio.to_thread(build_state, settings, factory)
             app.state.serve = state
-            logger.info("ready on http://%s:%s", settings.host, settings.port)
             try:
                 yield
             finally:
@@ -145,7 +149,13 @@ def build_ragcache(settings: ServeSettings) -> RAGCache:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, closing the bounded queue as soon as the exit signal arrives (uvicorn
-    alone would keep answering requests on open keep-alive connections while it drains)."""
+    alone would keep answering requests on open keep-alive connections while it drains), and
+    saying "ready on" once it listens with the engine running."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            logger.info("ready on %s", _url(self.config.host, self.config.port))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state = getattr(getattr(self.config.app, "state", None), "serve", None)
@@ -155,25 +165,39 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(settings: ServeSettings) -> None:
+def run(settings: ServeSettings, sock: socket.socket | None = None) -> None:
     """Serve until a signal; returns after the drain and the cache's close. This process is
-    the server: what crashed servers left is reclaimed first, and a watchdog makes sure the
-    engine ends with this process."""
+    the server: the port is bound first (or `sock`, bound by a supervisor, is used; its
+    address wins over `settings`' host and port), what crashed servers left is reclaimed, and
+    a watchdog makes sure the engine ends with this process. `ConfigError` (before any engine
+    starts) if the port cannot be bound."""
+    if sock is None:
+        sock = bind_socket(settings.host, settings.port)
+    # Port 0 became a real port: the engine lock and the replica name use it.
+    settings = dataclasses.replace(settings, port=bound_port(sock))
+    logger.info("bound %s; starting the engine", _url(settings.host, settings.port))
     reclaim_leftovers()
     watchdog = Watchdog.start()  # lives until this process is gone, then stops the engine
     app = create_app(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
-        port=settings.port,
+        port=settings.port,  # (for its messages: it serves on `sock`)
         workers=1,  # one process owns the engine
         lifespan="on",  # a failed startup (no engine) is fatal
         log_level=settings.log_level,
         timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
         http=guarded_protocol(settings.header_timeout_s),
     )
-    _DrainingServer(config).run()
+    try:
+        _DrainingServer(config).run(sockets=[sock])
+    finally:
+        sock.close()
     del watchdog  # (it exits on its own once this process has ended)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def reclaim_leftovers() -> None:
