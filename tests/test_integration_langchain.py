@@ -20,7 +20,7 @@ from _integration_helpers import CONFIG, corpus, import_with_version, questions,
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document as LCDocument
-from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
@@ -34,6 +34,7 @@ from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_integrations.langchain import (
     EVENT_NAME,
     OfflineEmbeddings,
+    RAGCacheChatModel,
     RAGCacheLLM,
     RAGCacheRunnable,
     document_id,
@@ -504,3 +505,152 @@ def test_chain_keys_and_pre_joined_context_are_named(cache: Any) -> None:
         )
     with pytest.raises(InputError, match="role 'system'"):
         runnable.invoke({"context": [doc], "input": "q", "chat_history": [("system", "x")]})
+
+
+# ---------------------------------------------------------------------- chat model (issue 41)
+
+
+def _format_docs(docs: list[LCDocument]) -> str:
+    return "\n\n".join(d.page_content for d in docs)
+
+
+def _plain_chat_ids(cache: Any, messages: list[BaseMessage]) -> list[int]:
+    """The ids `vllm serve` makes of `messages` (ChatOpenAI's request): the chat template,
+    tokenized without the tokenizer's special tokens."""
+    roles = {"system": "system", "human": "user", "ai": "assistant"}
+    dicts = [{"role": roles[m.type], "content": str(m.content)} for m in messages]
+    tokenizer = cache.prompts._tokenizer
+    text = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class ChatRecord(BaseCallbackHandler):
+    """What LangChain's LLM callbacks report: the messages or prompts a model was sent, and
+    each answer with its usage."""
+
+    def __init__(self) -> None:
+        self.messages: list[list[BaseMessage]] = []
+        self.prompts: list[str] = []
+        self.answers: list[Any] = []  # the ChatGeneration / Generation of each on_llm_end
+        self.llm_output: list[Any] = []
+
+    def on_chat_model_start(
+        self, serialized: Any, messages: list[list[BaseMessage]], **kwargs: Any
+    ) -> None:
+        self.messages.extend(messages)
+
+    def on_llm_start(self, serialized: Any, prompts: list[str], **kwargs: Any) -> None:
+        self.prompts.extend(prompts)
+
+    def on_llm_end(self, response: Any, **kwargs: Any) -> None:
+        self.answers.extend(g[0] for g in response.generations)
+        self.llm_output.append(response.llm_output)
+
+
+@pytest.mark.vllm
+def test_chat_model_keeps_the_roles_matches_vllm_hits_and_streams(
+    cache: Any, flat_store: FAISS
+) -> None:
+    """`prompt | RAGCacheChatModel` where `prompt | ChatOpenAI` sat: the messages go through
+    the chat template (the ids `vllm serve` makes of them), the answer is plain vLLM's on those
+    ids, the documents the watched retriever returned are cached and hit on a repeat, and the
+    AIMessage carries LangChain's usage (cache_read) and RAGCache's report; streamed, the
+    usage comes on the last chunk."""
+    llm = RAGCacheChatModel(cache=cache)
+    retriever = llm.watch(flat_store.as_retriever(search_kwargs={"k": 2}))
+    context = {"context": retriever | _format_docs, "input": RunnablePassthrough()}
+    chain = context | RETRIEVAL_PROMPT | llm
+    question = QUESTIONS[5]
+    docs = flat_store.similarity_search(question, k=2)
+    messages = RETRIEVAL_PROMPT.format_messages(context=_format_docs(docs), input=question)
+    plain_ids = _plain_chat_ids(cache, messages)
+    app = AppPrompt(messages=tuple({"role": r, "content": c} for r, c in _roles(messages)))
+    assert cache.prompts.build(question, _shown(docs), app).token_ids == plain_ids
+    expected = reference(cache, question, _shown(docs), app)
+
+    first = chain.invoke(question)
+    assert isinstance(first, AIMessage) and first.content == expected.text
+    report = first.response_metadata["ragcache"]
+    assert report["token_ids"] == list(expected.token_ids)
+    assert report["documents"] == [d.id for d in docs]
+    assert first.response_metadata["finish_reason"] == expected.finish_reason
+    usage = first.usage_metadata
+    assert usage is not None and usage["input_tokens"] == len(plain_ids)
+    assert usage["output_tokens"] == 8 and usage["total_tokens"] == len(plain_ids) + 8
+    again = chain.invoke(question)
+    assert again.content == first.content
+    assert again.response_metadata["ragcache"]["cache_hits"]["gpu_docs"] == 2
+    read = again.usage_metadata["input_token_details"]["cache_read"]  # type: ignore[index]
+    assert read == again.response_metadata["ragcache"]["cache_hits"]["cached_tokens"] > 0
+
+    chunks = list(chain.stream(question))
+    assert [c.usage_metadata is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    assert total.content == expected.text
+    assert total.usage_metadata["input_token_details"]["cache_read"] > 0  # type: ignore[index]
+    assert total.response_metadata["ragcache"]["token_ids"] == list(expected.token_ids)
+
+    async def both() -> tuple[Any, str]:
+        whole = await chain.ainvoke(question)
+        text = "".join([str(c.content) async for c in chain.astream(question)])
+        return whole, text
+
+    whole, streamed = asyncio.run(both())
+    assert whole.content == streamed == expected.text
+
+
+def _roles(messages: list[BaseMessage]) -> list[tuple[str, str]]:
+    roles = {"system": "system", "human": "user", "ai": "assistant"}
+    return [(roles[m.type], str(m.content)) for m in messages]
+
+
+@pytest.mark.vllm
+def test_chat_model_in_create_retrieval_chain_with_history_and_callbacks(
+    cache: Any, flat_store: FAISS
+) -> None:
+    """create_retrieval_chain + create_stuff_documents_chain with RAGCacheChatModel in place of
+    ChatOpenAI: the history keeps its roles, the answer is plain vLLM's on the ids of the same
+    messages, a plain handler sees on_chat_model_start with the messages and on_llm_end with
+    the answer and its usage, and a repeat reads its documents from the cache."""
+    chains = pytest.importorskip("langchain_classic.chains")
+    combine = pytest.importorskip("langchain_classic.chains.combine_documents")
+    llm = RAGCacheChatModel(cache=cache)
+    retriever = llm.watch(flat_store.as_retriever(search_kwargs={"k": 2}))
+    chain = chains.create_retrieval_chain(
+        retriever, combine.create_stuff_documents_chain(llm, CHAT_PROMPT)
+    )
+    question = QUESTIONS[0] + " Briefly."
+    history = [HumanMessage("Hello."), AIMessage("Hi. Ask away.")]
+    asked = {"input": question, "chat_history": history}
+    record = ChatRecord()
+    out = chain.invoke(asked, config={"callbacks": [record]})
+    docs = out["context"]
+    messages = CHAT_PROMPT.format_messages(
+        context=_format_docs(docs), input=question, chat_history=history
+    )
+    app = AppPrompt(messages=tuple({"role": r, "content": c} for r, c in _roles(messages)))
+    built = cache.prompts.build(question, _shown(docs), app)
+    assert built.token_ids == _plain_chat_ids(cache, messages)
+    expected = reference(cache, question, _shown(docs), app)
+    assert out["answer"] == expected.text
+    (sent,) = record.messages
+    assert [(m.type, m.content) for m in sent] == [(m.type, m.content) for m in messages]
+    (answer,) = record.answers
+    assert answer.message.content == expected.text
+    assert answer.message.usage_metadata["input_tokens"] == built.num_tokens
+    again = ChatRecord()
+    chain.invoke(asked, config={"callbacks": [again]})
+    message = again.answers[0].message
+    assert message.usage_metadata["input_token_details"]["cache_read"] > 0
+    hits = message.response_metadata["ragcache"]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == len(docs) == 2
+
+
+def test_chat_model_refuses_what_it_cannot_take() -> None:
+    """Bad arguments are named before anything runs (no engine needed: the checks come first)."""
+    with pytest.raises(TypeError, match=r"RAGCacheChatModel\(cache=\.\.\.\)"):
+        RAGCacheChatModel(cache="not a cache")
+    with pytest.raises(TypeError, match=r"RAGCacheChatModel\(cache=\.\.\.\)"):
+        RAGCacheChatModel()
