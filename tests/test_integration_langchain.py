@@ -16,7 +16,7 @@ from typing import Any
 import faiss
 import numpy as np
 import pytest
-from _integration_helpers import CONFIG, corpus, import_with_version, questions, reference
+from _integration_helpers import CONFIG, REPO, corpus, import_with_version, questions, reference
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document as LCDocument
@@ -309,6 +309,10 @@ def test_bad_input(cache: Any) -> None:
         runnable.invoke("a question with no context")  # no store to retrieve from
     with pytest.raises(InputError, match="input must be"):
         runnable.invoke(42)  # type: ignore[arg-type]
+    # The core refuses an empty document as the integrations do ("has no text").
+    for blank in ("", "  \n"):
+        with pytest.raises(InputError, match="document 'e' has no text"):
+            cache.generate("q", documents=[Document("e", blank)])
 
 
 # ---------------------------------------------------------------------- framework side only
@@ -654,3 +658,68 @@ def test_chat_model_refuses_what_it_cannot_take() -> None:
         RAGCacheChatModel(cache="not a cache")
     with pytest.raises(TypeError, match=r"RAGCacheChatModel\(cache=\.\.\.\)"):
         RAGCacheChatModel()
+
+
+@pytest.mark.vllm
+def test_the_runnable_reports_an_llm_run_with_the_prompt_and_usage(
+    cache: Any, flat_store: FAISS
+) -> None:
+    """A plain handler on a RAGCacheRunnable chain sees one LLM run per call: on_llm_start with
+    the prompt as the model saw it (the chat template rendered, documents and question in:
+    `QueryResult.prompt_text`, asked for only when someone listens), on_llm_end with the answer
+    and its usage (cache_read on a repeat); streamed calls report it too."""
+    retriever = flat_store.as_retriever(search_kwargs={"k": 2})
+    runnable = RAGCacheRunnable(cache=cache, prompt=RETRIEVAL_PROMPT, question_key="input")
+    chain = {"context": retriever, "input": RunnablePassthrough()} | runnable
+    question = QUESTIONS[3] + " In short."
+    docs = flat_store.similarity_search(question, k=2)
+    messages = RETRIEVAL_PROMPT.format_messages(context=_format_docs(docs), input=question)
+    tokenizer = cache.prompts._tokenizer
+    roles = [{"role": r, "content": c} for r, c in _roles(messages)]
+    text = tokenizer.apply_chat_template(roles, tokenize=False, add_generation_prompt=True)
+    record = ChatRecord()
+    answer = chain.invoke(question, config={"callbacks": [record]})
+    assert record.prompts == [text] and record.messages == []
+    (generation,) = record.answers
+    assert generation.message.content == answer
+    usage = generation.message.usage_metadata
+    assert usage["input_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+    assert record.llm_output[0]["token_usage"]["completion_tokens"] == usage["output_tokens"] == 8
+    streamed = ChatRecord()
+    assert "".join(chain.stream(question, config={"callbacks": [streamed]})) == answer
+    assert streamed.prompts == [text]
+    message = streamed.answers[0].message
+    assert message.usage_metadata["input_token_details"]["cache_read"] > 0  # a repeat
+    assert message.response_metadata["ragcache"]["cache_hits"]["gpu_docs"] == 2
+    # QueryResult.prompt_text: on request only, the same text.
+    shown = _shown(docs)
+    app = runnable._framing({"input": question}).prompt
+    assert cache.generate(question, shown, prompt=app, return_prompt=True).prompt_text == text
+    assert cache.generate(question, shown, prompt=app).prompt_text is None
+
+
+def _guide_block(heading: str) -> str:
+    """The first Python block after `heading` in docs/guide-langchain.md, as written there."""
+    text = (REPO / "docs" / "guide-langchain.md").read_text(encoding="utf-8")
+    after = text[text.index(heading) :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```\n", start)]
+
+
+@pytest.mark.vllm
+def test_the_guides_chat_model_snippet_runs_as_written(
+    cache: Any, flat_store: FAISS, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The guide's RAGCacheChatModel snippet, run as written on a real cache and store: the
+    retrieval chain answers, and the LCEL chain's repeat of its documents reads them from the
+    cache."""
+    namespace: dict[str, Any] = {"cache": cache, "store": flat_store}
+    exec(
+        compile(_guide_block("## Where a chat model sat"), "guide-langchain.md", "exec"), namespace
+    )
+    message = namespace["message"]
+    assert isinstance(message, AIMessage)
+    assert message.usage_metadata["input_token_details"]["cache_read"] > 0  # type: ignore[index]
+    hits = message.response_metadata["ragcache"]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == 4  # as_retriever's k: the chain's documents
+    assert str(hits) in capsys.readouterr().out

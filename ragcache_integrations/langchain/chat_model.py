@@ -34,8 +34,7 @@ from langchain_core.callbacks.manager import (
 )
 from langchain_core.documents import Document as LCDocument
 from langchain_core.language_models.chat_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages import AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from pydantic import ConfigDict, Field, model_validator
@@ -48,6 +47,7 @@ from ragcache_core.errors import InputError
 from ragcache_core.results import QueryResult
 from ragcache_integrations.langchain.llm import DocumentMemory, say_uncached, watched
 from ragcache_integrations.langchain.prompts import message_dict
+from ragcache_integrations.langchain.traces import ai_message, response_metadata, usage_metadata
 
 
 @dataclass(frozen=True)
@@ -216,11 +216,7 @@ class RAGCacheChatModel(BaseChatModel):
         )
 
     def _result(self, result: QueryResult) -> ChatResult:
-        message = AIMessage(
-            content=result.answer,
-            usage_metadata=usage_metadata(result),
-            response_metadata=self._metadata(result),
-        )
+        message = ai_message(result, self.ragcache.model)
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _chunk(self, delta: str, result: QueryResult | None) -> ChatGenerationChunk:
@@ -229,19 +225,10 @@ class RAGCacheChatModel(BaseChatModel):
         message = AIMessageChunk(
             content=delta,
             usage_metadata=usage_metadata(result),
-            response_metadata=self._metadata(result),
+            response_metadata=response_metadata(result, self.ragcache.model),
             chunk_position="last",
         )
         return ChatGenerationChunk(message=message)
-
-    def _metadata(self, result: QueryResult) -> dict[str, Any]:
-        """`response_metadata`: LangChain's keys (`model_name`, `finish_reason`) and
-        RAGCache's report (`QueryResult.report()` with the document ids)."""
-        return {
-            "model_name": self.ragcache.model,
-            "finish_reason": result.finish_reason,
-            "ragcache": {**result.report(), "documents": [d.id for d in result.sources]},
-        }
 
 
 def chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
@@ -260,16 +247,3 @@ def question_of(messages: Sequence[Mapping[str, Any]]) -> str:
         raise InputError("every message is empty: there is nothing to answer")
     users = [text for role, text in texts if role == "user"]
     return users[-1] if users else texts[-1][1]
-
-
-def usage_metadata(result: QueryResult) -> UsageMetadata:
-    """LangChain's usage of one answer: `cache_read` is the prompt tokens the cache served
-    (vLLM's prefix cache and RAGCache's host tier), as `ChatOpenAI` reads OpenAI's
-    `cached_tokens`."""
-    output = len(result.token_ids)
-    return UsageMetadata(
-        input_tokens=result.prompt_tokens,
-        output_tokens=output,
-        total_tokens=result.prompt_tokens + output,
-        input_token_details={"cache_read": result.hits.cached_tokens},
-    )
