@@ -43,8 +43,9 @@ class RAGCacheAPI(abc.ABC):
 
     Every call that answers takes `prompt=`, the app's own prompt (`AppPrompt`: its messages or
     text with the documents spliced in where it puts its context; None: the cache's
-    `CacheConfig.prompt` layout), and `cache_salt=`, a tenant's salt: a salted request hits
-    only KV stored under the same salt (docs/design.md 2.1).
+    `CacheConfig.prompt` layout), `cache_salt=`, a tenant's salt: a salted request hits
+    only KV stored under the same salt (docs/design.md 2.1), and `return_prompt=`: True puts
+    the prompt as the model saw it in `QueryResult.prompt_text` (for traces and checks).
     """
 
     config: CacheConfig
@@ -112,9 +113,10 @@ class RAGCacheAPI(abc.ABC):
         sampling: SamplingConfig | None = None,
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
+        return_prompt: bool = False,
     ) -> QueryResult:
         """Retrieve the top-k documents for `question` and answer with them."""
-        framing = Framing(prompt, cache_salt)
+        framing = Framing(prompt, cache_salt, return_prompt)
         return await self._loop.arun(self._query(question, search, top_k, sampling, None, framing))
 
     def query(
@@ -126,9 +128,10 @@ class RAGCacheAPI(abc.ABC):
         sampling: SamplingConfig | None = None,
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
+        return_prompt: bool = False,
     ) -> QueryResult:
         """Blocking `aquery`."""
-        framing = Framing(prompt, cache_salt)
+        framing = Framing(prompt, cache_salt, return_prompt)
         return self._loop.run(self._query(question, search, top_k, sampling, None, framing))
 
     async def agenerate(
@@ -139,9 +142,10 @@ class RAGCacheAPI(abc.ABC):
         sampling: SamplingConfig | None = None,
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
+        return_prompt: bool = False,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
-        framing = Framing(prompt, cache_salt)
+        framing = Framing(prompt, cache_salt, return_prompt)
         return await self._loop.arun(self._answer(question, documents, sampling, None, framing))
 
     def generate(
@@ -152,9 +156,10 @@ class RAGCacheAPI(abc.ABC):
         sampling: SamplingConfig | None = None,
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
+        return_prompt: bool = False,
     ) -> QueryResult:
         """Blocking `agenerate`."""
-        framing = Framing(prompt, cache_salt)
+        framing = Framing(prompt, cache_salt, return_prompt)
         return self._loop.run(self._answer(question, documents, sampling, None, framing))
 
     async def astream(
@@ -167,10 +172,11 @@ class RAGCacheAPI(abc.ABC):
         sampling: SamplingConfig | None = None,
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
+        return_prompt: bool = False,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream the answer as text deltas; the last chunk carries the `QueryResult`.
         With `documents` no retrieval runs. Closing the iterator early aborts the request."""
-        framing = Framing(prompt, cache_salt)
+        framing = Framing(prompt, cache_salt, return_prompt)
 
         def work(emit: Emit) -> Any:
             if documents is not None:
@@ -190,6 +196,7 @@ class RAGCacheAPI(abc.ABC):
         sampling: SamplingConfig | None = None,
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
+        return_prompt: bool = False,
     ) -> Iterator[StreamChunk]:
         """Blocking `astream`: an iterator of `StreamChunk`s."""
         chunks = self.astream(
@@ -200,6 +207,7 @@ class RAGCacheAPI(abc.ABC):
             sampling=sampling,
             prompt=prompt,
             cache_salt=cache_salt,
+            return_prompt=return_prompt,
         )
         return iterate_on(self._loop, chunks)
 

@@ -168,10 +168,12 @@ def default_prompt(config: PromptConfig, chat: bool) -> AppPrompt:
 class Framing:
     """What frames one request's documents: the app's prompt (None: the cache's configured
     layout, its default root) and the tenant's `cache_salt` (None: unsalted). A salted
-    request reaches only KV stored under the same salt."""
+    request reaches only KV stored under the same salt. `return_prompt`: the result carries
+    the rendered prompt (`QueryResult.prompt_text`)."""
 
     prompt: AppPrompt | None = None
     cache_salt: str | None = None
+    return_prompt: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt is not None and not isinstance(self.prompt, AppPrompt):

@@ -11,7 +11,7 @@ numbering from the front costs no reuse (docs/design.md 3.3).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -68,6 +68,20 @@ class DocumentTemplate:
 
 
 DEFAULT_DOC_TEMPLATE = DocumentTemplate()
+
+
+def checked_documents(documents: Iterable[object]) -> tuple[Document, ...]:
+    """The caller's documents, each a `Document` with text. Raises `InputError` naming the first
+    that is not one: another type, or a document whose text is empty or blank (there is nothing
+    to cache or show: the framework integrations refuse it the same way, "has no text")."""
+    out = []
+    for doc in documents:
+        if not isinstance(doc, Document):
+            raise InputError(f"documents must be ragcache_core.Document, got {type(doc).__name__}")
+        if not doc.text.strip():
+            raise InputError(f"document {doc.id!r} has no text")
+        out.append(doc)
+    return tuple(out)
 
 
 def render_document(

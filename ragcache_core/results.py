@@ -79,6 +79,11 @@ class QueryResult:
     logprobs: tuple[TokenLogprobs, ...] = ()
     """One per generated token when `SamplingConfig.logprobs` (or `logprob_token_ids`) asked
     for them, else empty."""
+    prompt_text: str | None = None
+    """The prompt as the model saw it, when the call asked for it (`return_prompt=True`): the
+    app's prompt (or the cache's layout) with the documents and the question in, rendered
+    through the model's chat template (or as its text): the text the prompt ids were tokenized
+    from. None when not asked for (rendering it again costs a chat-template pass)."""
 
     def report(self) -> dict[str, Any]:
         """The measurements as plain values (what the framework integrations attach as

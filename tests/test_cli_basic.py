@@ -100,3 +100,12 @@ def test_gpu_pool_tokens_is_refused_naming_its_replacement(
     # The replacement itself is an option of the same command.
     args = parser.parse_args([*command, replacement, "0.5"])
     assert vars(args)[replacement.lstrip("-").replace("-", "_")] == 0.5
+
+
+def test_index_without_the_text_field_names_the_flag(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "1", "body": "some text"}\n', encoding="utf-8")
+    result = _run("index", "--corpus", str(corpus), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "no text field (looked for text; the record has id, body)" in result.stderr
+    assert "set --text-field" in result.stderr and "Traceback" not in result.stderr

@@ -16,11 +16,11 @@ from typing import Any
 import faiss
 import numpy as np
 import pytest
-from _integration_helpers import CONFIG, corpus, import_with_version, questions, reference
+from _integration_helpers import CONFIG, REPO, corpus, import_with_version, questions, reference
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document as LCDocument
-from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
@@ -34,6 +34,7 @@ from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_integrations.langchain import (
     EVENT_NAME,
     OfflineEmbeddings,
+    RAGCacheChatModel,
     RAGCacheLLM,
     RAGCacheRunnable,
     document_id,
@@ -308,6 +309,10 @@ def test_bad_input(cache: Any) -> None:
         runnable.invoke("a question with no context")  # no store to retrieve from
     with pytest.raises(InputError, match="input must be"):
         runnable.invoke(42)  # type: ignore[arg-type]
+    # The core refuses an empty document as the integrations do ("has no text").
+    for blank in ("", "  \n"):
+        with pytest.raises(InputError, match="document 'e' has no text"):
+            cache.generate("q", documents=[Document("e", blank)])
 
 
 # ---------------------------------------------------------------------- framework side only
@@ -504,3 +509,217 @@ def test_chain_keys_and_pre_joined_context_are_named(cache: Any) -> None:
         )
     with pytest.raises(InputError, match="role 'system'"):
         runnable.invoke({"context": [doc], "input": "q", "chat_history": [("system", "x")]})
+
+
+# ---------------------------------------------------------------------- chat model (issue 41)
+
+
+def _format_docs(docs: list[LCDocument]) -> str:
+    return "\n\n".join(d.page_content for d in docs)
+
+
+def _plain_chat_ids(cache: Any, messages: list[BaseMessage]) -> list[int]:
+    """The ids `vllm serve` makes of `messages` (ChatOpenAI's request): the chat template,
+    tokenized without the tokenizer's special tokens."""
+    roles = {"system": "system", "human": "user", "ai": "assistant"}
+    dicts = [{"role": roles[m.type], "content": str(m.content)} for m in messages]
+    tokenizer = cache.prompts._tokenizer
+    text = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class ChatRecord(BaseCallbackHandler):
+    """What LangChain's LLM callbacks report: the messages or prompts a model was sent, and
+    each answer with its usage."""
+
+    def __init__(self) -> None:
+        self.messages: list[list[BaseMessage]] = []
+        self.prompts: list[str] = []
+        self.answers: list[Any] = []  # the ChatGeneration / Generation of each on_llm_end
+        self.llm_output: list[Any] = []
+
+    def on_chat_model_start(
+        self, serialized: Any, messages: list[list[BaseMessage]], **kwargs: Any
+    ) -> None:
+        self.messages.extend(messages)
+
+    def on_llm_start(self, serialized: Any, prompts: list[str], **kwargs: Any) -> None:
+        self.prompts.extend(prompts)
+
+    def on_llm_end(self, response: Any, **kwargs: Any) -> None:
+        self.answers.extend(g[0] for g in response.generations)
+        self.llm_output.append(response.llm_output)
+
+
+@pytest.mark.vllm
+def test_chat_model_keeps_the_roles_matches_vllm_hits_and_streams(
+    cache: Any, flat_store: FAISS
+) -> None:
+    """`prompt | RAGCacheChatModel` where `prompt | ChatOpenAI` sat: the messages go through
+    the chat template (the ids `vllm serve` makes of them), the answer is plain vLLM's on those
+    ids, the documents the watched retriever returned are cached and hit on a repeat, and the
+    AIMessage carries LangChain's usage (cache_read) and RAGCache's report; streamed, the
+    usage comes on the last chunk."""
+    llm = RAGCacheChatModel(cache=cache)
+    retriever = llm.watch(flat_store.as_retriever(search_kwargs={"k": 2}))
+    context = {"context": retriever | _format_docs, "input": RunnablePassthrough()}
+    chain = context | RETRIEVAL_PROMPT | llm
+    question = QUESTIONS[5]
+    docs = flat_store.similarity_search(question, k=2)
+    messages = RETRIEVAL_PROMPT.format_messages(context=_format_docs(docs), input=question)
+    plain_ids = _plain_chat_ids(cache, messages)
+    app = AppPrompt(messages=tuple({"role": r, "content": c} for r, c in _roles(messages)))
+    assert cache.prompts.build(question, _shown(docs), app).token_ids == plain_ids
+    expected = reference(cache, question, _shown(docs), app)
+
+    first = chain.invoke(question)
+    assert isinstance(first, AIMessage) and first.content == expected.text
+    report = first.response_metadata["ragcache"]
+    assert report["token_ids"] == list(expected.token_ids)
+    assert report["documents"] == [d.id for d in docs]
+    assert first.response_metadata["finish_reason"] == expected.finish_reason
+    usage = first.usage_metadata
+    assert usage is not None and usage["input_tokens"] == len(plain_ids)
+    assert usage["output_tokens"] == 8 and usage["total_tokens"] == len(plain_ids) + 8
+    again = chain.invoke(question)
+    assert again.content == first.content
+    assert again.response_metadata["ragcache"]["cache_hits"]["gpu_docs"] == 2
+    read = again.usage_metadata["input_token_details"]["cache_read"]  # type: ignore[index]
+    assert read == again.response_metadata["ragcache"]["cache_hits"]["cached_tokens"] > 0
+
+    chunks = list(chain.stream(question))
+    assert [c.usage_metadata is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    assert total.content == expected.text
+    assert total.usage_metadata["input_token_details"]["cache_read"] > 0  # type: ignore[index]
+    assert total.response_metadata["ragcache"]["token_ids"] == list(expected.token_ids)
+
+    async def both() -> tuple[Any, str]:
+        whole = await chain.ainvoke(question)
+        text = "".join([str(c.content) async for c in chain.astream(question)])
+        return whole, text
+
+    whole, streamed = asyncio.run(both())
+    assert whole.content == streamed == expected.text
+
+
+def _roles(messages: list[BaseMessage]) -> list[tuple[str, str]]:
+    roles = {"system": "system", "human": "user", "ai": "assistant"}
+    return [(roles[m.type], str(m.content)) for m in messages]
+
+
+@pytest.mark.vllm
+def test_chat_model_in_create_retrieval_chain_with_history_and_callbacks(
+    cache: Any, flat_store: FAISS
+) -> None:
+    """create_retrieval_chain + create_stuff_documents_chain with RAGCacheChatModel in place of
+    ChatOpenAI: the history keeps its roles, the answer is plain vLLM's on the ids of the same
+    messages, a plain handler sees on_chat_model_start with the messages and on_llm_end with
+    the answer and its usage, and a repeat reads its documents from the cache."""
+    chains = pytest.importorskip("langchain_classic.chains")
+    combine = pytest.importorskip("langchain_classic.chains.combine_documents")
+    llm = RAGCacheChatModel(cache=cache)
+    retriever = llm.watch(flat_store.as_retriever(search_kwargs={"k": 2}))
+    chain = chains.create_retrieval_chain(
+        retriever, combine.create_stuff_documents_chain(llm, CHAT_PROMPT)
+    )
+    question = QUESTIONS[0] + " Briefly."
+    history = [HumanMessage("Hello."), AIMessage("Hi. Ask away.")]
+    asked = {"input": question, "chat_history": history}
+    record = ChatRecord()
+    out = chain.invoke(asked, config={"callbacks": [record]})
+    docs = out["context"]
+    messages = CHAT_PROMPT.format_messages(
+        context=_format_docs(docs), input=question, chat_history=history
+    )
+    app = AppPrompt(messages=tuple({"role": r, "content": c} for r, c in _roles(messages)))
+    built = cache.prompts.build(question, _shown(docs), app)
+    assert built.token_ids == _plain_chat_ids(cache, messages)
+    expected = reference(cache, question, _shown(docs), app)
+    assert out["answer"] == expected.text
+    (sent,) = record.messages
+    assert [(m.type, m.content) for m in sent] == [(m.type, m.content) for m in messages]
+    (answer,) = record.answers
+    assert answer.message.content == expected.text
+    assert answer.message.usage_metadata["input_tokens"] == built.num_tokens
+    again = ChatRecord()
+    chain.invoke(asked, config={"callbacks": [again]})
+    message = again.answers[0].message
+    assert message.usage_metadata["input_token_details"]["cache_read"] > 0
+    hits = message.response_metadata["ragcache"]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == len(docs) == 2
+
+
+def test_chat_model_refuses_what_it_cannot_take() -> None:
+    """Bad arguments are named before anything runs (no engine needed: the checks come first)."""
+    with pytest.raises(TypeError, match=r"RAGCacheChatModel\(cache=\.\.\.\)"):
+        RAGCacheChatModel(cache="not a cache")
+    with pytest.raises(TypeError, match=r"RAGCacheChatModel\(cache=\.\.\.\)"):
+        RAGCacheChatModel()
+
+
+@pytest.mark.vllm
+def test_the_runnable_reports_an_llm_run_with_the_prompt_and_usage(
+    cache: Any, flat_store: FAISS
+) -> None:
+    """A plain handler on a RAGCacheRunnable chain sees one LLM run per call: on_llm_start with
+    the prompt as the model saw it (the chat template rendered, documents and question in:
+    `QueryResult.prompt_text`, asked for only when someone listens), on_llm_end with the answer
+    and its usage (cache_read on a repeat); streamed calls report it too."""
+    retriever = flat_store.as_retriever(search_kwargs={"k": 2})
+    runnable = RAGCacheRunnable(cache=cache, prompt=RETRIEVAL_PROMPT, question_key="input")
+    chain = {"context": retriever, "input": RunnablePassthrough()} | runnable
+    question = QUESTIONS[3] + " In short."
+    docs = flat_store.similarity_search(question, k=2)
+    messages = RETRIEVAL_PROMPT.format_messages(context=_format_docs(docs), input=question)
+    tokenizer = cache.prompts._tokenizer
+    roles = [{"role": r, "content": c} for r, c in _roles(messages)]
+    text = tokenizer.apply_chat_template(roles, tokenize=False, add_generation_prompt=True)
+    record = ChatRecord()
+    answer = chain.invoke(question, config={"callbacks": [record]})
+    assert record.prompts == [text] and record.messages == []
+    (generation,) = record.answers
+    assert generation.message.content == answer
+    usage = generation.message.usage_metadata
+    assert usage["input_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+    assert record.llm_output[0]["token_usage"]["completion_tokens"] == usage["output_tokens"] == 8
+    streamed = ChatRecord()
+    assert "".join(chain.stream(question, config={"callbacks": [streamed]})) == answer
+    assert streamed.prompts == [text]
+    message = streamed.answers[0].message
+    assert message.usage_metadata["input_token_details"]["cache_read"] > 0  # a repeat
+    assert message.response_metadata["ragcache"]["cache_hits"]["gpu_docs"] == 2
+    # QueryResult.prompt_text: on request only, the same text.
+    shown = _shown(docs)
+    app = runnable._framing({"input": question}).prompt
+    assert cache.generate(question, shown, prompt=app, return_prompt=True).prompt_text == text
+    assert cache.generate(question, shown, prompt=app).prompt_text is None
+
+
+def _guide_block(heading: str) -> str:
+    """The first Python block after `heading` in docs/guide-langchain.md, as written there."""
+    text = (REPO / "docs" / "guide-langchain.md").read_text(encoding="utf-8")
+    after = text[text.index(heading) :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```\n", start)]
+
+
+@pytest.mark.vllm
+def test_the_guides_chat_model_snippet_runs_as_written(
+    cache: Any, flat_store: FAISS, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The guide's RAGCacheChatModel snippet, run as written on a real cache and store: the
+    retrieval chain answers, and the LCEL chain's repeat of its documents reads them from the
+    cache."""
+    namespace: dict[str, Any] = {"cache": cache, "store": flat_store}
+    exec(
+        compile(_guide_block("## Where a chat model sat"), "guide-langchain.md", "exec"), namespace
+    )
+    message = namespace["message"]
+    assert isinstance(message, AIMessage)
+    assert message.usage_metadata["input_token_details"]["cache_read"] > 0  # type: ignore[index]
+    hits = message.response_metadata["ragcache"]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == 4  # as_retriever's k: the chain's documents
+    assert str(hits) in capsys.readouterr().out

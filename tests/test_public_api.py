@@ -56,6 +56,7 @@ def test_langchain_exports() -> None:
         "EVENT_NAME",
         "OfflineEmbeddings",
         "PromptSplit",
+        "RAGCacheChatModel",
         "RAGCacheLLM",
         "RAGCacheRunnable",
         "UnsupportedFrameworkError",

@@ -91,7 +91,10 @@ def test_corpus_candidates_and_namespacing(tmp_path) -> None:
     [
         ([], "empty corpus"),
         ([{"id": "1", "text": "a"}, {"id": "1", "text": "b"}], r"c.jsonl:2: duplicate id '1'"),
-        ([{"id": "1", "body": "a"}], r"c.jsonl:1: no text field \(looked for text\)"),
+        (
+            [{"id": "1", "body": "a"}],
+            r"c.jsonl:1: no text field \(looked for text; the record has id, body\)",
+        ),
         ([{"id": "1", "text": "  "}], "empty or not a string"),
         ([{"text": "a"}], "no id field"),
     ],

@@ -263,6 +263,12 @@ def test_chat_with_documents_equals_in_process_and_repeat_hits(
     assert again["ragcache"]["cache_hits"]["cached_tokens"] > 0
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert again["usage"]["completion_tokens"] == 8
+    # The standard field (vLLM's --enable-prompt-tokens-details) says what the report says.
+    for response in (first, again):
+        cached = response["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == response["ragcache"]["cache_hits"]["cached_tokens"]
+    read = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, again)]
+    assert read[1] > read[0]
 
 
 def test_a_conversation_caches_its_documents_and_computes_its_turns(
@@ -336,11 +342,11 @@ def test_an_unchanged_openai_client_hits_on_the_index_documents_it_pastes(
     assert 'ragcache_serve_found_documents_total{result="found"}' in metrics
 
 
-def test_chat_openai_changed_only_in_base_url_hits_on_repeat(
+def test_chat_openai_with_response_headers_hits_on_repeat(
     server: ServerProcess, references: dict[str, Any]
 ) -> None:
-    """LangChain's ChatOpenAI pointed at the server (nothing else changed) hits on a repeat;
-    the hit counts reach it through the response headers."""
+    """LangChain's ChatOpenAI pointed at the server with its served name hits on a repeat;
+    RAGCache's own counts reach it through the response headers when it asks for them."""
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(
         base_url=f"{server.url}/v1",
@@ -356,6 +362,43 @@ def test_chat_openai_changed_only_in_base_url_hits_on_repeat(
     headers = again.response_metadata["headers"]
     assert headers["x-ragcache-found-documents"] == "true"
     assert headers["x-ragcache-hit-documents"] == "2"
+
+
+def test_an_unchanged_chat_openai_reads_cache_read_from_invoke_and_stream(
+    server: ServerProcess, references: dict[str, Any]
+) -> None:
+    """An unchanged ChatOpenAI (no response headers asked for) reads the hit where LangChain
+    puts OpenAI's `prompt_tokens_details.cached_tokens`: `usage_metadata["input_token_details"]
+    ["cache_read"]`, from `invoke` and from `stream(stream_usage=True)` (the usage chunk)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key=KEY,
+        model=server_model(server),
+        max_tokens=8,
+        temperature=0,
+        stream_usage=True,
+    )
+    pasted = (DOCS[18], DOCS[19])
+    context = "\n\n".join(d.text for d in pasted)
+    messages = [
+        ("system", "Answer from the context."),
+        ("user", f"Context:\n\n{context}\n\nWho is it about?"),
+    ]
+    first = llm.invoke(messages)
+    again = llm.invoke(messages)
+    assert again.content == first.content
+    read = [m.usage_metadata["input_token_details"]["cache_read"] for m in (first, again)]
+    assert read[1] > read[0]  # the first computed the documents, the repeat read them
+    assert again.usage_metadata["input_tokens"] == first.usage_metadata["input_tokens"]
+    chunks = list(llm.stream(messages))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    assert streamed.content == first.content
+    assert streamed.usage_metadata is not None
+    assert streamed.usage_metadata["input_token_details"]["cache_read"] == read[1]
+    assert streamed.usage_metadata["output_tokens"] == 8
 
 
 def test_llama_index_openai_like_changed_only_in_api_base_hits_on_repeat(
@@ -414,6 +457,8 @@ def test_without_documents_it_is_plain_vllm(
     assert tuple(completion["choices"][0]["token_ids"]) == references["completion_plain"]
     assert completion["ragcache"]["cached"] is False
     assert completion["ragcache"]["uncached_reason"] == "no_documents"
+    # Plain vLLM here does not read the prefix cache (uncached.py): nothing was served from it.
+    assert completion["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     chat = oai.chat.completions.create(
         model=_model(oai),
         messages=PLAIN_CHAT,  # type: ignore[arg-type]
@@ -497,6 +542,8 @@ def test_streaming_chat_and_completion(oai: openai.OpenAI, references: dict[str,
     assert tuple(ids) == references["stream"]  # each chunk carries its own, as vLLM's
     assert last["ragcache"]["cache_hits"]["gpu_docs"] == 2
     assert dicts[-1]["usage"]["completion_tokens"] == 8  # include_usage: the last chunk
+    cached = dicts[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == last["ragcache"]["cache_hits"]["cached_tokens"] > 0
     pieces = oai.completions.create(
         model=_model(oai), prompt=PLAIN_PROMPT, max_tokens=8, temperature=0, stream=True
     )

@@ -187,11 +187,17 @@ def test_stats_and_invalidate(client: RAGCacheClient) -> None:
     assert client.generate(QUESTIONS[3], edited, sampling=GREEDY).hits.computed_docs == 2
 
 
-def test_bad_input_raises_input_error(client: RAGCacheClient) -> None:
+def test_bad_input_raises_input_error(server: ServerProcess, client: RAGCacheClient) -> None:
     with pytest.raises(InputError, match="empty"):
         client.generate("   ", [DOCS[0]])
     with pytest.raises(InputError, match="Document"):
         client.generate("q", ["not a document"])  # type: ignore[list-item]
+    with pytest.raises(InputError, match="document 'e' has no text"):
+        client.generate("q", [DOCS[0], Document("e", "")])  # refused before it is sent
+    with server.client() as http:
+        body = {"question": "q", "documents": [{"id": "e", "text": "  "}]}
+        refused = http.post("/v1/rag/query", json=body)
+    assert refused.status_code == 400 and "'e' has no text" in refused.text  # the server's own
     with pytest.raises(InputError, match="fit"):
         client.generate("q", [Document("big", "word " * 5000)])
     with pytest.raises(InputError, match="max_tokens"):
@@ -289,3 +295,68 @@ def test_langchain_llm_through_the_client(client: RAGCacheClient, store: FAISS, 
     again = client.generate(question, found, sampling=GREEDY, prompt=exact)
     assert again.token_ids == expected and answer == again.answer
     assert again.hits.gpu_docs == 2  # the chain's call cached both documents on the server
+
+
+def test_langchain_chat_model_and_llm_runs_through_the_client(
+    client: RAGCacheClient, store: FAISS, plain: Any, tiny_model: Path
+) -> None:
+    """RAGCacheChatModel on a RAGCacheClient: the messages' ids (the chat template's) are
+    answered as plain vLLM answers them, the watched retriever's documents hit on a repeat;
+    the Runnable's LLM run carries the prompt the server rendered (`return_prompt` over the
+    wire)."""
+    from langchain_core.callbacks import BaseCallbackHandler
+    from langchain_core.prompts import ChatPromptTemplate
+    from transformers import AutoTokenizer
+
+    from ragcache_integrations.langchain import RAGCacheChatModel
+
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer from the context.\n\n{context}"), ("human", "{question}")]
+    )
+    llm = RAGCacheChatModel(cache=client, sampling=GREEDY)
+    retriever = llm.watch(store.as_retriever(search_kwargs={"k": 2}))
+
+    def format_docs(docs: list[LCDocument]) -> str:
+        return "\n\n".join(d.page_content for d in docs)
+
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
+    question = QUESTIONS[7]
+    first = chain.invoke(question)
+    again = chain.invoke(question)
+    docs = store.similarity_search(question, k=2)
+    messages = prompt.format_messages(context=format_docs(docs), question=question)
+    roles = {"system": "system", "human": "user"}
+    dicts = tuple({"role": roles[m.type], "content": str(m.content)} for m in messages)
+    found = tuple(
+        Document(d.id, d.text, d.metadata, prompt_text=d.text)
+        for d in (to_ragcache_doc(x) for x in docs)
+    )
+    expected = plain(question, found, AppPrompt(messages=dicts))
+    assert tuple(first.response_metadata["ragcache"]["token_ids"]) == expected
+    assert again.content == first.content
+    assert again.usage_metadata["input_token_details"]["cache_read"] > 0
+    hits = again.response_metadata["ragcache"]["cache_hits"]
+    assert hits["gpu_docs"] + hits["host_docs"] == 2  # both documents read, not computed
+
+    class Prompts(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.prompts: list[str] = []
+
+        def on_llm_start(self, serialized: Any, prompts: list[str], **kwargs: Any) -> None:
+            self.prompts.extend(prompts)
+
+    runnable = RAGCacheRunnable(cache=client, sampling=GREEDY, prompt=prompt)
+    seen = Prompts()
+    (
+        {"context": store.as_retriever(search_kwargs={"k": 2}), "question": RunnablePassthrough()}
+        | runnable
+    ).invoke(question, config={"callbacks": [seen]})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    text = tokenizer.apply_chat_template(list(dicts), tokenize=False, add_generation_prompt=True)
+    assert seen.prompts == [text]
+
+
+def to_ragcache_doc(doc: LCDocument) -> Document:
+    from ragcache_integrations.langchain import to_ragcache
+
+    return to_ragcache(doc)

@@ -189,6 +189,9 @@ def test_results_and_configs_survive_the_wire() -> None:
     )
     back = result_from_json(result_to_json(result))
     assert back == result and back.sources[0].title == "Paris"
+    assert "prompt_text" not in result_to_json(result)  # sent only when asked for
+    shown = dataclasses.replace(result, prompt_text="<s>system ...")
+    assert result_from_json(result_to_json(shown)) == shown
     config = CacheConfig(top_k=3, sampling=SamplingConfig(stop=("\n",)), dtype="float32")
     assert config_from_json(config_to_json(config)) == config
     every = SamplingConfig(**EVERY_FIELD)
@@ -927,3 +930,25 @@ def test_salt_per_key_salts_every_request_with_its_tenant(tiny_model: Path, tmp_
             "/v1/chat/completions", json=body, headers={"Authorization": "Bearer no"}
         )
         assert refused.status_code == 401
+
+
+def test_usage_carries_the_cached_tokens_as_openai_and_vllm() -> None:
+    """`usage.prompt_tokens_details.cached_tokens` is the prompt tokens the cache served."""
+    from ragcache_core.serve.responses import usage
+
+    result = QueryResult(
+        answer="a",
+        token_ids=(1, 2, 3),
+        sources=(),
+        ttft_s=0.1,
+        retrieval_s=0.0,
+        queue_wait_s=0.0,
+        hits=CacheHits(cached_tokens=12, computed_tokens=8),
+        prompt_tokens=20,
+    )
+    assert usage(result) == {
+        "prompt_tokens": 20,
+        "completion_tokens": 3,
+        "total_tokens": 23,
+        "prompt_tokens_details": {"cached_tokens": 12},
+    }

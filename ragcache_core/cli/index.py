@@ -50,7 +50,12 @@ def _run(args: argparse.Namespace) -> int:
         ef_search=args.ef_search,
         embedder=EmbedderConfig(dimension=args.dimension),
     )
-    documents = load_corpus(args.corpus, text_fields=args.text_field, id_fields=args.id_field)
+    documents = load_corpus(
+        args.corpus,
+        text_fields=args.text_field,
+        id_fields=args.id_field,
+        options=("--text-field", "--id-field"),
+    )
     index = build_index(documents, settings, progress=not args.no_progress)
     index.save(args.out)
     lists = f", {index.nlist} lists" if index.nlist else ""

@@ -50,7 +50,7 @@ from ragcache_core.client.wire import (
     sampling_to_json,
 )
 from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.documents import Document
+from ragcache_core.documents import Document, checked_documents
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.loop import Emit, LoopThread
 from ragcache_core.results import QueryResult, StreamChunk
@@ -210,6 +210,8 @@ class RAGCacheClient(RAGCacheAPI):
             body["prompt"] = framing.prompt.to_json()
         if framing.cache_salt is not None:
             body["cache_salt"] = framing.cache_salt
+        if framing.return_prompt:
+            body["return_prompt"] = True
         key = self._routing_key(documents)
         headers = {AFFINITY_HEADER: key} if key is not None else None
         if emit is None:
@@ -299,10 +301,8 @@ async def _read_events(response: httpx.Response, emit: Emit) -> QueryResult:
 
 
 def _checked(documents: Sequence[Document]) -> Sequence[Document]:
-    for doc in documents:
-        if not isinstance(doc, Document):
-            raise InputError(f"documents must be ragcache_core.Document, got {type(doc).__name__}")
-    return documents
+    """The documents checked here, before anything is sent (`checked_documents`)."""
+    return checked_documents(documents)
 
 
 def _response_error(response: httpx.Response) -> RAGCacheError:

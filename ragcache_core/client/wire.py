@@ -5,7 +5,8 @@ reads. Pure functions (no HTTP, no FastAPI), so the client needs only `httpx`.
     AppPrompt     `AppPrompt.to_json` (app_prompt.py)
     QueryResult   {"answer", "token_ids", "sources", "scores", "ttft_s", "retrieval_s",
                    "queue_wait_s", "cache_hits", "prompt_tokens", "finish_reason",
-                   "speculative", "retries", "timings", "logprobs"}
+                   "speculative", "retries", "timings", "logprobs", "prompt_text" (only
+                   when asked for: `return_prompt`)}
     SamplingConfig every field by name (logit_bias keys as strings; structured_outputs and
                    repetition_detection as objects)
     CacheConfig   dataclasses.asdict, tuples as lists
@@ -73,6 +74,7 @@ def result_to_json(result: QueryResult) -> dict[str, Any]:
         "retries": result.retries,
         "timings": dict(result.timings),
         "logprobs": logprobs_to_json(result.logprobs),
+        **({} if result.prompt_text is None else {"prompt_text": result.prompt_text}),
     }
 
 
@@ -92,6 +94,7 @@ def result_from_json(data: Mapping[str, Any]) -> QueryResult:
         scores=tuple(float(s) for s in data.get("scores", ())),
         timings={str(k): float(v) for k, v in (data.get("timings") or {}).items()},
         logprobs=logprobs_from_json(data.get("logprobs")),
+        prompt_text=None if data.get("prompt_text") is None else str(data["prompt_text"]),
     )
 
 

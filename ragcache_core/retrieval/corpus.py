@@ -59,12 +59,18 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _pick(
-    record: dict[str, Any], fields: Sequence[str], what: str, where: str
+    record: dict[str, Any], fields: Sequence[str], what: str, where: str, option: str | None = None
 ) -> tuple[str, object]:
+    """The first of `fields` in `record`; `InputError` naming the fields looked for, the ones the
+    record has, and the `option` that chooses them (a command's flag), when given."""
     for name in fields:
         if name in record:
             return name, record[name]
-    raise InputError(f"{where}: no {what} field (looked for {', '.join(fields)})")
+    has = ", ".join(map(str, record)) or "none"
+    fix = f": set {option} to the record's {what} field" if option else ""
+    raise InputError(
+        f"{where}: no {what} field (looked for {', '.join(fields)}; the record has {has}){fix}"
+    )
 
 
 def load_corpus(
@@ -72,13 +78,17 @@ def load_corpus(
     *,
     text_fields: str | Sequence[str] = DEFAULT_TEXT_FIELDS,
     id_fields: str | Sequence[str] = DEFAULT_ID_FIELDS,
+    options: tuple[str, str] | None = None,
 ) -> tuple[Document, ...]:
     """All documents of the given JSONL corpora, in file then line order.
 
     Each document keeps the record's other fields as metadata (so "title" stays available to
     the prompt template) plus "source" (the file name). Raises `InputError` for an empty corpus,
-    a missing or empty text field, a missing id field, or a duplicate id.
+    a missing or empty text field, a missing id field, or a duplicate id; `options` (a
+    command's flags for the text and id fields, e.g. ("--text-field", "--id-field")) are named
+    in the error for a missing field.
     """
+    text_option, id_option = options or (None, None)
     texts, ids = parse_fields(text_fields), parse_fields(id_fields)
     files = [Path(p) for p in paths]
     if not files:
@@ -92,10 +102,10 @@ def load_corpus(
     for path in files:
         for line_no, record in iter_jsonl(path):
             where = f"{path}:{line_no}"
-            text_name, text = _pick(record, texts, "text", where)
+            text_name, text = _pick(record, texts, "text", where, text_option)
             if not isinstance(text, str) or not text.strip():
                 raise InputError(f"{where}: field {text_name!r} is empty or not a string")
-            id_name, raw_id = _pick(record, ids, "id", where)
+            id_name, raw_id = _pick(record, ids, "id", where, id_option)
             if not isinstance(raw_id, str | int) or isinstance(raw_id, bool) or raw_id == "":
                 raise InputError(f"{where}: field {id_name!r} must be a non-empty string or int")
             doc_id = f"{path.stem}:{raw_id}" if namespaced else str(raw_id)

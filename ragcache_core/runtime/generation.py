@@ -29,10 +29,10 @@ from dataclasses import dataclass, field, replace
 
 from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.documents import Document
+from ragcache_core.documents import Document, checked_documents
 from ragcache_core.engine.async_engine import EngineDied, StreamEvent
 from ragcache_core.engine.connector import ConnectorResult
-from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError, check_fits_context
+from ragcache_core.errors import PromptTooLong, RAGCacheError, check_fits_context
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
@@ -187,11 +187,7 @@ class Generator:
         framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
-        for doc in documents:
-            if not isinstance(doc, Document):
-                raise InputError(
-                    f"documents must be ragcache_core.Document, got {type(doc).__name__}"
-                )
+        documents = checked_documents(documents)
         started = time.perf_counter()
         sampling = sampling or self._config.sampling
         self.check_sampling(sampling)

@@ -19,6 +19,10 @@ outcome counted, and the OpenAI bodies it is written in. Shared by every route t
                  "found_documents": false, "cache_hits": {...}, "ttft_s": 0.05,
                  "queue_wait_s": 0.0, "prompt_tokens": 212}
 
+  Every `usage` (a whole answer's, and a stream's closing usage chunk when
+  `stream_options.include_usage` asks for one) carries `prompt_tokens_details.cached_tokens`,
+  the standard field for the prompt tokens the cache served (`usage`); the per-chunk usage of
+  `continuous_usage_stats` has the counts only, as vLLM's.
   A whole answer also carries the counts as headers (`report_headers`: x-ragcache-cached,
   -found-documents, -documents, -hit-documents, -cached-tokens); a stream's headers are sent
   before its hits are known, so it has them in its last chunk only.
@@ -403,12 +407,18 @@ class Reply:
         return chunk
 
 
-def usage(result: QueryResult) -> dict[str, int]:
+def usage(result: QueryResult) -> dict[str, Any]:
+    """OpenAI's `usage`, with `prompt_tokens_details.cached_tokens` as `vllm serve
+    --enable-prompt-tokens-details` fills it: the prompt tokens served from the cache (vLLM's
+    prefix cache and RAGCache's host tier; `CacheHits.cached_tokens`), 0 when none were. It is
+    where OpenAI clients read cached tokens (LangChain's `ChatOpenAI` maps it to
+    `usage_metadata["input_token_details"]["cache_read"]`)."""
     completion = len(result.token_ids)
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": result.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": result.hits.cached_tokens},
     }
 
 

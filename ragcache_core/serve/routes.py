@@ -261,7 +261,7 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     except BaseException:
         place.release()
         raise
-    prompt, salt = framing.prompt, framing.cache_salt
+    prompt, salt, shown = framing.prompt, framing.cache_salt, body.return_prompt
     if body.stream:
         chunks = cache.astream(
             body.question,
@@ -270,15 +270,26 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
             sampling=sampling,
             prompt=prompt,
             cache_salt=salt,
+            return_prompt=shown,
         )
         return responses.streamed(state, QUERY, place, _rag_events(chunks), "question")
     if documents is None:
         work = cache.aquery(
-            body.question, top_k=body.top_k, sampling=sampling, prompt=prompt, cache_salt=salt
+            body.question,
+            top_k=body.top_k,
+            sampling=sampling,
+            prompt=prompt,
+            cache_salt=salt,
+            return_prompt=shown,
         )
     else:
         work = cache.agenerate(
-            body.question, documents, sampling=sampling, prompt=prompt, cache_salt=salt
+            body.question,
+            documents,
+            sampling=sampling,
+            prompt=prompt,
+            cache_salt=salt,
+            return_prompt=shown,
         )
     return await responses.whole(state, request, QUERY, place, work, result_to_json, "question")
 

@@ -726,6 +726,8 @@ class RagQueryRequest(BaseModel):
     prompt: dict[str, Any] | None = None
     """The app's own prompt (`AppPrompt.to_json`); None: the server's layout."""
     cache_salt: NonEmpty | None = None
+    return_prompt: bool = False
+    """Put the prompt as the model saw it in the result (`QueryResult.prompt_text`)."""
 
 
 class InvalidateRequest(BaseModel):

@@ -219,10 +219,7 @@ class RAGCacheLLM(LLM):
         """`retriever` with `memory` attached, so the documents it returns are recognised. A
         `BaseRetriever` stays one (`WatchedRetriever`), so chains that treat retrievers apart
         (create_retrieval_chain gives a retriever the "input" only) keep doing so."""
-        self.memory.attached = True
-        if isinstance(retriever, BaseRetriever):
-            return WatchedRetriever(inner=retriever, memory=self.memory)
-        return retriever.with_config(callbacks=[self.memory])
+        return watched(retriever, self.memory)
 
     @property
     def remember_documents(self) -> Runnable[list[LCDocument], list[LCDocument]]:
@@ -324,24 +321,34 @@ class RAGCacheLLM(LLM):
             sampling = replace(sampling, stop=tuple(stop))
         documents = self.memory.find(prompt)
         if not documents:
-            self._say_uncached()
+            say_uncached(self.memory, "RAGCacheLLM")
         return prompt, documents, sampling, AppPrompt(text=prompt, chat=False)
 
-    def _say_uncached(self) -> None:
-        """Say, on every prompt it applies to, why a prompt is answered without caching."""
-        if not self.memory.attached:
-            logger.warning(
-                "RAGCacheLLM found no remembered documents in the prompt and no retriever "
-                "reports to its memory: answering without caching any (attach the retriever "
-                "with llm.watch(retriever))"
-            )
-        else:
-            logger.info(
-                "RAGCacheLLM: none of the %d documents the retriever returned is in this "
-                "prompt (a step without documents, such as a question rephrase): answering "
-                "without caching any",
-                len(self.memory),
-            )
+
+def watched(retriever: Runnable[Any, Any], memory: DocumentMemory) -> Runnable[Any, Any]:
+    """`retriever` reporting its documents to `memory` (`RAGCacheLLM.watch`)."""
+    memory.attached = True
+    if isinstance(retriever, BaseRetriever):
+        return WatchedRetriever(inner=retriever, memory=memory)
+    return retriever.with_config(callbacks=[memory])
+
+
+def say_uncached(memory: DocumentMemory, who: str) -> None:
+    """Say, on every prompt it applies to, why `who` answers a prompt without caching."""
+    if not memory.attached:
+        logger.warning(
+            "%s found no remembered documents in the prompt and no retriever reports to its "
+            "memory: answering without caching any (attach the retriever with "
+            "llm.watch(retriever))",
+            who,
+        )
+    else:
+        logger.info(
+            "%s: none of the %d documents the retriever returned is in this prompt (a step "
+            "without documents, such as a question rephrase): answering without caching any",
+            who,
+            len(memory),
+        )
 
 
 class WatchedRetriever(BaseRetriever):

@@ -21,8 +21,11 @@ store is searched in stages, letting RAGCache speculate); its input is the quest
 
 Callbacks: each call is one chain run (`on_chain_start`/`on_chain_end`/`on_chain_error`, via
 `Runnable._call_with_config` and friends, so tracing, `astream_events` and `batch` behave like
-any LangChain runnable). What RAGCache measured (TTFT, cache hits, sources, token ids) is sent
-as the custom event `"ragcache"` (`on_custom_event`; `astream_events` shows it).
+any LangChain runnable), holding one LLM run when a handler listens (`on_llm_start` with the
+prompt as the model saw it, `on_llm_end` with the answer, its `usage_metadata` with
+`cache_read`, and the report: `traces.report_llm_run`). What RAGCache measured (TTFT, cache
+hits, sources, token ids) is also sent as the custom event `"ragcache"` (`on_custom_event`;
+`astream_events` shows it).
 """
 
 from __future__ import annotations
@@ -59,10 +62,13 @@ from ragcache_integrations.langchain.prompts import (
     prompt_variables,
     shown_documents,
 )
+from ragcache_integrations.langchain.traces import areport_llm_run, report_llm_run
 
 logger = logging.getLogger(__name__)
 
 EVENT_NAME = "ragcache"
+LLM_RUN_NAME = "RAGCacheRunnable"
+"""The name its LLM runs are reported under (`traces.report_llm_run`)."""
 RunnableInput = dict[str, Any] | str
 QUESTION_KEYS = ("question", "input")
 """Where the question is looked for when `question_key` is not set: an LCEL chain's
@@ -185,6 +191,8 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         self, input: RunnableInput, run_manager: CallbackManagerForChainRun, config: RunnableConfig
     ) -> str:
         question, documents, framing = self._parse(input)
+        llm_runs = run_manager.get_child()
+        shown = bool(llm_runs.handlers)  # the prompt text only for someone who listens
         if documents is None:
             result = self.cache.query(
                 question,
@@ -193,6 +201,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
                 sampling=self.sampling,
                 prompt=framing.prompt,
                 cache_salt=framing.cache_salt,
+                return_prompt=shown,
             )
         else:
             result = self.cache.generate(
@@ -201,7 +210,10 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
                 sampling=self.sampling,
                 prompt=framing.prompt,
                 cache_salt=framing.cache_salt,
+                return_prompt=shown,
             )
+        if shown:
+            report_llm_run(llm_runs, LLM_RUN_NAME, self.cache.model, result)
         dispatch_custom_event(EVENT_NAME, self._report(result), config=config)
         return result.answer
 
@@ -212,6 +224,8 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         config: RunnableConfig,
     ) -> str:
         question, documents, framing = self._parse(input)
+        llm_runs = run_manager.get_child()
+        shown = bool(llm_runs.handlers)
         if documents is None:
             result = await self.cache.aquery(
                 question,
@@ -220,6 +234,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
                 sampling=self.sampling,
                 prompt=framing.prompt,
                 cache_salt=framing.cache_salt,
+                return_prompt=shown,
             )
         else:
             result = await self.cache.agenerate(
@@ -228,7 +243,10 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
                 sampling=self.sampling,
                 prompt=framing.prompt,
                 cache_salt=framing.cache_salt,
+                return_prompt=shown,
             )
+        if shown:
+            await areport_llm_run(llm_runs, LLM_RUN_NAME, self.cache.model, result)
         await adispatch_custom_event(EVENT_NAME, self._report(result), config=config)
         return result.answer
 
@@ -239,10 +257,14 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         config: RunnableConfig,
     ) -> Iterator[str]:
         question, documents, framing = self._parse(_merge(inputs))
-        for chunk in self.cache.stream(question, **self._stream_args(documents, framing)):
+        llm_runs = run_manager.get_child()
+        shown = bool(llm_runs.handlers)
+        for chunk in self.cache.stream(question, **self._stream_args(documents, framing, shown)):
             if chunk.delta:
                 yield chunk.delta
             if chunk.result is not None:
+                if shown:
+                    report_llm_run(llm_runs, LLM_RUN_NAME, self.cache.model, chunk.result)
                 dispatch_custom_event(EVENT_NAME, self._report(chunk.result), config=config)
 
     async def _atransform(
@@ -252,19 +274,25 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         config: RunnableConfig,
     ) -> AsyncIterator[str]:
         question, documents, framing = self._parse(_merge([c async for c in inputs]))
-        async for chunk in self.cache.astream(question, **self._stream_args(documents, framing)):
+        llm_runs = run_manager.get_child()
+        shown = bool(llm_runs.handlers)
+        args = self._stream_args(documents, framing, shown)
+        async for chunk in self.cache.astream(question, **args):
             if chunk.delta:
                 yield chunk.delta
             if chunk.result is not None:
+                if shown:
+                    await areport_llm_run(llm_runs, LLM_RUN_NAME, self.cache.model, chunk.result)
                 await adispatch_custom_event(EVENT_NAME, self._report(chunk.result), config=config)
 
     def _stream_args(
-        self, documents: tuple[Document, ...] | None, framing: Framing
+        self, documents: tuple[Document, ...] | None, framing: Framing, shown: bool
     ) -> dict[str, Any]:
         args = {
             "sampling": self.sampling,
             "prompt": framing.prompt,
             "cache_salt": framing.cache_salt,
+            "return_prompt": shown,
         }
         if documents is None:
             return {**args, "search": self.search, "top_k": self.k}
