@@ -723,3 +723,101 @@ def test_the_guides_chat_model_snippet_runs_as_written(
     hits = message.response_metadata["ragcache"]["cache_hits"]
     assert hits["gpu_docs"] + hits["host_docs"] == 4  # as_retriever's k: the chain's documents
     assert str(hits) in capsys.readouterr().out
+
+
+SERVER_SNIPPETS = ("## Keeping ChatOpenAI", "## With a shared server")
+"""The guide's blocks that talk to a `ragcache serve` at http://ragcache:8000: run against a
+real server by tests/test_serve.py (an unchanged ChatOpenAI) and tests/test_serve_clients.py
+(RAGCacheClient), not here."""
+
+
+def _guide_blocks() -> list[tuple[str, str]]:
+    """Every Python block of docs/guide-langchain.md with the heading it sits under."""
+    text = (REPO / "docs" / "guide-langchain.md").read_text(encoding="utf-8")
+    blocks, heading = [], ""
+    lines = iter(text.splitlines())
+    for line in lines:
+        if line.startswith("## "):
+            heading = line
+        elif line == "```python":
+            body = []
+            for inner in lines:
+                if inner == "```":
+                    break
+                body.append(inner)
+            blocks.append((heading, "\n".join(body) + "\n"))
+    return blocks
+
+
+class _Shared:
+    """`RAGCache("/models/my-llama")` in a snippet: the module's cache (not closed by it)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __call__(self, model: str, *args: Any, **kwargs: Any) -> Any:
+        assert model == "/models/my-llama", model
+        return self
+
+    def __enter__(self) -> Any:
+        return self.cache
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.vllm
+def test_every_guide_snippet_runs_as_written(
+    cache: Any, flat_store: FAISS, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each Python block of the LangChain guide runs as written on the real engine, with the
+    names an app already has (its retriever, prompt and store) and with the guide's model path
+    standing for the module's cache; `main()` is called where a block defines one. Every block
+    is run or named in SERVER_SNIPPETS, so a new block is run too."""
+    import ragcache_core
+    import ragcache_integrations.langchain as integration
+
+    retriever = flat_store.as_retriever(search_kwargs={"k": 2})
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer from the context.\n\n{context}"), ("human", "{question}")]
+    )
+    app = {
+        "cache": cache,
+        "store": flat_store,
+        "faiss_store": flat_store,
+        "retriever": retriever,
+        "prompt": prompt,
+        "format_docs": _format_docs,
+        "question": "Who wrote A Doll's House?",
+        "RunnablePassthrough": RunnablePassthrough,
+        "StrOutputParser": StrOutputParser,
+        "BaseCallbackHandler": BaseCallbackHandler,
+        **{name: getattr(integration, name) for name in integration.__all__},
+    }
+    # The app's chain, for the blocks that use one before the guide builds its own.
+    app["chain"] = (
+        {"context": retriever, "question": RunnablePassthrough()}
+        | integration.RAGCacheRunnable(cache=cache, prompt=prompt)
+        | StrOutputParser()
+    )
+    ran, skipped = [], []
+    for heading, code in _guide_blocks():
+        if heading.startswith(SERVER_SNIPPETS):
+            skipped.append(heading)
+            continue
+        namespace = {**app, "__name__": "guide"}
+        original = ragcache_core.RAGCache
+        ragcache_core.RAGCache = _Shared(cache)  # type: ignore[assignment,misc]
+        try:
+            exec(compile(code, f"guide-langchain.md ({heading})", "exec"), namespace)
+            if "main" in namespace and callable(namespace["main"]):
+                namespace["main"]()
+        finally:
+            ragcache_core.RAGCache = original  # type: ignore[misc]
+        app.update({k: v for k, v in namespace.items() if k in ("chain",)})
+        ran.append(heading)
+    assert [h for p in SERVER_SNIPPETS for h in skipped if h.startswith(p)] == skipped
+    assert len(skipped) == len(SERVER_SNIPPETS), skipped
+    assert len(ran) >= 6, ran
+    out = capsys.readouterr().out
+    assert out.count("\n") >= 4, out  # each main() and the callback printed its answers
