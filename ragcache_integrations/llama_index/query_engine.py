@@ -273,19 +273,20 @@ class RAGCacheQueryEngine(CustomQueryEngine):
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         source = self._begin(query_str)
+        prompt = self.app_prompt  # once: update_prompts() may run meanwhile
         if self.streaming:
             chunks = self.cache.stream(
                 query_str,
                 search=source,
                 top_k=self.similarity_top_k,
                 sampling=self.sampling,
-                prompt=self.app_prompt,
+                prompt=prompt,
                 cache_salt=self.cache_salt,
             )
             first = next(chunks)  # the search is over once anything arrives: sources are known
             nodes = self._nodes_from_search(source)
             metadata: dict[str, Any] = {}
-            call = self._stream_call(query_str, source, nodes)
+            call = self._stream_call(query_str, source, nodes, prompt)
             gen = self._sync_deltas(first, chunks, metadata, call)
             return StreamingResponse(gen, source_nodes=nodes, metadata=metadata)
         result = self.cache.query(
@@ -293,26 +294,27 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             search=source,
             top_k=self.similarity_top_k,
             sampling=self.sampling,
-            prompt=self.app_prompt,
+            prompt=prompt,
             cache_salt=self.cache_salt,
         )
-        return self._response(query_str, result, source)
+        return self._response(query_str, result, source, prompt)
 
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
         source = self._begin(query_str)
+        prompt = self.app_prompt  # once: update_prompts() may run meanwhile
         if self.streaming:
             chunks = self.cache.astream(
                 query_str,
                 search=source,
                 top_k=self.similarity_top_k,
                 sampling=self.sampling,
-                prompt=self.app_prompt,
+                prompt=prompt,
                 cache_salt=self.cache_salt,
             )
             first = await anext(chunks)
             nodes = self._nodes_from_search(source)
             metadata: dict[str, Any] = {}
-            call = self._stream_call(query_str, source, nodes)
+            call = self._stream_call(query_str, source, nodes, prompt)
             agen = self._async_deltas(first, chunks, metadata, call)
             return AsyncStreamingResponse(agen, source_nodes=nodes, metadata=metadata)
         result = await self.cache.aquery(
@@ -320,10 +322,10 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             search=source,
             top_k=self.similarity_top_k,
             sampling=self.sampling,
-            prompt=self.app_prompt,
+            prompt=prompt,
             cache_salt=self.cache_salt,
         )
-        return self._response(query_str, result, source)
+        return self._response(query_str, result, source, prompt)
 
     # ------------------------------------------------------------------ translation
 
@@ -332,20 +334,28 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         dispatcher.event(RetrievalStartEvent(str_or_query_bundle=QueryBundle(query_str)))
         return RecordingSource(self.search, self.node_postprocessors, self._node)
 
-    def _response(self, query_str: str, result: QueryResult, source: RecordingSource) -> Response:
+    def _response(
+        self,
+        query_str: str,
+        result: QueryResult,
+        source: RecordingSource,
+        prompt: AppPrompt | None,
+    ) -> Response:
         nodes = self._nodes(result.sources, source)
         self._retrieval_done(query_str, nodes)
-        call = self._llm_call(query_str, result.sources)
+        call = self._llm_call(query_str, result.sources, prompt)
         call.start()
         call.end(result)
         return Response(result.answer, source_nodes=nodes, metadata=self._metadata(result))
 
-    def _llm_call(self, query_str: str, documents: Sequence[Document]) -> LLMCall:
+    def _llm_call(
+        self, query_str: str, documents: Sequence[Document], prompt: AppPrompt | None
+    ) -> LLMCall:
         """The LLM events of one answer (`events.LLMCall`), with the prompt as sent."""
         chat = bool(self.cache.config.prompt.chat_template)
-        app = self.app_prompt or app_prompt(None, chat=chat)
-        prompt = formatted(app, query_str, documents, chat_model=chat)
-        return LLMCall(self.callback_manager, prompt, self.cache.model)
+        app = prompt or app_prompt(None, chat=chat)
+        sent = formatted(app, query_str, documents, chat_model=chat)
+        return LLMCall(self.callback_manager, sent, self.cache.model)
 
     def _nodes_from_search(self, source: RecordingSource) -> list[NodeWithScore]:
         final = source.final
@@ -386,13 +396,17 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         return chunk.delta
 
     def _stream_call(
-        self, query_str: str, source: RecordingSource, nodes: list[NodeWithScore]
+        self,
+        query_str: str,
+        source: RecordingSource,
+        nodes: list[NodeWithScore],
+        prompt: AppPrompt | None,
     ) -> LLMCall:
         """A stream's retrieval end and LLM start (its search is over: the final documents are
         known); the LLM event ends with the stream."""
         self._retrieval_done(query_str, nodes)
         final = source.final
-        call = self._llm_call(query_str, final.documents if final is not None else ())
+        call = self._llm_call(query_str, final.documents if final is not None else (), prompt)
         call.start()
         return call
 
