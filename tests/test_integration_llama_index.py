@@ -328,8 +328,16 @@ def test_chat_engine_two_turns_send_the_history_and_hit(
 ) -> None:
     """as_chat_engine(index, cache=): turn 2's prompt holds turn 1 (after the documents,
     computed), its answer is plain vLLM's on those ids, and another conversation with the same
-    turns hits its documents. condense_plus_context searches the rephrased question."""
-    engine = as_chat_engine(simple_index, cache=cache, chat_mode=mode, similarity_top_k=2)
+    turns hits its documents. condense_plus_context searches the rephrased question. Each LLM
+    call (the rephrasing too) is an LLM event of the callback manager, with the messages sent."""
+    debug = LlamaDebugHandler()
+    engine = as_chat_engine(
+        simple_index,
+        cache=cache,
+        chat_mode=mode,
+        similarity_top_k=2,
+        callback_manager=CallbackManager([debug]),
+    )
     question = QUESTIONS[0]
     follow = question + " Tell me more."
     one = engine.chat(question)
@@ -351,6 +359,21 @@ def test_chat_engine_two_turns_send_the_history_and_hit(
     else:
         assert two.metadata["searched"] == follow
     assert len(engine.chat_history) == 4
+    pairs = debug.get_llm_inputs_outputs()
+    assert len(pairs) == (3 if mode == "condense_plus_context" else 2)  # + the rephrasing
+    sent = pairs[-1][0].payload[EventPayload.MESSAGES]
+    assert [m.role.value for m in sent] == ["system", "user", "assistant", "user"]
+    assert sent[1].content == question and sent[-1].content == follow
+    assert sent[2].content == one.response
+    assert all(n.node.get_content(MetadataMode.LLM) in sent[0].content for n in two.source_nodes)
+    assert pairs[-1][1].payload[EventPayload.RESPONSE].message.content == two.response
+    if mode == "condense_plus_context":
+        condensed = pairs[1][0].payload[EventPayload.MESSAGES]
+        assert len(condensed) == 1 and follow in condensed[0].content
+        assert (
+            pairs[1][1].payload[EventPayload.RESPONSE].message.content.strip()
+            == two.metadata["searched"]
+        )
     other = as_chat_engine(simple_index, cache=cache, chat_mode=mode, similarity_top_k=2)
     again = other.chat(follow, chat_history=engine.chat_history[:2])
     assert again.response == two.response
