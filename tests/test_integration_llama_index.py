@@ -629,3 +629,46 @@ def test_llm_events_carry_the_prompt_the_answer_and_cached_tokens(
     sent = llm_start.payload[EventPayload.MESSAGES]
     assert sent[-1].content == wanted[-1].content and question in sent[-1].content
     assert llm_end.payload[EventPayload.RESPONSE].message.content == response.response
+
+
+def test_postprocessed_nodes_keep_how_they_are_shown() -> None:
+    """A node a postprocessor only reorders keeps the searched document (its prompt text, e.g.
+    without the metadata its node excluded from the LLM view), even when the node handed to the
+    postprocessor was rebuilt from the document (`from_retriever` has no docstore); a node whose
+    text a postprocessor changed becomes a new document. One stage, whatever the source's."""
+    from ragcache_core.retrieval.source import CallableSource
+    from ragcache_integrations.llama_index.sources import RecordingSource
+
+    docs = [
+        Document("a", "alpha text", {"title": "A"}, prompt_text="alpha as shown"),
+        Document("b", "beta text", {"title": "B"}, prompt_text="beta as shown"),
+        Document("c", "gamma text", {"title": "C"}, prompt_text="gamma as shown"),
+    ]
+    source = CallableSource(lambda q, k: [(d, 1.0 - i / 10) for i, d in enumerate(docs)], "s")
+
+    class _Rewrite(BaseNodePostprocessor):
+        @classmethod
+        def class_name(cls) -> str:
+            return "Rewrite"
+
+        def _postprocess_nodes(
+            self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+        ) -> list[NodeWithScore]:
+            nodes[0].node.set_content("rewritten")
+            return nodes
+
+    def rebuilt(doc: Document) -> TextNode:
+        return TextNode(id_=doc.id, text=doc.text, metadata=dict(doc.metadata))
+
+    recording = RecordingSource(source, [LongContextReorder(), _Rewrite()], rebuilt)
+    assert not recording.can_speculate
+    stages = list(recording.search_stages("why?", 3))
+    assert len(stages) == 1 and stages[0].is_last
+    shown = [(d.id, d.prompt_text) for d in stages[0].documents]
+    assert shown[1:] == [("c", "gamma as shown"), ("b", "beta as shown")]  # reordered, kept
+    assert shown[0][0] == "a" and stages[0].documents[0].text == "rewritten"
+    assert recording.nodes is not None and [n.node.node_id for n in recording.nodes] == [
+        "a",
+        "c",
+        "b",
+    ]

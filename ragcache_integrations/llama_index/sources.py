@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from ragcache_core.documents import Document
 from ragcache_core.search import SearchSource, StageResult
@@ -85,8 +85,9 @@ class RecordingSource:
         for postprocessor in self.postprocessors:
             nodes = postprocessor.postprocess_nodes(nodes, query_bundle=bundle)
         self.nodes = nodes
+        originals = {d.id: d for d in last.documents}
         self.final = StageResult(
-            documents=tuple(node_to_document(n.node) for n in nodes),
+            documents=tuple(_document(n.node, originals) for n in nodes),
             scores=tuple(float(n.score or 0.0) for n in nodes),
             stage=last.stage,
             is_last=True,
@@ -99,3 +100,17 @@ class RecordingSource:
         if self.final is None:
             return {}
         return dict(zip(self.final.doc_ids, self.final.scores, strict=True))
+
+
+def _document(node: BaseNode, originals: dict[str, Document]) -> Document:
+    """The searched document of `node` when a postprocessor left its text and metadata as they
+    were (so it is shown exactly as without postprocessors, even when `node_for` could only
+    rebuild a plain node of it), else `node` as a new document (e.g. a metadata replacement)."""
+    original = originals.get(str(node.node_id))
+    if (
+        original is not None
+        and node.get_content(metadata_mode=MetadataMode.NONE) == original.text
+        and dict(node.metadata) == dict(original.metadata)
+    ):
+        return original
+    return node_to_document(node)
