@@ -672,3 +672,32 @@ def test_postprocessed_nodes_keep_how_they_are_shown() -> None:
         "c",
         "b",
     ]
+
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide-llamaindex.md"
+
+
+def _guide_code(heading: str) -> str:
+    """The first python block of the guide after `heading`, as written."""
+    section = GUIDE.read_text(encoding="utf-8").split(heading, 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.vllm
+def test_the_guides_convention_snippets_run_as_written(
+    cache: Any, ivf_index: VectorStoreIndex
+) -> None:
+    """The guide's postprocessor / prompt snippet and its LlamaDebugHandler snippet, run with
+    the test's index and cache; the chat-template snippet's imports and main() (starting its
+    own engine is left to `ragcache model build`'s tests and the manual check in the report)."""
+    names: dict[str, Any] = {"index": ivf_index, "cache": cache, "as_query_engine": as_query_engine}
+    exec(_guide_code("## Prompts, postprocessors, response modes, filters"), names)
+    assert names["response"].metadata["can_speculate"] is False
+    assert names["engine"].get_prompts()["response_synthesizer:text_qa_template"] == names["qa"]
+    exec(_guide_code("**The prompt and the answer**"), names)
+    start, end = names["start"], names["end"]
+    assert start.event_type is CBEventType.LLM
+    assert end.payload[EventPayload.RESPONSE].message.content
+    chat_template = {"__name__": "guide"}
+    exec(_guide_code("## Trying a real chat template offline"), chat_template)
+    assert callable(chat_template["main"])
