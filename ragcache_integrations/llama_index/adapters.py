@@ -8,6 +8,10 @@
   rebuilt when the store's node ids change.
 - any other store: one stage through the index's own retriever (works; cannot speculate, and
   says so once in the log).
+Metadata `filters` go to the store, which applies them before its top-k: through the index's own
+retriever (one stage) for a store that takes them (`SimpleVectorStore`, most others); a
+`FaissVectorStore` takes none (LlamaIndex's own retriever raises), so they are refused here by
+name. They are never applied to the top-k afterwards (that would answer with fewer than k).
 Query vectors come from the index's embed model, as in `VectorIndexRetriever`.
 
 `OfflineEmbedding` wraps RAGCache's offline TF-IDF + SVD embedder as a LlamaIndex embed model.
@@ -25,10 +29,11 @@ from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.indices.vector_store.base import VectorStoreIndex
 from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.vector_stores.simple import SimpleVectorStore
+from llama_index.core.vector_stores.types import MetadataFilters
 from pydantic import PrivateAttr
 
 from ragcache_core.documents import Document
-from ragcache_core.errors import InputError
+from ragcache_core.errors import ConfigError, InputError, wrong_type
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import MatrixFlat, staged_search_for
 from ragcache_core.retrieval.ivf import StagePlan
@@ -72,12 +77,16 @@ def search_source(
     nprobe: int | None = None,
     plan: StagePlan | None = None,
     ef_search: int | None = None,
+    filters: MetadataFilters | None = None,
 ) -> SearchSource:
     """A `SearchSource` over `index` (see the module docstring for what each store gets).
 
     `nprobe` / `plan` (IVF) and `ef_search` (HNSW) default to the Faiss index's own settings,
-    so the last stage equals the store's own query.
+    so the last stage equals the store's own query. `filters` go to the store (`ConfigError`
+    for a `FaissVectorStore`, which has none; `TypeError` for anything but `MetadataFilters`).
     """
+    if filters is not None:
+        return _filtered_source(index, filters, embed_model)
     model = embed_model or index._embed_model
     store = index.vector_store
     lookup = _NodeLookup(index)
@@ -97,6 +106,30 @@ def search_source(
         return [(node_to_document(h.node), float(h.score or 0.0)) for h in hits]
 
     return CallableSource(retrieve, name=f"LlamaIndex {type(store).__name__}")
+
+
+def _filtered_source(
+    index: VectorStoreIndex, filters: MetadataFilters, embed_model: BaseEmbedding | None
+) -> SearchSource:
+    """One stage through the index's own retriever, with the filters given to the store."""
+    if not isinstance(filters, MetadataFilters):
+        raise wrong_type("as_query_engine(filters=...)", "llama_index MetadataFilters", filters)
+    store = index.vector_store
+    if _faiss_index_of(store) is not None:
+        raise ConfigError(
+            "filters=: LlamaIndex's FaissVectorStore does not support metadata filters (its own "
+            "retriever raises too), and RAGCache never filters after the top-k. Use a store "
+            "that filters (SimpleVectorStore, or any store whose retriever takes filters=), or "
+            "drop filters="
+        )
+
+    def retrieve(question: str, k: int) -> list[tuple[Document, float]]:
+        options: dict[str, Any] = {"embed_model": embed_model} if embed_model else {}
+        retriever = index.as_retriever(similarity_top_k=k, filters=filters, **options)
+        hits = retriever.retrieve(question)
+        return [(node_to_document(h.node), float(h.score or 0.0)) for h in hits]
+
+    return CallableSource(retrieve, name=f"LlamaIndex {type(store).__name__} with filters")
 
 
 def _faiss_index_of(store: Any) -> Any:

@@ -22,6 +22,10 @@ One turn:
 - The turn is kept in the engine's memory (`chat_history`, `reset()`); `chat_history=` given to
   a call is used instead for that call.
 
+- Each LLM call (the rephrasing and the answer) emits LlamaIndex's LLM events with the messages
+  sent and the answer (`events.LLMCall`: instrumentation and the engine's `callback_manager`,
+  by default `Settings.callback_manager`), as a stock chat engine's LLM does.
+
 Streaming (`stream_chat`, `astream_chat`) is not built: it raises `NotImplementedError`.
 """
 
@@ -32,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.chat_engine.condense_plus_context import DEFAULT_CONDENSE_PROMPT_TEMPLATE
 from llama_index.core.chat_engine.context import DEFAULT_CONTEXT_TEMPLATE
 from llama_index.core.chat_engine.types import (
@@ -41,6 +46,7 @@ from llama_index.core.chat_engine.types import (
 )
 from llama_index.core.indices.vector_store.base import VectorStoreIndex
 from llama_index.core.schema import MetadataMode, NodeWithScore
+from llama_index.core.settings import Settings
 
 from ragcache_core.api import RAGCacheAPI, require_cache
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
@@ -49,6 +55,7 @@ from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.results import QueryResult
 from ragcache_integrations.llama_index.adapters import node_to_document
+from ragcache_integrations.llama_index.events import LLMCall, formatted
 
 ChatMode = Literal["context", "condense_plus_context"]
 CHAT_MODES: tuple[str, ...] = ("context", "condense_plus_context")
@@ -75,8 +82,10 @@ class RAGCacheChatEngine(BaseChatEngine):
         chat_history: Sequence[ChatMessage] | None = None,
         sampling: SamplingConfig | None = None,
         cache_salt: str | None = None,
+        callback_manager: CallbackManager | None = None,
     ) -> None:
         self._cache = require_cache(cache, "as_chat_engine(index, cache=...)")
+        self.callback_manager = callback_manager or Settings.callback_manager
         if chat_mode not in CHAT_MODES:
             raise NotImplementedError(
                 f"chat_mode={chat_mode!r} is not served by RAGCache (built: "
@@ -119,6 +128,7 @@ class RAGCacheChatEngine(BaseChatEngine):
         result = self._cache.generate(
             message, documents, sampling=self._sampling, prompt=app, cache_salt=self._salt
         )
+        self._events(app, message, documents, result)
         return self._reply(message, result, nodes, searched, keep=chat_history is None)
 
     async def achat(
@@ -131,6 +141,7 @@ class RAGCacheChatEngine(BaseChatEngine):
         result = await self._cache.agenerate(
             message, documents, sampling=self._sampling, prompt=app, cache_salt=self._salt
         )
+        self._events(app, message, documents, result)
         return self._reply(message, result, nodes, searched, keep=chat_history is None)
 
     def stream_chat(
@@ -175,19 +186,32 @@ class RAGCacheChatEngine(BaseChatEngine):
         if self._mode == "context" or not history:
             return message
         text = self._condense_text(message, history)
+        prompt = _plain(text)
         result = self._cache.generate(
-            text, (), sampling=self._sampling, prompt=_plain(text), cache_salt=self._salt
+            text, (), sampling=self._sampling, prompt=prompt, cache_salt=self._salt
         )
+        self._events(prompt, text, (), result)
         return result.answer.strip() or message
 
     async def _astandalone(self, message: str, history: list[dict[str, str]]) -> str:
         if self._mode == "context" or not history:
             return message
         text = self._condense_text(message, history)
+        prompt = _plain(text)
         result = await self._cache.agenerate(
-            text, (), sampling=self._sampling, prompt=_plain(text), cache_salt=self._salt
+            text, (), sampling=self._sampling, prompt=prompt, cache_salt=self._salt
         )
+        self._events(prompt, text, (), result)
         return result.answer.strip() or message
+
+    def _events(
+        self, app: AppPrompt, question: str, documents: Sequence[Document], result: QueryResult
+    ) -> None:
+        """The LLM events of one call, with the messages it sent (`events.LLMCall`)."""
+        messages = formatted(app, question, documents, chat_model=True)
+        call = LLMCall(self.callback_manager, messages, self._cache.model)
+        call.start()
+        call.end(result)
 
     def _prompt(
         self, history: list[dict[str, str]], nodes: list[NodeWithScore]
@@ -241,8 +265,8 @@ def as_chat_engine(
 ) -> RAGCacheChatEngine:
     """`index.as_chat_engine(...)` answered by RAGCache (see the module docstring). `options`:
     similarity_top_k, system_prompt, context_template, condense_template, chat_history,
-    sampling, cache_salt; any other keyword raises `TypeError` naming it (LlamaIndex's own
-    would drop it silently)."""
+    sampling, cache_salt, callback_manager; any other keyword raises `TypeError` naming it
+    (LlamaIndex's own would drop it silently)."""
     from ragcache_integrations.llama_index.query_engine import check_index
 
     check_index(index)
@@ -254,6 +278,7 @@ def as_chat_engine(
         "chat_history",
         "sampling",
         "cache_salt",
+        "callback_manager",
     }
     unknown = sorted(set(options) - known)
     if unknown:
