@@ -677,27 +677,79 @@ def test_postprocessed_nodes_keep_how_they_are_shown() -> None:
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide-llamaindex.md"
 
 
-def _guide_code(heading: str) -> str:
-    """The first python block of the guide after `heading`, as written."""
-    section = GUIDE.read_text(encoding="utf-8").split(heading, 1)[1]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+def _guide_blocks() -> list[tuple[str, str]]:
+    """Every python block of the guide, with the heading (or bold lead) it follows."""
+    blocks, heading = [], ""
+    lines = iter(GUIDE.read_text(encoding="utf-8").splitlines())
+    for line in lines:
+        if line.startswith(("## ", "**")):
+            heading = line
+        elif line == "```python":
+            body = []
+            for inner in lines:
+                if inner == "```":
+                    break
+                body.append(inner)
+            blocks.append((heading, "\n".join(body) + "\n"))
+    return blocks
+
+
+NOT_RUN_HERE = {
+    "## With a shared server": "a ragcache serve at http://ragcache:8000: test_serve_clients.py",
+    "## Trying a real chat template offline": "a new engine on that model: only main() is checked",
+}
+
+
+class _SharedCache:
+    """`RAGCache("/models/my-llama")` in a snippet: the module's cache (not closed by it)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __call__(self, model: str, *args: Any, **kwargs: Any) -> Any:
+        assert model == "/models/my-llama", model
+        return self
+
+    def __enter__(self) -> Any:
+        return self.cache
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 @pytest.mark.vllm
-def test_the_guides_convention_snippets_run_as_written(
-    cache: Any, ivf_index: VectorStoreIndex
+def test_every_guide_snippet_runs_as_written(
+    cache: Any, ivf_index: VectorStoreIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The guide's postprocessor / prompt snippet and its LlamaDebugHandler snippet, run with
-    the test's index and cache; the chat-template snippet's imports and main() (starting its
-    own engine is left to `ragcache model build`'s tests and the manual check in the report)."""
-    names: dict[str, Any] = {"index": ivf_index, "cache": cache, "as_query_engine": as_query_engine}
-    exec(_guide_code("## Prompts, postprocessors, response modes, filters"), names)
-    assert names["response"].metadata["can_speculate"] is False
-    assert names["engine"].get_prompts()["response_synthesizer:text_qa_template"] == names["qa"]
-    exec(_guide_code("**The prompt and the answer**"), names)
-    start, end = names["start"], names["end"]
-    assert start.event_type is CBEventType.LLM
-    assert end.payload[EventPayload.RESPONSE].message.content
-    chat_template = {"__name__": "guide"}
-    exec(_guide_code("## Trying a real chat template offline"), chat_template)
-    assert callable(chat_template["main"])
+    """Each python block of the LlamaIndex guide runs as written on the real engine, with the
+    app's own index (and template) and the guide's model path standing for the module's cache;
+    `main()` is called where a block defines one. Every block is run or named in
+    NOT_RUN_HERE, so a new block is run too."""
+    import ragcache_core
+
+    monkeypatch.setattr(ragcache_core, "RAGCache", _SharedCache(cache))
+    app: dict[str, Any] = {"index": ivf_index, "cache": cache, "as_query_engine": as_query_engine}
+    app["my_chat_qa_template"] = ChatPromptTemplate.from_messages(
+        [("system", "Answer from these notes.\n{context_str}"), ("user", "{query_str}")]
+    )
+    ran, skipped = [], []
+    for heading, code in _guide_blocks():
+        names = {**app, "__name__": "guide"}
+        compiled = compile(code, f"guide-llamaindex.md ({heading})", "exec")
+        if heading.startswith(tuple(NOT_RUN_HERE)):
+            skipped.append(heading)  # compiled, not run here
+            continue
+        exec(compiled, names)
+        if callable(names.get("main")):
+            names["main"]()
+        if heading.startswith("## Prompts, postprocessors"):
+            assert names["response"].metadata["can_speculate"] is False
+            prompts = names["engine"].get_prompts()
+            assert prompts["response_synthesizer:text_qa_template"] == names["qa"]
+        if heading.startswith("**The prompt and the answer**"):
+            start, end = names["start"], names["end"]
+            assert start.event_type is CBEventType.LLM
+            assert end.payload[EventPayload.RESPONSE].message.content
+        ran.append(heading)
+    assert len(skipped) == len(NOT_RUN_HERE), skipped
+    assert len(ran) >= 5, ran
