@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -149,3 +150,30 @@ def test_model_build_command_with_a_chat_template() -> None:
     assert wrong.returncode == 2 and "invalid choice: 'gpt4'" in wrong.stderr
     with pytest.raises(ValueError, match="unknown chat template"):
         recipe_for("tiny", "mha", "gpt4")  # type: ignore[arg-type]
+
+
+@pytest.mark.vllm
+def test_a_chat_template_model_serves_exactly_on_the_real_engine(engine_pool: Any) -> None:
+    """What `ragcache model build --chat-template qwen2.5` builds loads in the real engine: the
+    prompt is the family's chat template, the cached answer equals plain vLLM's on the same ids,
+    and a repeat reads its documents from the cache."""
+    from _integration_helpers import CONFIG, reference
+
+    from ragcache_core import RAGCache
+    from ragcache_core.documents import Document
+
+    engine_pool.close()  # one engine at a time on this machine
+    docs = (
+        Document("tower", "The Eiffel Tower is in Paris. " * 12),
+        Document("bridge", "The Golden Gate Bridge is in San Francisco. " * 12),
+    )
+    question = "Where is the tower?"
+    with RAGCache(build_tiny_model(chat_template="qwen2.5"), CONFIG) as cache:
+        built = cache.prompts.build(question, docs)
+        assert "<|im_start|>" in cache.engine.tokenizer().decode(list(built.token_ids))
+        first = cache.generate(question, docs)
+        again = cache.generate(question, docs)
+        plain = reference(cache, question, docs)
+    assert tuple(first.token_ids) == tuple(again.token_ids) == tuple(plain.token_ids)
+    assert first.hits.cached_tokens == 0 < again.hits.cached_tokens
+    assert again.hits.gpu_docs + again.hits.host_docs == 2
