@@ -42,6 +42,7 @@ class Placement:
         "_prefixes",
         "_swap_outs",
         "detached_pinned",
+        "host_lease",
         "page_size",
         "policy",
         "tiers",
@@ -65,6 +66,9 @@ class Placement:
         }
         self.detached_pinned: set[Node] = set()
         """Removed nodes still pinned by a request: they keep their slots until unpinned."""
+        self.host_lease: set[int] = set()
+        """Host slots lent to the engine for eviction-time copies (`tree/host_writes.py`):
+        taken from the allocator, owned by no node until a copy is reported onto them."""
         self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
         self._swap_outs = 0
 
@@ -109,6 +113,14 @@ class Placement:
         self._add_copy(node, tier, slots)
         handle.ledger.pending.append((node, tier))
         return slots
+
+    def adopt_copy(self, node: Node, tier: Tier, slots: tuple[int, ...]) -> None:
+        """Give `node` a ready copy in `tier` on `slots`, already taken from the allocator and
+        already written (an eviction-time copy the engine reported done)."""
+        self._add_copy(node, tier, slots)
+        node.ready.add(tier)
+        self.set_priority(node, tier)
+        self.tiers[tier].push(node)
 
     def drop_copy(self, node: Node, tier: Tier, hold_for: RequestHandle | None = None) -> None:
         """Remove `node`'s copy in `tier`; its slots go back to the allocator, or to
@@ -375,6 +387,10 @@ class Placement:
                     fail(f"{tier} slot {slot} owned by {node!r} but also free")
                 owners[slot] = node
         held = holdings.held_gpu_slots if tier is Tier.GPU else ()
+        leased = tuple(self.host_lease) if tier is Tier.HOST else ()
+        for slot in leased:
+            if slot in owners or allocator.is_free(slot):
+                fail(f"{tier} slot {slot} leased to the engine but also owned or free")
         for slot in held:
             if slot in owners or allocator.is_free(slot):
                 fail(f"{tier} slot {slot} held for reuse but also owned or free")
@@ -385,8 +401,8 @@ class Placement:
             fail(f"{tier}: held_slots={tier_slots.held_slots}, open requests hold {len(held)}")
         if tier_slots.pinned_slots != pinned:
             fail(f"{tier}: pinned_slots={tier_slots.pinned_slots}, pinned nodes own {pinned}")
-        if len(owners) + len(held) + allocator.num_free != allocator.num_slots:
+        if len(owners) + len(held) + len(leased) + allocator.num_free != allocator.num_slots:
             fail(
-                f"{tier}: {len(owners)} owned + {len(held)} held + "
+                f"{tier}: {len(owners)} owned + {len(held)} held + {len(leased)} leased + "
                 f"{allocator.num_free} free != capacity {allocator.num_slots}"
             )
