@@ -131,8 +131,11 @@ class HostLease:
     """The host slots the tree lends the engine for eviction-time copies: the whole set, stated
     anew by every plan. The engine takes the lease of the highest `version` it has seen, less
     the slots its copies consumed that the tree has not applied yet (copy reports with a
-    sequence number above `applied`) and those of copies in flight."""
+    sequence number above `applied`) and those of copies in flight. `epoch` names the tree
+    that lends it: a lease of another epoch (a new tree on the same engine) replaces everything
+    the engine knew of the previous one, whose keys mean nothing to the new tree."""
 
+    epoch: int
     version: int
     applied: int
     slots: tuple[int, ...]
@@ -188,7 +191,12 @@ class Plan:
             "keep": [[s.key, s.parent, s.token_start, s.num_tokens] for s in self.keep],
             "lease": None
             if self.lease is None
-            else [self.lease.version, self.lease.applied, list(self.lease.slots)],
+            else [
+                self.lease.epoch,
+                self.lease.version,
+                self.lease.applied,
+                list(self.lease.slots),
+            ],
         }
 
     @classmethod
@@ -219,7 +227,8 @@ class Plan:
             else HostLease(
                 int(data["lease"][0]),
                 int(data["lease"][1]),
-                tuple(int(s) for s in data["lease"][2]),
+                int(data["lease"][2]),
+                tuple(int(s) for s in data["lease"][3]),
             ),
         )
 

@@ -48,7 +48,7 @@ KEEP = (KeepSpan(7, None, 0, 6), KeepSpan(8, 7, 6, 6))  # root [0, 6), a documen
 
 def _window(lease: int = 8, window: int = 3) -> EvictionWindow:
     w = EvictionWindow(window_blocks=window, block_size=BLOCK, page_size=PAGE)
-    w.take_lease(HostLease(version=0, applied=0, slots=tuple(range(lease))))
+    w.take_lease(HostLease(epoch=1, version=0, applied=0, slots=tuple(range(lease))))
     return w
 
 
@@ -59,7 +59,7 @@ def test_this_vllm_has_the_hooks() -> None:
 def test_a_document_at_the_head_is_copied_with_its_parent_held_then_handed_back() -> None:
     pool, ids = _pool_with_request(16, used=4)  # 12 kept tokens + a question block
     window = _window()
-    window.record(KEEP, ids, pool)
+    window.record(KEEP, ids, pool, epoch=1)
     _finish(pool, ids)
     free_before = pool.get_num_free_blocks()
     assert window.scan(pool) == []  # the freed blocks went to the queue's tail: not leaving
@@ -84,7 +84,7 @@ def test_a_document_at_the_head_is_copied_with_its_parent_held_then_handed_back(
 def test_a_failed_copy_hands_blocks_back_returns_slots_and_drops_the_record() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window()
-    window.record(KEEP, ids, pool, fail=True)
+    window.record(KEEP, ids, pool, epoch=1, fail=True)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     writes = window.scan(pool)
@@ -98,7 +98,7 @@ def test_a_failed_copy_hands_blocks_back_returns_slots_and_drops_the_record() ->
 def test_an_evicted_document_is_dropped_not_copied() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window(window=8)
-    window.record(KEEP, ids, pool)
+    window.record(KEEP, ids, pool, epoch=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # evicts the last two (hashes reset)
     writes = window.scan(pool)
@@ -112,7 +112,7 @@ def test_an_evicted_document_is_dropped_not_copied() -> None:
 def test_without_lease_room_the_document_is_let_go() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window(lease=5, window=2)  # the chain needs 6 slots
-    window.record(KEEP, ids, pool)
+    window.record(KEEP, ids, pool, epoch=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert window.scan(pool) == [] and window.held_blocks == 0
@@ -122,25 +122,35 @@ def test_without_lease_room_the_document_is_let_go() -> None:
 def test_a_lease_never_hands_out_slots_consumed_but_not_applied() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window(lease=8)
-    window.record(KEEP, ids, pool)
+    window.record(KEEP, ids, pool, epoch=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     writes = window.scan(pool)
     window.on_report({7, 8}, pool)
     used = {s for w in writes for s in w.slots}
     # A newer plan built before the tree saw the copies restates the whole lease.
-    window.take_lease(HostLease(version=1, applied=0, slots=tuple(range(8))))
+    window.take_lease(HostLease(epoch=1, version=1, applied=0, slots=tuple(range(8))))
     assert window.lease_free == 2
-    window.take_lease(HostLease(version=1, applied=0, slots=tuple(range(8, 16))))  # not newer
-    assert window.lease_free == 2
-    window.take_lease(HostLease(version=2, applied=2, slots=tuple(range(8))))  # applied both
-    assert window.lease_free == 8 and used <= set(range(8))
+    window.take_lease(HostLease(epoch=1, version=1, applied=0, slots=tuple(range(8, 16))))
+    assert window.lease_free == 2  # not newer: ignored
+    window.take_lease(HostLease(epoch=1, version=2, applied=2, slots=tuple(range(8))))
+    assert window.lease_free == 8 and used <= set(range(8))  # the tree applied both
+
+
+def test_a_lease_of_another_tree_forgets_the_previous_trees_records() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window()
+    window.record(KEEP, ids, pool, epoch=1)
+    window.take_lease(HostLease(epoch=2, version=0, applied=0, slots=(20, 21)))
+    assert not window.is_recorded(7) and window.lease_free == 2
+    window.record(KEEP, ids, pool, epoch=1)  # a request planned by the old tree
+    assert not window.is_recorded(7)
 
 
 def test_blocks_held_without_a_report_are_handed_back_and_counted() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window()
-    window.record(KEEP, ids, pool)
+    window.record(KEEP, ids, pool, epoch=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert window.scan(pool)
@@ -152,7 +162,7 @@ def test_blocks_held_without_a_report_are_handed_back_and_counted() -> None:
 def test_reset_forgets_every_record_and_holds_nothing() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window()
-    window.record(KEEP, ids, pool)
+    window.record(KEEP, ids, pool, epoch=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert window.scan(pool)
@@ -165,7 +175,7 @@ def test_a_partial_block_stops_recording() -> None:
     pool, ids = _pool_with_request(8, used=3)
     pool.blocks[ids[2]].reset_hash()  # the prompt's last block: not full, never cached
     window = _window()
-    window.record(KEEP, ids, pool)
+    window.record(KEEP, ids, pool, epoch=1)
     assert window.is_recorded(7) and not window.is_recorded(8)
 
 
@@ -198,7 +208,7 @@ def test_the_scheduler_side_records_at_finish_copies_and_reports_on_the_next_fin
     side = SchedulerSide(config, BLOCK)
     pool, ids = _pool_with_request(8, used=4)
     side.bind_block_pool(pool)
-    lease = HostLease(version=1, applied=0, slots=tuple(range(8)))
+    lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(8)))
     plan = Plan(page_size=PAGE, keep=KEEP, lease=lease)
     params = {PLAN_KEY: plan.to_json()}
 

@@ -20,6 +20,7 @@ slots. Pure bookkeeping; not thread-safe (the tree's caller's thread only).
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ class HostWrites:
         self._shadows: OrderedDict[int, Shadow] = OrderedDict()
         self._next_key = 0
         self._version = 0
+        self.epoch = secrets.randbits(62)
+        """This tree's name in its leases (another tree on the same engine has another)."""
         self.applied = 0
         """The highest copy sequence number applied (this engine's)."""
         self.copies = 0
@@ -104,7 +107,7 @@ class HostWrites:
             take = min(missing, placement.tiers[Tier.HOST].allocator.num_free)
             lease.update(placement.tiers[Tier.HOST].allocator.allocate(take))
         self._version += 1
-        return HostLease(self._version, self.applied, tuple(sorted(lease)))
+        return HostLease(self.epoch, self._version, self.applied, tuple(sorted(lease)))
 
     def apply(
         self,

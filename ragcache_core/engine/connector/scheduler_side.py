@@ -286,11 +286,19 @@ class SchedulerSide:
             self._unconfirmed_stores.add(req_id)
         protected = () if aborted or not tracked.store_sent else self._protect(tracked)
         window = self.window
-        if window is not None and tracked.plan.keep and tracked.store_sent and not aborted:
+        lease = tracked.plan.lease
+        if (
+            window is not None
+            and lease
+            and tracked.plan.keep
+            and tracked.store_sent
+            and not aborted
+        ):
             window.record(
                 tracked.plan.keep,
                 tracked.block_ids,
                 self.block_pool,
+                epoch=lease.epoch,
                 fail=tracked.fail_host_write,
             )
         released: tuple[int, ...] = ()

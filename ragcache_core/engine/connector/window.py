@@ -64,6 +64,7 @@ class EvictionWindow:
         self._records: dict[int, _Record] = {}
         self._by_block: dict[int, set[int]] = {}
         """vLLM block id -> keys of the uncopied records holding it."""
+        self._epoch: int | None = None
         self._lease_version = -1
         self._lease_set: frozenset[int] = frozenset()
         self._lease: list[int] = []
@@ -96,7 +97,13 @@ class EvictionWindow:
 
     def take_lease(self, lease: HostLease) -> None:
         """A plan's lease, if newer than the one held: its slots less those consumed by copies
-        the tree has not applied (`lease.applied`) and those of copies in flight."""
+        the tree has not applied (`lease.applied`) and those of copies in flight. A lease of
+        another epoch (another tree) starts afresh: every record and change of the previous
+        one is forgotten (called between steps: no copy is in flight)."""
+        if lease.epoch != self._epoch:
+            self._epoch, self._lease_version = lease.epoch, -1
+            self._records, self._by_block, self._consumed = {}, {}, {}
+            self._copied, self._dropped, self._seq = [], [], 0
         if lease.version <= self._lease_version:
             return
         self._lease_version = lease.version
@@ -113,11 +120,15 @@ class EvictionWindow:
         block_ids: list[int],
         block_pool: Any,
         *,
+        epoch: int,
         fail: bool = False,
     ) -> None:
         """A request finished with its prompt computed: record its keep spans' blocks, in
         prompt order, until one is not wholly in vLLM's prefix cache (its children could not be
-        copied below it). A record being copied now is left alone."""
+        copied below it). A record being copied now is left alone; a plan of another epoch
+        than the lease's (an earlier tree's) records nothing."""
+        if epoch != self._epoch:
+            return
         size = self.block_size
         for span in keep:
             first, end = span.token_start // size, -(-(span.token_start + span.num_tokens) // size)
