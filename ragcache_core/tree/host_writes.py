@@ -124,6 +124,7 @@ class HostWrites:
                 continue
             self.applied = seq
             placement.host_lease.difference_update(slots)
+            placement.count_host_written(len(slots))
             shadow = self._shadows.get(key)
             if shadow is None or not self._attach(shadow, slots):
                 placement.tiers[Tier.HOST].allocator.free(slots)

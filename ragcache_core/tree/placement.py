@@ -39,6 +39,7 @@ class Placement:
 
     __slots__ = (
         "_evictions",
+        "_host_written",
         "_prefixes",
         "_swap_outs",
         "detached_pinned",
@@ -71,6 +72,7 @@ class Placement:
         taken from the allocator, owned by no node until a copy is reported onto them."""
         self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
         self._swap_outs = 0
+        self._host_written = 0
 
     # ------------------------------------------------------------------ queries (no mutation)
 
@@ -100,6 +102,7 @@ class Placement:
             evictions_gpu=self._evictions[Tier.GPU],
             evictions_host=self._evictions[Tier.HOST],
             swap_outs=self._swap_outs,
+            host_slots_written=self._host_written,
         )
 
     # ------------------------------------------------------------------ copies and pins
@@ -150,6 +153,8 @@ class Placement:
     def publish(self, handle: RequestHandle) -> None:
         """`handle`'s copies are complete: those still in place become readable."""
         for node, tier in handle.ledger.pending:
+            if tier is Tier.HOST and tier in node.slots:
+                self._host_written += len(node.slots[tier])
             if node.attached and tier in node.slots:
                 node.ready.add(tier)
 
@@ -265,6 +270,11 @@ class Placement:
     def reset_counters(self) -> None:
         self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
         self._swap_outs = 0
+        self._host_written = 0
+
+    def count_host_written(self, slots: int) -> None:
+        """The engine wrote `slots` host slots outside a plan's stores (an eviction-time copy)."""
+        self._host_written += slots
 
     def compact(self) -> None:
         """Bound the candidate heaps' stale entries (call once per request)."""
