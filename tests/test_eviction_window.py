@@ -240,3 +240,25 @@ def test_the_scheduler_side_records_at_finish_copies_and_reports_on_the_next_fin
     assert second.stranded_blocks == 0
     side.release_all()  # clear(): the records go
     assert not side.window.is_recorded(7)
+
+
+def test_an_aborted_request_records_nothing_and_its_report_carries_no_changes() -> None:
+    from ragcache_core.engine.connector import ConnectorConfig
+    from ragcache_core.engine.connector.scheduler_side import SchedulerSide
+    from ragcache_core.plan import PLAN_KEY, Plan
+    from ragcache_core.storage.pool_layout import PoolLayout
+
+    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
+    config = ConnectorConfig(
+        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=3
+    )
+    side = SchedulerSide(config, BLOCK)
+    pool, ids = _pool_with_request(8, used=4)
+    side.bind_block_pool(pool)
+    lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(8)))
+    params = {PLAN_KEY: Plan(page_size=PAGE, keep=KEEP, lease=lease).to_json()}
+    side.track_and_count_loads("r", params, 15, 0)
+    tracked = side._tracked["r"]
+    tracked.block_ids, tracked.store_sent = list(ids), True  # its prompt was computed
+    assert side.finished("r", aborted=True) is not None
+    assert side.window is not None and not side.window.is_recorded(7)
