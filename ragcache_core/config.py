@@ -370,6 +370,11 @@ class CacheConfig:
     """With `host_write="eviction"`: the window, in tokens of vLLM's free-block queue watched
     from its head each step, and the size of the host lease for the copies (None:
     `max_num_batched_tokens`, what one step can take)."""
+    host_write_return: str = "tail"
+    """With `host_write="eviction"`: where a copied document's blocks go back in vLLM's
+    free-block queue: "tail" (vLLM's `free_blocks`, as its own lazy offload does: the document
+    gets a second turn in vLLM's LRU) or "head" (where they were: it leaves vLLM's blocks
+    next, so the two tiers hold different documents)."""
     max_cached_depth: int | None = None
     """Cache only the first j documents of a sequence (paper 2.7); None caches all."""
     cost_profile: str | None = None
@@ -445,6 +450,10 @@ class CacheConfig:
         if self.host_write == "eviction" and self.host_pool_tokens == 0:
             raise ConfigError(
                 'host_write="eviction" writes the host tier, but host_pool_tokens=0 turns it off'
+            )
+        if self.host_write_return not in ("tail", "head"):
+            raise ConfigError(
+                f"unknown host_write_return {self.host_write_return!r}; choose 'tail' or 'head'"
             )
         if self.host_write_window_tokens is not None and self.host_write_window_tokens < 1:
             raise ConfigError(

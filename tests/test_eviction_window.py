@@ -262,3 +262,29 @@ def test_an_aborted_request_records_nothing_and_its_report_carries_no_changes() 
     tracked.block_ids, tracked.store_sent = list(ids), True  # its prompt was computed
     assert side.finished("r", aborted=True) is not None
     assert side.window is not None and not side.window.is_recorded(7)
+
+
+@pytest.mark.parametrize("back_to_head", [False, True])
+def test_copied_blocks_go_back_to_the_tail_or_where_they_were(back_to_head: bool) -> None:
+    """Tail: `free_blocks`, as vLLM's lazy offload does (a second turn in vLLM's LRU). Head:
+    the held blocks that were in the window go back to the head in their order, so the copied
+    document leaves vLLM's blocks next; the root, held from deeper in the queue, stays at the
+    tail where `free_blocks` puts it."""
+    check_eviction_window_hooks(back_to_head=True)
+    pool, ids = _pool_with_request(8, used=4)
+    window = EvictionWindow(
+        window_blocks=3, block_size=BLOCK, page_size=PAGE, back_to_head=back_to_head
+    )
+    window.take_lease(HostLease(epoch=1, version=0, applied=0, slots=tuple(range(8))))
+    window.record(KEEP, ids, pool, epoch=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    assert _head(pool, 4) == [ids[3], ids[2], ids[1], ids[0]]
+    assert window.scan(pool)
+    window.on_report({7, 8}, pool)
+    order = _head(pool, 4)
+    if back_to_head:
+        assert order == [ids[2], ids[1], ids[3], ids[0]]  # window blocks first, in order
+    else:
+        assert order[0] == ids[3] and set(order[1:]) == {ids[0], ids[1], ids[2]}
+    assert pool.get_num_free_blocks() == 4

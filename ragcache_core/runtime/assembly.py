@@ -49,6 +49,7 @@ def open_pools(model: str, config: CacheConfig) -> Pools:
         host_pool_name=name,
         host_write=config.host_write,
         window_blocks=window_blocks(config) if config.host_write == "eviction" else 0,
+        back_to_head=config.host_write == "eviction" and config.host_write_return == "head",
     )
     return Pools(connector, host_pool)
 

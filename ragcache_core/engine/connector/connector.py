@@ -49,7 +49,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
             if config.host_write == "eviction":
                 from ragcache_core.engine.compat import check_eviction_window_hooks
 
-                check_eviction_window_hooks()
+                check_eviction_window_hooks(back_to_head=config.back_to_head)
             self._scheduler = SchedulerSide(config, block_size)
         else:
             self._worker = WorkerSide(config, block_size)

@@ -107,6 +107,7 @@ class SchedulerSide:
                 window_blocks=config.window_blocks,
                 block_size=block_size,
                 page_size=config.page_size,
+                back_to_head=config.back_to_head,
             )
             if config.host_write == "eviction"
             else None

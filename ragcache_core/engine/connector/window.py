@@ -57,8 +57,17 @@ class _Record:
 class EvictionWindow:
     """Records, the lease and the copies in flight (see the module docstring)."""
 
-    def __init__(self, *, window_blocks: int, block_size: int, page_size: int) -> None:
+    def __init__(
+        self, *, window_blocks: int, block_size: int, page_size: int, back_to_head: bool = False
+    ) -> None:
         self.window_blocks = window_blocks
+        self.back_to_head = back_to_head
+        """Where held blocks that were in the window go back: False, the queue's tail
+        (`free_blocks`, as vLLM's lazy offload does: a copied document gets a second turn in
+        vLLM's LRU); True, the head, in their order (`compat.requeue_at_head`: vLLM's LRU order
+        as if nothing had held them, so a copied document leaves vLLM's blocks next)."""
+        self._requeue: list[Any] = []
+        """Held blocks that were in the window when held, in queue order."""
         self.block_size = block_size
         self.page_size = page_size
         self._records: dict[int, _Record] = {}
@@ -164,9 +173,11 @@ class EvictionWindow:
         chosen: list[tuple[_Record, tuple[int, ...]]] = []
         taken: set[int] = set()
         queue = block_pool.free_block_queue
+        in_window: list[Any] = []
         for seen, block in enumerate(queue.iter_blocks_after(None)):
             if seen >= self.window_blocks:
                 break
+            in_window.append(block)
             for key in sorted(self._by_block.get(block.block_id, ())):
                 record = self._records.get(key)
                 if record is None or record.copied or key in taken:
@@ -182,6 +193,8 @@ class EvictionWindow:
                     slots, self._lease = tuple(self._lease[:count]), self._lease[count:]
                     chosen.append((member, slots))
                     taken.add(member.key)
+        held = {id(b) for record, _ in chosen for b in record.blocks}
+        self._requeue = [b for b in in_window if id(b) in held]
         writes: list[HostWrite] = []
         for record, slots in chosen:  # touch after the walk: it unlinks blocks from the queue
             block_pool.touch(record.blocks)
@@ -203,6 +216,7 @@ class EvictionWindow:
         no report ran none): hand every held block back, number the copies done, give the
         failed ones' slots back to the lease."""
         copying, self._copying = self._copying, {}
+        requeue, self._requeue = self._requeue, []
         for key, (record, slots) in copying.items():
             block_pool.free_blocks(record.blocks)
             if key in written and record.intact():
@@ -214,6 +228,10 @@ class EvictionWindow:
             else:
                 self._lease.extend(s for s in slots if s in self._lease_set)
                 self._drop(key)
+        if self.back_to_head and requeue:
+            from ragcache_core.engine.compat import requeue_at_head
+
+            requeue_at_head(block_pool, requeue)
 
     def take_changes(self) -> tuple[tuple[tuple[int, int, tuple[int, ...]], ...], tuple[int, ...]]:
         """Copies done and keys dropped since the last call (for one report)."""
