@@ -370,11 +370,12 @@ class CacheConfig:
     """With `host_write="eviction"`: the window, in tokens of vLLM's free-block queue watched
     from its head each step, and the size of the host lease for the copies (None:
     `max_num_batched_tokens`, what one step can take)."""
-    host_write_return: str = "tail"
+    host_write_return: str = "head"
     """With `host_write="eviction"`: where a copied document's blocks go back in vLLM's
-    free-block queue: "tail" (vLLM's `free_blocks`, as its own lazy offload does: the document
-    gets a second turn in vLLM's LRU) or "head" (where they were: it leaves vLLM's blocks
-    next, so the two tiers hold different documents)."""
+    free-block queue: "head" (the default: where they were, so it leaves vLLM's blocks next
+    and the two tiers hold different documents) or "tail" (vLLM's `free_blocks`, as its own
+    lazy offload does: the document gets a second turn in vLLM's LRU; measured worse,
+    docs/benchmarks.md "Eviction-time host writes")."""
     max_cached_depth: int | None = None
     """Cache only the first j documents of a sequence (paper 2.7); None caches all."""
     cost_profile: str | None = None

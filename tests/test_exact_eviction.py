@@ -58,6 +58,7 @@ def rig(engine_pool) -> Iterator[Rig]:  # type: ignore[no-untyped-def]
         host_pool_name="test-eviction",
         host_write="eviction",
         window_blocks=WINDOW,
+        back_to_head=True,  # CacheConfig.host_write_return's default
     )
     engine = CachedEngine(spec, pools)
     try:
@@ -128,9 +129,8 @@ def test_a_document_pushed_out_of_vllms_blocks_is_copied_on_its_way_out_and_serv
     _push_out(rig, tree, system, rng)
     assert "kept" in _host_docs(tree)  # copied as it reached the head of vLLM's free queue
     assert tree.host_writes is not None and tree.host_writes.copies >= 2  # root, then it
-    # Its blocks went back to the tail of vLLM's free queue after the copy (`free_blocks`, as
-    # vLLM's own lazy offload does): a second round lets them go, uncopied this time.
-    _push_out(rig, tree, system, rng)
+    # Its blocks went back to the head of vLLM's free queue after the copy: the next request
+    # took them, so vLLM no longer holds it.
     got = run_request(
         rig.engine, tree, system=system, documents=[kept], question=question, sampling=SAMPLING
     )

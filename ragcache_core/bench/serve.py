@@ -13,8 +13,8 @@ started once per system, not once per point.
 | `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
 | `vllm-offload`    | prefix caching + vLLM's native CPU offload, the host pool's size (CUDA) |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
-| `ragcache-evict`  | RAGCache with its host tier written at eviction (`host_write="eviction"`) |
-| `ragcache-evict-head` | the same, the copied blocks back at the free queue's head          |
+| `ragcache-evict`  | RAGCache, host tier written at eviction, copied blocks back at the tail  |
+| `ragcache-evict-head` | the same, the copied blocks back at the free queue's head (default) |
 | `ragcache-offload-proxy` | RAGCache with LRU, no reordering, no speculation: what vLLM's     |
 |                   | own CPU offload does (LRU over blocks, host written as computed)        |
 | `ragcache-nohost` / `-protect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
@@ -91,8 +91,8 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec(
             "ragcache-evict",
             "ragcache",
-            "RAGCache, its host tier written as documents leave vLLM's blocks (host_write)",
-            {"host_write": "eviction"},
+            "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
+            {"host_write": "eviction", "host_write_return": "tail"},
         ),
         SystemSpec(
             "ragcache-evict-head",
