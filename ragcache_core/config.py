@@ -360,6 +360,22 @@ class CacheConfig:
     """Which computed documents are stored: "always" (the paper), "second" (only a document
     met before at the same prefix) or "no_evict" (only into free room). See
     docs/control-plane.md for the measurement."""
+    host_write: str = "compute"
+    """When the host tier is written: "compute" (the default: write-through, every document the
+    store policy admits is copied to the host as it is computed) or "eviction" (as it leaves
+    vLLM's blocks: the connector watches the head of vLLM's free-block queue each step and
+    copies the documents the tree keeps; docs/design.md 2.2). The store policy decides which
+    documents are written either way."""
+    host_write_window_tokens: int | None = None
+    """With `host_write="eviction"`: the window, in tokens of vLLM's free-block queue watched
+    from its head each step, and the size of the host lease for the copies (None:
+    `max_num_batched_tokens`, what one step can take)."""
+    host_write_return: str = "head"
+    """With `host_write="eviction"`: where a copied document's blocks go back in vLLM's
+    free-block queue: "head" (the default: where they were, so it leaves vLLM's blocks next
+    and the two tiers hold different documents) or "tail" (vLLM's `free_blocks`, as its own
+    lazy offload does: the document gets a second turn in vLLM's LRU; measured worse,
+    docs/benchmarks.md "Eviction-time host writes")."""
     max_cached_depth: int | None = None
     """Cache only the first j documents of a sequence (paper 2.7); None caches all."""
     cost_profile: str | None = None
@@ -428,6 +444,22 @@ class CacheConfig:
             raise ConfigError(f"top_k must be at least 1, got {self.top_k}")
         if self.reorder_window < 0:
             raise ConfigError(f"reorder_window cannot be negative, got {self.reorder_window}")
+        if self.host_write not in ("compute", "eviction"):
+            raise ConfigError(
+                f"unknown host_write {self.host_write!r}; choose 'compute' or 'eviction'"
+            )
+        if self.host_write == "eviction" and self.host_pool_tokens == 0:
+            raise ConfigError(
+                'host_write="eviction" writes the host tier, but host_pool_tokens=0 turns it off'
+            )
+        if self.host_write_return not in ("tail", "head"):
+            raise ConfigError(
+                f"unknown host_write_return {self.host_write_return!r}; choose 'tail' or 'head'"
+            )
+        if self.host_write_window_tokens is not None and self.host_write_window_tokens < 1:
+            raise ConfigError(
+                f"host_write_window_tokens must be at least 1, got {self.host_write_window_tokens}"
+            )
         if self.max_cached_depth is not None and self.max_cached_depth < 0:
             raise ConfigError(f"max_cached_depth cannot be negative, got {self.max_cached_depth}")
         if self.request_timeout_s <= 0:

@@ -113,11 +113,41 @@ def protected_blocks(token_start: int, num_tokens: int, block_size: int) -> rang
 
 
 @dataclass(frozen=True, slots=True)
+class KeepSpan:
+    """Eviction-time host writes (`CacheConfig.host_write="eviction"`, docs/design.md 2.2):
+    prompt positions [token_start, token_start + num_tokens) are a document (or the root) the
+    tree wants on the host tier once it leaves vLLM's blocks. `key` names its path (root key
+    and documents) in the tree; `parent` is the key of the keep span before it in the same
+    plan, whose host copy it needs (None: its parent is on the host already, or it is a root)."""
+
+    key: int
+    parent: int | None
+    token_start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class HostLease:
+    """The host slots the tree lends the engine for eviction-time copies: the whole set, stated
+    anew by every plan. The engine takes the lease of the highest `version` it has seen, less
+    the slots its copies consumed that the tree has not applied yet (copy reports with a
+    sequence number above `applied`) and those of copies in flight. `epoch` names the tree
+    that lends it: a lease of another epoch (a new tree on the same engine) replaces everything
+    the engine knew of the previous one, whose keys mean nothing to the new tree."""
+
+    epoch: int
+    version: int
+    applied: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """Everything the connector does for one request, in execution order. `protect` and
     `release` are the protected set's changes (the GPU tier's policy, docs/design.md 2.2):
     `release` names entries to let go of when the request is first seen, `protect` the
-    entries to hold when it finishes (not when it is aborted)."""
+    entries to hold when it finishes (not when it is aborted). `keep` and `lease` are the
+    eviction-time host writes' parts (`KeepSpan`, `HostLease`): such a plan has no `store`."""
 
     page_size: int
     swap_out: tuple[SlotCopy, ...] = ()
@@ -126,6 +156,8 @@ class Plan:
     store: tuple[StoreSpan, ...] = ()
     protect: tuple[ProtectSpan, ...] = ()
     release: tuple[int, ...] = ()
+    keep: tuple[KeepSpan, ...] = ()
+    lease: HostLease | None = None
 
     @property
     def num_loaded_tokens(self) -> int:
@@ -135,7 +167,14 @@ class Plan:
     @property
     def is_empty(self) -> bool:
         return not (
-            self.swap_out or self.promote or self.load or self.store or self.protect or self.release
+            self.swap_out
+            or self.promote
+            or self.load
+            or self.store
+            or self.protect
+            or self.release
+            or self.keep
+            or self.lease
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -149,6 +188,15 @@ class Plan:
             ],
             "protect": [[s.key, s.token_start, s.num_tokens, s.rank] for s in self.protect],
             "release": list(self.release),
+            "keep": [[s.key, s.parent, s.token_start, s.num_tokens] for s in self.keep],
+            "lease": None
+            if self.lease is None
+            else [
+                self.lease.epoch,
+                self.lease.version,
+                self.lease.applied,
+                list(self.lease.slots),
+            ],
         }
 
     @classmethod
@@ -170,6 +218,18 @@ class Plan:
                 for key, start, n, rank in data["protect"]
             ),
             release=tuple(int(key) for key in data["release"]),
+            keep=tuple(
+                KeepSpan(int(key), None if parent is None else int(parent), int(start), int(n))
+                for key, parent, start, n in data.get("keep", ())
+            ),
+            lease=None
+            if data.get("lease") is None
+            else HostLease(
+                int(data["lease"][0]),
+                int(data["lease"][1]),
+                int(data["lease"][2]),
+                tuple(int(s) for s in data["lease"][3]),
+            ),
         )
 
     def dumps(self) -> str:

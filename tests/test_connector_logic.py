@@ -559,3 +559,27 @@ def test_worker_used_before_register_raises() -> None:
     side = WorkerSide(CONFIG, BLOCK)
     with pytest.raises(RuntimeError, match="before register_kv_caches"):
         side.load(StepOps([RequestOps("a", (0, 1), load=PLAN.load, load_hi=16)]))
+
+
+def test_worker_host_writes_copy_held_blocks_to_leased_slots_and_report_failures(
+    worker: tuple[WorkerSide, HostPool, torch.Tensor],
+) -> None:
+    """An eviction-time copy: tokens [token_start, token_start + n) of the held blocks land in
+    the leased slots; an injected failure writes its slots and is reported not run."""
+    from ragcache_core.engine.connector.metadata import HostWrite
+
+    side, host, _ = worker
+    assert side.paged is not None
+    kv = torch.randn(NUM_BLOCKS * BLOCK, 2, 1, LAYOUT.head_size)
+    everywhere = side.paged.locate(torch.arange(NUM_BLOCKS * BLOCK))
+    side.paged.write(0, everywhere, kv[:, 0].contiguous(), kv[:, 1].contiguous())
+    good = HostWrite(key=3, block_ids=(4, 1), token_start=2, num_tokens=5, slots=(7, 2))
+    bad = HostWrite(key=4, block_ids=(5,), token_start=0, num_tokens=3, slots=(9,), fail=True)
+    side.begin_step()
+    side.store(StepOps([], host_writes=[good, bad]))
+    want = torch.stack([kv[(4, 1)[p // BLOCK] * BLOCK + p % BLOCK] for p in range(2, 7)])
+    assert torch.equal(_pool_rows(host.tensor, good.slots, 5), want)
+    report = side.report()
+    assert report is not None and report.host_written == {3}
+    side.begin_step()
+    assert side.report() is None  # a step without host writes reports nothing

@@ -13,6 +13,8 @@ started once per system, not once per point.
 | `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
 | `vllm-offload`    | prefix caching + vLLM's native CPU offload, the host pool's size (CUDA) |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
+| `ragcache-evict`  | RAGCache, host tier written at eviction, copied blocks back at the tail  |
+| `ragcache-evict-head` | the same, the copied blocks back at the free queue's head (default) |
 | `ragcache-offload-proxy` | RAGCache with LRU, no reordering, no speculation: what vLLM's     |
 |                   | own CPU offload does (LRU over blocks, host written as computed)        |
 | `ragcache-nohost` / `-protect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
@@ -85,6 +87,18 @@ SYSTEMS: dict[str, SystemSpec] = {
             "RAGCache, all of its KV in vLLM's cache (no host tier): vllm-apc-total's memory",
             {"host_pool_tokens": 0},
             host_kv_to_vllm=True,
+        ),
+        SystemSpec(
+            "ragcache-evict",
+            "ragcache",
+            "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
+            {"host_write": "eviction", "host_write_return": "tail"},
+        ),
+        SystemSpec(
+            "ragcache-evict-head",
+            "ragcache",
+            "RAGCache, host tier written at eviction, copied blocks back at the queue's head",
+            {"host_write": "eviction", "host_write_return": "head"},
         ),
         SystemSpec(
             "ragcache-offload-proxy",
@@ -384,6 +398,8 @@ class RAGCacheSystem:
         )
         counted = {k: stats[k] for k in keys if k in stats}
         counted["deferrals"] = stats["deferrals"] - self._deferrals_at_reset
+        slot_bytes = self.cache.connector.layout.slot_bytes
+        counted["host_bytes_written"] = self.cache.tree.counters.host_slots_written * slot_bytes
         return counted
 
     async def reset(self) -> None:

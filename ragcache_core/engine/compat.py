@@ -154,3 +154,46 @@ def check_block_pool_hooks() -> None:
             "to evict failed loads from vLLM's prefix cache and hold the protected set "
             f"(supported: {SUPPORTED_VLLM})"
         )
+
+
+def check_eviction_window_hooks(*, back_to_head: bool = False) -> None:
+    """Raise `ConfigError` unless this vLLM's free-block queue can be walked from its head
+    (`FreeKVCacheBlockQueue.iter_blocks_after`, the walk vLLM's own `SimpleCPUOffloadConnector`
+    makes with `lazy_offload`) and its blocks name their prefix-cache hash (`block_hash`) and id.
+
+    The eviction window (`host_write="eviction"`, `engine/connector/window.py`) reads
+    `BlockPool.free_block_queue` with it every step, and holds the blocks it copies with the
+    `touch`/`free_blocks` that `check_block_pool_hooks` checks; with `back_to_head` it also
+    puts them back at the queue's head (`requeue_at_head`: `remove`, `prepend_n`). Present in
+    vllm 0.32 and 0.33; private API, so a vLLM without them is refused at engine start."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    from ragcache_core.errors import ConfigError
+
+    missing = []
+    needed = (
+        ("iter_blocks_after", "remove", "prepend_n") if back_to_head else ("iter_blocks_after",)
+    )
+    for name in needed:
+        if not callable(getattr(FreeKVCacheBlockQueue, name, None)):
+            missing.append(f"FreeKVCacheBlockQueue.{name}")
+    fields = getattr(KVCacheBlock, "__dataclass_fields__", {})
+    missing += [f"KVCacheBlock.{name}" for name in ("block_id", "ref_cnt") if name not in fields]
+    if not isinstance(getattr(KVCacheBlock, "block_hash", None), property):
+        missing.append("KVCacheBlock.block_hash")
+    if missing:
+        raise ConfigError(
+            f"vLLM {vllm_version()} lacks {', '.join(missing)}: RAGCache's eviction-time host "
+            f'writes need them (use host_write="compute"; supported: {SUPPORTED_VLLM})'
+        )
+
+
+def requeue_at_head(block_pool: Any, blocks: list[Any]) -> None:
+    """Move `blocks` (in this order) to the head of vLLM's free-block queue, those of them that
+    are free (no reference left: `free_blocks` appended them at the tail); a block in use stays
+    out of the queue. Gated by `check_eviction_window_hooks(back_to_head=True)`."""
+    queue = block_pool.free_block_queue
+    free = [b for b in blocks if b.ref_cnt == 0 and b.prev_free_block is not None]
+    for block in free:
+        queue.remove(block)
+    queue.prepend_n(free)

@@ -43,8 +43,28 @@ def open_pools(model: str, config: CacheConfig) -> Pools:
     host_slots = slots_in_tokens(config.host_pool_tokens, config.page_size)
     name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if host_slots else ""
     host_pool = HostPool.create(name, layout, host_slots, reuse=False) if host_slots else None
-    connector = ConnectorConfig(layout=layout, host_slots=host_slots, host_pool_name=name)
+    connector = ConnectorConfig(
+        layout=layout,
+        host_slots=host_slots,
+        host_pool_name=name,
+        host_write=config.host_write,
+        window_blocks=window_blocks(config) if config.host_write == "eviction" else 0,
+        back_to_head=config.host_write == "eviction" and config.host_write_return == "head",
+    )
     return Pools(connector, host_pool)
+
+
+def window_tokens(config: CacheConfig) -> int:
+    """The eviction window's tokens (`CacheConfig.host_write_window_tokens`; default one step,
+    `max_num_batched_tokens`), which also size the host lease."""
+    assert config.max_num_batched_tokens is not None  # resolved by `resolve_device_defaults`
+    return config.host_write_window_tokens or config.max_num_batched_tokens
+
+
+def window_blocks(config: CacheConfig) -> int:
+    """The eviction window in vLLM blocks (whole blocks covering `window_tokens`)."""
+    assert config.block_size is not None  # resolved by `resolve_device_defaults`
+    return -(-window_tokens(config) // config.block_size)
 
 
 def protected_budget(
@@ -91,6 +111,10 @@ def build_tree(
         store_policy=config.store_policy,
         protected_tokens=protected_budget(config, connector, settings),
         block_size=settings.block_size,
+        host_write=config.host_write,
+        host_lease_slots=-(-window_tokens(config) // config.page_size)
+        if config.host_write == "eviction"
+        else 0,
     )
 
 

@@ -12,7 +12,8 @@ engine), goes through it; everything else in `runtime/` only asks it.
         ▼  finish: the connector's report (`ConnectorResult`)
     settle          a failed load removes the node it read; a handle still open (no first
                     token seen) is confirmed or aborted by the report; the protect entries
-                    the engine reports held join the protected set
+                    the engine reports held join the protected set; the eviction-time host
+                    writes the report carries (any request's) become host copies
     abort           the request died before its first token: its unconfirmed copies go
                     (and, at any point without a report, its protect entries are released)
     adopt           a speculation became the answer: it counts toward PGDSF frequency
@@ -112,6 +113,7 @@ class Lifecycle:
         tree = self.tree
         if result.reported:
             tree.settle_protection(handle, result.protected, result.released)
+            tree.apply_host_writes(result.host_copied, result.host_dropped, result.stranded_blocks)
         else:  # the engine may hold its protect entries: the next plan releases them
             tree.abandon_protection(handle)
         if handle.state is RequestState.ABORTED:

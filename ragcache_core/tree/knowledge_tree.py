@@ -29,6 +29,7 @@ from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.errors import ConfigError, RAGCacheError
 from ragcache_core.plan import Tier
 from ragcache_core.policy import make_policy
+from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.node import Node
@@ -57,6 +58,10 @@ class KnowledgeTree:
     an eviction) or "no_evict" (only while free room is left: stores never evict).
     `protected_tokens` is the protected set's budget: tokens of vLLM's blocks (`block_size`
     tokens each; default `page_size`) the policy keeps from vLLM's eviction (0: none).
+    `host_write` is when the host tier is written: "compute" (as documents are computed: plans
+    store them) or "eviction" (as they leave vLLM's blocks: plans keep them and lend
+    `host_lease_slots` host slots for the copies; `HostWrites`, docs/design.md 2.2); the store
+    policy decides which documents are stored or kept either way.
     Raises `ConfigError` for settings out of range.
     """
 
@@ -75,6 +80,8 @@ class KnowledgeTree:
         store_policy: str = "always",
         protected_tokens: int = 0,
         block_size: int | None = None,
+        host_write: str = "compute",
+        host_lease_slots: int = 0,
     ) -> None:
         if protected_tokens < 0:
             raise ConfigError(f"protected_tokens cannot be negative, got {protected_tokens}")
@@ -82,6 +89,12 @@ class KnowledgeTree:
             raise ConfigError(f"max_depth cannot be negative, got {max_depth}")
         if frequency_window is not None and frequency_window <= 0:
             raise ConfigError(f"frequency_window must be positive, got {frequency_window}")
+        if host_write not in ("compute", "eviction"):
+            raise ConfigError(f"unknown host_write {host_write!r}; choose compute or eviction")
+        if host_write == "eviction" and gpu_slots:
+            raise ConfigError("eviction-time host writes are the engine's: a tree of no GPU slots")
+        if host_lease_slots < 0:
+            raise ConfigError(f"host_lease_slots cannot be negative, got {host_lease_slots}")
         if store_policy not in STORE_POLICIES:
             raise ConfigError(
                 f"unknown store_policy {store_policy!r}; choose one of {', '.join(STORE_POLICIES)}"
@@ -97,6 +110,12 @@ class KnowledgeTree:
             host_slots=host_slots,
             page_size=page_size,
         )
+        self.host_writes: HostWrites | None = (
+            HostWrites(self._prefixes, self._placement, lease_slots=host_lease_slots)
+            if host_write == "eviction"
+            else None
+        )
+        """Eviction-time host writes (read freely; None: the host tier is written at compute)."""
         self._planner = Planner(
             self._prefixes,
             self._placement,
@@ -106,6 +125,7 @@ class KnowledgeTree:
             frequency_window=frequency_window,
             backup_root=backup_root,
             store_policy=store_policy,
+            host_writes=self.host_writes,
         )
         self.protected = ProtectedSet(protected_tokens, block_size or page_size, self.policy)
         """The protected set (read freely; changed only through the methods below)."""
@@ -275,6 +295,18 @@ class KnowledgeTree:
         unsettled, are released by the next plan (`ProtectedSet.abandon`)."""
         self.protected.abandon(handle)
 
+    def apply_host_writes(
+        self,
+        copied: Sequence[tuple[int, int, tuple[int, ...]]],
+        dropped: Sequence[int],
+        stranded_blocks: int = 0,
+    ) -> None:
+        """The engine's report of eviction-time host writes (any request's report carries the
+        changes since the previous one; each copy is applied once): copies become ready host
+        copies (`HostWrites.apply`). No-op when the host tier is written at compute."""
+        if self.host_writes is not None:
+            self.host_writes.apply(tuple(copied), tuple(dropped), stranded_blocks)
+
     def mark_final(self, handle: RequestHandle) -> None:
         """A speculative request turned out to use the final documents: count its retrievals
         toward frequency now. No-op for a request that was final already."""
@@ -290,12 +322,16 @@ class KnowledgeTree:
         self._placement.drop_tier(tier)
         if tier is Tier.GPU:
             self.protected.forget_engine()
+            if self.host_writes is not None:
+                self.host_writes.engine_lost()
         self.protected.sweep()
 
     def invalidate(self, doc_id: str) -> int:
         """Drop every node of document `doc_id` (any content hash, any prefix) and their
         subtrees. Pinned nodes become unmatchable now and free their slots when unpinned.
         Returns the number of nodes removed."""
+        if self.host_writes is not None:
+            self.host_writes.forget(doc_id)
         return self._invalidate(self._prefixes.nodes_of(doc_id))
 
     def invalidate_loads(self, handle: RequestHandle, failed_spans: Sequence[int]) -> int:
@@ -319,6 +355,8 @@ class KnowledgeTree:
         In-flight requests stay valid: their pinned nodes are detached and freed when they
         finish."""
         self._placement.clear()
+        if self.host_writes is not None:
+            self.host_writes.forget()
         self.protected.release_all()
         self.policy.reset()
         self._planner.reset()
@@ -331,6 +369,8 @@ class KnowledgeTree:
         self._placement.check(OpenHoldings.of(self._open.values()))
         self._planner.check()
         self.protected.check()
+        if self.host_writes is not None:
+            self.host_writes.check()
         for request_id, handle in self._open.items():
             if not handle.is_open or handle.request_id != request_id:
                 fail(f"{handle!r} is registered as open request {request_id}")

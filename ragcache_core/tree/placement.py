@@ -39,9 +39,11 @@ class Placement:
 
     __slots__ = (
         "_evictions",
+        "_host_written",
         "_prefixes",
         "_swap_outs",
         "detached_pinned",
+        "host_lease",
         "page_size",
         "policy",
         "tiers",
@@ -65,8 +67,12 @@ class Placement:
         }
         self.detached_pinned: set[Node] = set()
         """Removed nodes still pinned by a request: they keep their slots until unpinned."""
+        self.host_lease: set[int] = set()
+        """Host slots lent to the engine for eviction-time copies (`tree/host_writes.py`):
+        taken from the allocator, owned by no node until a copy is reported onto them."""
         self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
         self._swap_outs = 0
+        self._host_written = 0
 
     # ------------------------------------------------------------------ queries (no mutation)
 
@@ -96,6 +102,7 @@ class Placement:
             evictions_gpu=self._evictions[Tier.GPU],
             evictions_host=self._evictions[Tier.HOST],
             swap_outs=self._swap_outs,
+            host_slots_written=self._host_written,
         )
 
     # ------------------------------------------------------------------ copies and pins
@@ -109,6 +116,14 @@ class Placement:
         self._add_copy(node, tier, slots)
         handle.ledger.pending.append((node, tier))
         return slots
+
+    def adopt_copy(self, node: Node, tier: Tier, slots: tuple[int, ...]) -> None:
+        """Give `node` a ready copy in `tier` on `slots`, already taken from the allocator and
+        already written (an eviction-time copy the engine reported done)."""
+        self._add_copy(node, tier, slots)
+        node.ready.add(tier)
+        self.set_priority(node, tier)
+        self.tiers[tier].push(node)
 
     def drop_copy(self, node: Node, tier: Tier, hold_for: RequestHandle | None = None) -> None:
         """Remove `node`'s copy in `tier`; its slots go back to the allocator, or to
@@ -138,6 +153,8 @@ class Placement:
     def publish(self, handle: RequestHandle) -> None:
         """`handle`'s copies are complete: those still in place become readable."""
         for node, tier in handle.ledger.pending:
+            if tier is Tier.HOST and tier in node.slots:
+                self._host_written += len(node.slots[tier])
             if node.attached and tier in node.slots:
                 node.ready.add(tier)
 
@@ -253,6 +270,11 @@ class Placement:
     def reset_counters(self) -> None:
         self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
         self._swap_outs = 0
+        self._host_written = 0
+
+    def count_host_written(self, slots: int) -> None:
+        """The engine wrote `slots` host slots outside a plan's stores (an eviction-time copy)."""
+        self._host_written += slots
 
     def compact(self) -> None:
         """Bound the candidate heaps' stale entries (call once per request)."""
@@ -375,6 +397,10 @@ class Placement:
                     fail(f"{tier} slot {slot} owned by {node!r} but also free")
                 owners[slot] = node
         held = holdings.held_gpu_slots if tier is Tier.GPU else ()
+        leased = tuple(self.host_lease) if tier is Tier.HOST else ()
+        for slot in leased:
+            if slot in owners or allocator.is_free(slot):
+                fail(f"{tier} slot {slot} leased to the engine but also owned or free")
         for slot in held:
             if slot in owners or allocator.is_free(slot):
                 fail(f"{tier} slot {slot} held for reuse but also owned or free")
@@ -385,8 +411,8 @@ class Placement:
             fail(f"{tier}: held_slots={tier_slots.held_slots}, open requests hold {len(held)}")
         if tier_slots.pinned_slots != pinned:
             fail(f"{tier}: pinned_slots={tier_slots.pinned_slots}, pinned nodes own {pinned}")
-        if len(owners) + len(held) + allocator.num_free != allocator.num_slots:
+        if len(owners) + len(held) + len(leased) + allocator.num_free != allocator.num_slots:
             fail(
-                f"{tier}: {len(owners)} owned + {len(held)} held + "
+                f"{tier}: {len(owners)} owned + {len(held)} held + {len(leased)} leased + "
                 f"{allocator.num_free} free != capacity {allocator.num_slots}"
             )

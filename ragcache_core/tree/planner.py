@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.cost import CostModel
 from ragcache_core.errors import InputError
-from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+from ragcache_core.plan import HostLease, KeepSpan, LoadSpan, Plan, SlotCopy, StoreSpan, Tier
 from ragcache_core.policy import NodeStats
+from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import fail
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.node import Node
@@ -58,6 +59,7 @@ class Planner:
         frequency_window: int | None,
         backup_root: bool,
         store_policy: str,
+        host_writes: HostWrites | None = None,
     ) -> None:
         self._prefixes = prefixes
         self._placement = placement
@@ -67,6 +69,8 @@ class Planner:
         self.frequency_window = frequency_window
         self.backup_root = backup_root
         self.store_policy = store_policy
+        self.host_writes = host_writes
+        """Eviction-time host writes (None: stores as computed, on `store_tier`)."""
         self.store_tier = Tier.GPU if placement.tiers[Tier.GPU].allocator.num_slots else Tier.HOST
         """Where computed documents are stored: the GPU tier when the tree has one, else the
         host tier (the engine: vLLM's prefix cache keeps the computed blocks on GPU)."""
@@ -111,7 +115,15 @@ class Planner:
         if self.backup_root:
             self._plan_root_backup(hits, handle)
         store: list[StoreSpan] = []
-        if len(hits) == len(path):  # an in-flight node blocks storing below it
+        keep: list[KeepSpan] = []
+        lease: HostLease | None = None
+        if self.host_writes is not None:
+            if len(hits) == len(path):
+                keep = self._plan_keeps(
+                    path, root_key, root_tokens, cached_docs, starts, cost_per_new, handle
+                )
+            lease = self.host_writes.lease_for(handle, may_evict=self.store_policy != "no_evict")
+        elif len(hits) == len(path):  # an in-flight node blocks storing below it
             store = self._plan_stores(
                 path, root_key, root_tokens, cached_docs, starts, cost_per_new, handle
             )
@@ -122,6 +134,8 @@ class Planner:
             promote=tuple(promote),
             load=tuple(load),
             store=tuple(store),
+            keep=tuple(keep),
+            lease=lease,
         )
         handle.hits = match_result(path, hits)
         handle.cached_tokens = alpha
@@ -274,6 +288,52 @@ class Planner:
             parent = node
         return store
 
+    def _plan_keeps(
+        self,
+        path: list[Node],
+        root_key: RootKey,
+        root_tokens: int,
+        cached_docs: Sequence[DocSpec],
+        starts: list[int],
+        cost_per_new: float,
+        handle: RequestHandle,
+    ) -> list[KeepSpan]:
+        """Keep spans (eviction-time host writes) for the path past the host-readable prefix,
+        root first if absent, while the store policy admits them; each one's shadow records
+        this access. A root of no tokens needs no copy: it is attached now."""
+        assert self.host_writes is not None
+        parent: int | None = None
+        first = max(len(path) - 1, 0)
+        wanted: list[tuple[tuple[DocKey, ...] | None, int, int]] = []
+        if not path:
+            wanted.append((None, root_tokens, 0))
+        prefix = tuple(spec.key for spec in cached_docs[:first])
+        for i in range(first, len(cached_docs)):
+            prefix = (*prefix, cached_docs[i].key)
+            wanted.append((prefix, cached_docs[i].num_tokens, starts[i + 1]))
+        keep: list[KeepSpan] = []
+        for docs, num_tokens, start in wanted:
+            if docs is None and num_tokens == 0:
+                root = self._prefixes.attach(root_key, None, 0, NodeStats(0, 0.0, self.now))
+                self._placement.adopt_copy(root, Tier.HOST, ())
+                continue
+            if docs is not None and not self._admit_store(
+                docs, slots_for_tokens(num_tokens, self.page_size), handle
+            ):
+                break
+            standalone = (
+                self.cost_model.prefill_time(0, num_tokens) / num_tokens if num_tokens else 0.0
+            )
+            shadow = self.host_writes.shadow(
+                root_key, docs or (), num_tokens, NodeStats(num_tokens, standalone, self.now)
+            )
+            shadow.stats.record_computed(cost_per_new)
+            shadow.stats.touch(self.now, count=handle.final, window=self._window())
+            if num_tokens:
+                keep.append(KeepSpan(shadow.key, parent, start, num_tokens))
+                parent = shadow.key
+        return keep
+
     def _store(
         self,
         key: DocKey | RootKey,
@@ -316,13 +376,14 @@ class Planner:
 
     def _touch(self, node: Node, count: bool) -> None:
         """An access to `node` now (`count`: a final request's, which bumps its frequency)."""
-        window = (
-            0
-            if self.frequency_window is None
-            else (self.final_requests - 1) // self.frequency_window
-        )
-        node.stats.touch(self.now, count=count, window=window)
+        node.stats.touch(self.now, count=count, window=self._window())
         self._placement.refresh(node)
+
+    def _window(self) -> int:
+        """The current frequency window's number."""
+        if self.frequency_window is None:
+            return 0
+        return (self.final_requests - 1) // self.frequency_window
 
 
 def _prompt_starts(root_tokens: int, docs: Sequence[DocSpec]) -> list[int]:

@@ -78,9 +78,12 @@ class TreeCounters:
     - `evictions_host`: nodes chosen as host victims;
     - `swap_outs`: GPU victims copied to host (their first GPU eviction with host room). A
       GPU victim already on host is freed without a copy: an eviction, not a swap-out.
+    - `host_slots_written`: host slots the engine wrote with KV: confirmed stores (written as
+      computed) and eviction-time copies reported done (used or not).
     Nodes removed with a victim's subtree, by invalidation or by `drop_tier` are not victims.
     """
 
     evictions_gpu: int = 0
     evictions_host: int = 0
     swap_outs: int = 0
+    host_slots_written: int = 0

@@ -22,23 +22,40 @@ RESULT_KEY = "ragcache_result"
 FAULT_KEY = "ragcache_inject_fault"
 """Test hook in a request's `kv_transfer_params`: `{"fail_load_span": i}` makes the worker
 raise while copying load span i (after spans < i were copied), exercising the recovery path
-exactly as a real copy failure would."""
+exactly as a real copy failure would; `{"fail_host_write": true}` makes every eviction-time copy
+of the request's kept documents fail after writing its slots (a failed copy is never read)."""
+
+HOST_WRITES = ("compute", "eviction")
+"""When the host tier is written: as a document is computed (write-through, plans' `store`) or
+as it leaves vLLM's blocks (plans' `keep`, the connector's window; docs/design.md 2.2)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     """The host pool's size and layout. `host_slots == 0` means no host tier (no shared-memory
-    file). There is no GPU pool: the GPU tier is vLLM's own KV cache (docs/design.md 3.1)."""
+    file). There is no GPU pool: the GPU tier is vLLM's own KV cache (docs/design.md 3.1).
+    `host_write` is `CacheConfig.host_write`; with "eviction" the scheduler side watches the
+    first `window_blocks` blocks of vLLM's free queue every step, and `back_to_head` puts the
+    blocks it held back at the queue's head (`CacheConfig.host_write_return`)."""
 
     layout: PoolLayout
     host_slots: int = 0
     host_pool_name: str = ""
+    host_write: str = "compute"
+    window_blocks: int = 0
+    back_to_head: bool = False
 
     def __post_init__(self) -> None:
         if self.host_slots < 0:
             raise ConfigError(f"the host pool size cannot be negative, got {self.host_slots}")
         if self.host_slots and not self.host_pool_name:
             raise ConfigError("a host pool needs a name (host_pool_name)")
+        if self.host_write not in HOST_WRITES:
+            raise ConfigError(
+                f"unknown host_write {self.host_write!r}; choose one of {', '.join(HOST_WRITES)}"
+            )
+        if self.window_blocks < 0:
+            raise ConfigError(f"the window cannot be negative, got {self.window_blocks} blocks")
 
     @property
     def page_size(self) -> int:
@@ -50,6 +67,9 @@ class ConnectorConfig:
                 "layout": self.layout.to_json(),
                 "host_slots": self.host_slots,
                 "host_pool_name": self.host_pool_name,
+                "host_write": self.host_write,
+                "window_blocks": self.window_blocks,
+                "back_to_head": self.back_to_head,
             }
         }
 
@@ -64,6 +84,9 @@ class ConnectorConfig:
             layout=PoolLayout.from_json(data["layout"]),
             host_slots=int(data["host_slots"]),
             host_pool_name=str(data["host_pool_name"]),
+            host_write=str(data.get("host_write", "compute")),
+            window_blocks=int(data.get("window_blocks", 0)),
+            back_to_head=bool(data.get("back_to_head", False)),
         )
 
     def kv_transfer_config(self) -> dict[str, Any]:

@@ -46,6 +46,10 @@ class RAGCacheConnector(KVConnectorBase_V1):
             from ragcache_core.engine.compat import check_block_pool_hooks
 
             check_block_pool_hooks()
+            if config.host_write == "eviction":
+                from ragcache_core.engine.compat import check_eviction_window_hooks
+
+                check_eviction_window_hooks(back_to_head=config.back_to_head)
             self._scheduler = SchedulerSide(config, block_size)
         else:
             self._worker = WorkerSide(config, block_size)

@@ -31,11 +31,28 @@ class RequestOps:
     """Test hook: indices of load spans whose copy raises (see `config.FAULT_KEY`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class HostWrite:
+    """An eviction-time copy: tokens [token_start, token_start + num_tokens) of the blocks
+    `block_ids` (token t in block `block_ids[t // block_size]`) -> host `slots`. The scheduler
+    side holds the blocks until the step's report. `fail`: test hook, the copy runs and is then
+    reported failed (`config.FAULT_KEY`)."""
+
+    key: int
+    block_ids: tuple[int, ...]
+    token_start: int
+    num_tokens: int
+    slots: tuple[int, ...]
+    fail: bool = False
+
+
 @dataclass
 class StepOps(KVConnectorMetadata):
-    """All requests' copies of one engine step, in scheduling order."""
+    """All requests' copies of one engine step, in scheduling order, and the eviction-time
+    copies of the window (`host_writes`)."""
 
     requests: list[RequestOps] = field(default_factory=list)
+    host_writes: list[HostWrite] = field(default_factory=list)
 
 
 @dataclass
@@ -47,6 +64,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
     load_failures: dict[str, int] = field(default_factory=dict)
     stored: set[str] = field(default_factory=set)
     copy_s: dict[str, tuple[float, float]] = field(default_factory=dict)
+    host_written: set[int] = field(default_factory=set)
+    """Keys of the step's `HostWrite`s that ran (the others failed)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge the reports of several workers (tensor parallel): a failure anywhere counts,
@@ -59,4 +78,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
         for req_id, (load, store) in other.copy_s.items():
             mine = copy_s.get(req_id, (0.0, 0.0))
             copy_s[req_id] = (max(load, mine[0]), max(store, mine[1]))
-        return WorkerReport(failures, self.stored & other.stored, copy_s)
+        return WorkerReport(
+            failures,
+            self.stored & other.stored,
+            copy_s,
+            self.host_written & other.host_written,
+        )

@@ -33,6 +33,11 @@ class ConnectorResult:
     the scheduler side holds now (held before, or taken at this request's finish); a protect
     entry missing from it is not held. `released`: entries let go of since the previous report
     (this plan's `release`, or `reset_cache`), whichever request's plan named them.
+    `host_copied`: eviction-time copies done since the previous report, whichever request's
+    plan kept them: (sequence number, keep key, host slots), in order; `host_dropped`: keep
+    keys the engine let go of without a copy since then (evicted, a failed copy, a reset).
+    `stranded_blocks`: blocks the engine found held with no copy in flight, since it started
+    (0 unless there is a bug; `check_integrity()` fails on it).
     `reported`: the result came from the connector's report (False: no report came, as for
     a request vLLM's front end aborted; then nothing is known of its protect entries).
     """
@@ -49,6 +54,9 @@ class ConnectorResult:
     store_copy_s: float = 0.0
     protected: tuple[int, ...] = ()
     released: tuple[int, ...] = ()
+    host_copied: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    host_dropped: tuple[int, ...] = ()
+    stranded_blocks: int = 0
     reported: bool = field(default=False, compare=False)
 
     @property
@@ -69,6 +77,9 @@ class ConnectorResult:
             "store_copy_s": self.store_copy_s,
             "protected": list(self.protected),
             "released": list(self.released),
+            "host_copied": [[seq, key, list(slots)] for seq, key, slots in self.host_copied],
+            "host_dropped": list(self.host_dropped),
+            "stranded_blocks": self.stranded_blocks,
         }
 
     @classmethod
@@ -86,6 +97,12 @@ class ConnectorResult:
             store_copy_s=float(data["store_copy_s"]),
             protected=tuple(int(k) for k in data["protected"]),
             released=tuple(int(k) for k in data["released"]),
+            host_copied=tuple(
+                (int(seq), int(key), tuple(int(s) for s in slots))
+                for seq, key, slots in data.get("host_copied", ())
+            ),
+            host_dropped=tuple(int(k) for k in data.get("host_dropped", ())),
+            stranded_blocks=int(data.get("stranded_blocks", 0)),
             reported=True,
         )
 

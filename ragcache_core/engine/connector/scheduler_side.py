@@ -23,12 +23,18 @@ nothing. Under memory pressure this side lets go of the lowest-ranked entries by
 vLLM short of blocks because of protection. The protected set is apart from a request's own
 blocks, which vLLM holds while the request runs (its in-flight pin).
 
+Eviction-time host writes (`host_write="eviction"`, docs/design.md 2.2) are the
+`EvictionWindow`'s (window.py): a finished request's keep spans are recorded, the window is
+scanned every step, its copies ride in the step's metadata, and what it copied or let go rides
+on the next report of any request.
+
 It decides nothing about what is cached: the plan says which slots and which entries, the app
 owns them. Pure Python over vLLM's scheduler objects; no tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +43,7 @@ from ragcache_core.engine.connector.config import FAULT_KEY, RESULT_KEY, Connect
 from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerReport
 from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
+from ragcache_core.engine.connector.window import EvictionWindow
 from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, StoreSpan
 
 logger = logging.getLogger(__name__)
@@ -50,6 +57,7 @@ class _Tracked:
     prompt_len: int
     problems: tuple[str, ...]
     fail_load_span: tuple[int, ...]
+    fail_host_write: bool = False
     block_ids: list[int] = field(default_factory=list)
     query_start: int = 0
     load_lo: int = 0
@@ -94,6 +102,17 @@ class SchedulerSide:
         reference on)."""
         self._released: set[int] = set()
         """Entries let go of (or named by a release while not held) since the last report."""
+        self.window: EvictionWindow | None = (
+            EvictionWindow(
+                window_blocks=config.window_blocks,
+                block_size=block_size,
+                page_size=config.page_size,
+                back_to_head=config.back_to_head,
+            )
+            if config.host_write == "eviction"
+            else None
+        )
+        """The eviction window (None: the host tier is written at compute, by store spans)."""
 
     @property
     def protected_blocks(self) -> int:
@@ -102,9 +121,12 @@ class SchedulerSide:
 
     def release_all(self) -> bool:
         """vLLM's `reset_cache` (`reset_prefix_cache(reset_connector=True)`, which `clear()`
-        sends): give every protected block back. Returns True (vLLM reads False as a refusal)."""
+        sends): give every protected block back, and forget the eviction window's records.
+        Returns True (vLLM reads False as a refusal)."""
         for key in sorted(self._protected):
             self._release(key)
+        if self.window is not None and self.block_pool is not None:
+            self.window.reset(self.block_pool)
         return True
 
     def bind_block_pool(self, block_pool: Any) -> None:
@@ -163,7 +185,7 @@ class SchedulerSide:
 
     def build_step(self, scheduler_output: Any) -> StepOps:
         """This step's copies for every scheduled request with a plan (and the protected
-        set relieved when memory runs short, `relieve`)."""
+        set relieved when memory runs short, `relieve`), and the eviction window's."""
         self.relieve(scheduler_output)
         step = StepOps()
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
@@ -189,6 +211,8 @@ class SchedulerSide:
             ops = self._ops(req_id, tracked, cached.num_computed_tokens[i], num_scheduled)
             if ops is not None:
                 step.requests.append(ops)
+        if self.window is not None and self.block_pool is not None:
+            step.host_writes = self.window.scan(self.block_pool)
         return step
 
     def on_worker_report(self, report: object) -> None:
@@ -199,6 +223,9 @@ class SchedulerSide:
         last block) leave vLLM's prefix cache now. Stores that ran and copy times are
         recorded for the request's final report; a store counted at `finished` that the next
         report lacks is logged as the bug it would be."""
+        if self.window is not None and self.block_pool is not None:
+            written = report.host_written if isinstance(report, WorkerReport) else set()
+            self.window.on_report(written, self.block_pool)
         unconfirmed, self._unconfirmed_stores = self._unconfirmed_stores, set()
         if isinstance(report, WorkerReport):
             unconfirmed -= report.stored
@@ -259,10 +286,35 @@ class SchedulerSide:
             tracked.store_ran = True
             self._unconfirmed_stores.add(req_id)
         protected = () if aborted or not tracked.store_sent else self._protect(tracked)
+        window = self.window
+        lease = tracked.plan.lease
+        if (
+            window is not None
+            and lease
+            and tracked.plan.keep
+            and tracked.store_sent
+            and not aborted
+        ):
+            window.record(
+                tracked.plan.keep,
+                tracked.block_ids,
+                self.block_pool,
+                epoch=lease.epoch,
+                fail=tracked.fail_host_write,
+            )
         released: tuple[int, ...] = ()
+        result = _result(tracked, protected, released)
         if not aborted:  # vLLM drops an aborted request's report: keep them for the next
             released, self._released = tuple(sorted(self._released)), set()
-        return {RESULT_KEY: _result(tracked, protected, released).to_json()}
+            copied, dropped = window.take_changes() if window is not None else ((), ())
+            result = dataclasses.replace(
+                result,
+                released=released,
+                host_copied=copied,
+                host_dropped=dropped,
+                stranded_blocks=window.stranded_blocks if window is not None else 0,
+            )
+        return {RESULT_KEY: result.to_json()}
 
     def _protect(self, tracked: _Tracked) -> tuple[int, ...]:
         """Hold the plan's protect entries on the request's blocks, in prompt order; stop at
@@ -317,12 +369,15 @@ class SchedulerSide:
         if not problems:
             for key in plan.release:
                 self._release(key)
+            if plan.lease is not None and self.window is not None:
+                self.window.take_lease(plan.lease)
         fault = params.get(FAULT_KEY) or {}
         tracked = _Tracked(
             plan=plan,
             prompt_len=prompt_len,
             problems=problems,
             fail_load_span=tuple(int(i) for i in fault.get("fail_load_span", ())),
+            fail_host_write=bool(fault.get("fail_host_write", False)),
         )
         self._tracked[req_id] = tracked
         return tracked

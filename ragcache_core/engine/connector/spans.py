@@ -30,9 +30,10 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
 
     Valid means: the pools' page size; loads are contiguous from position 0; every span's
     slot count matches its tokens; every slot is inside the host pool; stores lie in the
-    prompt; protect spans lie in the prompt in order. The engine has no GPU pool (its GPU tier
-    is vLLM's own KV cache), so any GPU-pool part of a plan (swap_out, promote, a GPU load or
-    store) is refused.
+    prompt; protect and keep spans lie in the prompt in order (a keep span's parent is an
+    earlier one); lease slots are in the host pool, once each. The engine has no GPU pool (its
+    GPU tier is vLLM's own KV cache), so any GPU-pool part of a plan (swap_out, promote, a GPU
+    load or store) is refused.
     """
     problems: list[str] = []
 
@@ -96,6 +97,27 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
         position = max(position, end)
     if len({span.key for span in plan.protect}) != len(plan.protect):
         problems.append("protect spans repeat an entry key")
+    position = 0
+    keys: set[int] = set()
+    for i, keep in enumerate(plan.keep):
+        end = keep.token_start + keep.num_tokens
+        if keep.key < 0 or keep.token_start < position or keep.num_tokens <= 0 or end > prompt_len:
+            problems.append(
+                f"keep[{i}] (key {keep.key}) covers [{keep.token_start}, {end}): keep spans lie "
+                f"in the prompt [0, {prompt_len}) in order, non-empty, with non-negative keys"
+            )
+        if keep.parent is not None and keep.parent not in keys:
+            problems.append(f"keep[{i}] names parent {keep.parent}, not an earlier keep span")
+        keys.add(keep.key)
+        position = max(position, end)
+    if len(keys) != len(plan.keep):
+        problems.append("keep spans repeat a key")
+    if plan.keep and plan.store:
+        problems.append("a plan writes the host tier at compute (store) or at eviction (keep)")
+    if plan.lease is not None:
+        check_slots("lease", plan.lease.slots, Tier.HOST)
+        if len(set(plan.lease.slots)) != len(plan.lease.slots):
+            problems.append("the lease repeats a host slot")
     if any(key < 0 for key in plan.release):
         problems.append(f"release names negative entry keys {[k for k in plan.release if k < 0]}")
     return problems

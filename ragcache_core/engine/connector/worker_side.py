@@ -8,6 +8,8 @@ Per step, in this order (docs/design.md 3.2):
                            vLLM's own prefix-cache hit)
     (forward pass)
     wait_for_save   store  paged KV rows -> host pool (requests whose prompt completed)
+                    host writes  the window's eviction-time copies: blocks the scheduler side
+                           holds -> leased host slots (`HostWrite`)
 
 Each kind of copy runs once per step for all requests (one index over every span of the step,
 then one copy per layer, or one kernel launch on CUDA), not once per span and layer.
@@ -18,7 +20,8 @@ from vLLM's prefix cache (no later request matches them), and this step's store 
 request is skipped (its forward pass read bad KV). The scheduler side re-sends the store when
 the recomputation completes the prompt. A store that raises propagates: the step fails, so no
 request whose store did not run ever produces a token (the app confirms stores at the first
-token, see docs/data-plane.md).
+token, see docs/data-plane.md). A host write that raises does not fail the step: it is reported
+not run, and the tree never reads its slots.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.engine.connector.config import ConnectorConfig
-from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerReport
+from ragcache_core.engine.connector.metadata import HostWrite, RequestOps, StepOps, WorkerReport
 from ragcache_core.engine.connector.spans import SpanRef, step_index
 from ragcache_core.errors import ConfigError
 from ragcache_core.storage.copy.base import CopyOps, PagedKV
@@ -57,6 +60,8 @@ class WorkerSide:
         self._failures: dict[str, int] = {}
         self._stored: set[str] = set()
         self._copy_s: dict[str, tuple[float, float]] = {}
+        self._host_written: set[int] = set()
+        self._host_writes = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build token access to vLLM's paged cache and map the host pool.
@@ -112,6 +117,8 @@ class WorkerSide:
         self._failures = {}
         self._stored = set()
         self._copy_s = {}
+        self._host_written = set()
+        self._host_writes = False
 
     def load(self, step: StepOps) -> None:
         """Copies before the forward pass: every load of the step, in one index."""
@@ -144,7 +151,37 @@ class WorkerSide:
 
     def store(self, step: StepOps) -> None:
         """Copies after the forward pass: every completed prompt's store spans -> host pool,
-        in one index for the step. Raises whatever the copy raises (the step fails)."""
+        in one index for the step (raises whatever the copy raises: the step fails); then the
+        window's host writes (`write_evicted`)."""
+        self._store(step)
+        if step.host_writes:
+            self.write_evicted(step.host_writes)
+
+    def write_evicted(self, writes: list[HostWrite]) -> None:
+        """The window's eviction-time copies, in one index; a copy that raises is reported not
+        run (with every copy of the step) and does not fail the step. `fail` copies run, then
+        are reported not run (test hook: written slots that must never be read)."""
+        self._host_writes = True
+        ops, paged = self._ready()
+        refs = [
+            SpanRef(w.slots, w.token_start, w.num_tokens, 0, 1 << 62, w.block_ids) for w in writes
+        ]
+        try:
+            index = step_index(
+                refs, block_size=self.block_size, page_size=self.config.page_size, device=ops.device
+            )
+            ops.store(paged, index, self._host())
+            ops.synchronize()
+        except Exception:
+            logger.exception("RAGCache: eviction-time copies to the host pool failed")
+            return
+        for write in writes:
+            if write.fail:
+                logger.error("RAGCache: injected failure in the host write of key %d", write.key)
+            else:
+                self._host_written.add(write.key)
+
+    def _store(self, step: StepOps) -> None:
         requests = [r for r in step.requests if r.store and r.req_id not in self._failures]
         if not requests:
             return
@@ -170,9 +207,14 @@ class WorkerSide:
         return set(self._invalid_blocks)
 
     def report(self) -> WorkerReport | None:
-        if not (self._failures or self._stored or self._copy_s):
+        if not (self._failures or self._stored or self._copy_s or self._host_writes):
             return None
-        return WorkerReport(dict(self._failures), set(self._stored), dict(self._copy_s))
+        return WorkerReport(
+            dict(self._failures),
+            set(self._stored),
+            dict(self._copy_s),
+            set(self._host_written),
+        )
 
     def close(self) -> None:
         if self.host_pool is not None:

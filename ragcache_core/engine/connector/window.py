@@ -1,0 +1,296 @@
+"""The eviction window: eviction-time host writes, scheduler side (docs/design.md 2.2).
+
+With `CacheConfig.host_write="eviction"` plans carry `KeepSpan`s (documents the tree wants on
+the host tier) and a `HostLease` (host slots lent for copies) instead of store spans. Modelled on
+vLLM's `SimpleCPUOffloadConnector` with `lazy_offload` (`_prepare_lazy_store_specs`):
+
+    finish(request)  record each keep span's blocks and their block hashes (all must be in
+                     vLLM's prefix cache); an aborted request records nothing
+    scan()           every step: walk the first `window_blocks` of vLLM's free queue (head =
+                     next to be evicted); a recorded document there whose blocks still carry
+                     their hashes is copied with its uncopied recorded ancestors (a host copy
+                     needs its parent's) into leased slots, its blocks held (`touch`) meanwhile;
+                     without lease room it is let go (vLLM's LRU takes it)
+    on_report()      the step's worker report: held blocks go back (`free_blocks`), copies
+                     that ran are numbered and queued for the tree, failed ones give their
+                     slots back to the lease and are dropped
+    take_changes()   what the next report of any request carries to the tree, once each
+
+Blocks are held only between `scan` and the same step's `on_report`; a block found still held
+at the next `scan` (no report came) is handed back and counted (`stranded_blocks`). Pure Python
+over vLLM's `BlockPool` and `KVCacheBlock`s; mutated only by vLLM's scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ragcache_core.capacity import slots_for_tokens
+from ragcache_core.engine.connector.metadata import HostWrite
+from ragcache_core.plan import HostLease, KeepSpan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Record:
+    """A kept document as vLLM's blocks hold it: the blocks of its tokens, the hashes they had
+    when recorded, its tokens' offset in its first block."""
+
+    key: int
+    parent: int | None
+    blocks: list[Any]
+    hashes: list[Any]
+    token_start: int
+    num_tokens: int
+    fail: bool
+    copied: bool = False
+
+    def intact(self) -> bool:
+        """Every block still holds the KV it was recorded with (vLLM resets a block's hash when
+        it evicts it; a block's hash names its tokens and its whole prefix)."""
+        return all(b.block_hash == h for b, h in zip(self.blocks, self.hashes, strict=True))
+
+
+class EvictionWindow:
+    """Records, the lease and the copies in flight (see the module docstring)."""
+
+    def __init__(
+        self, *, window_blocks: int, block_size: int, page_size: int, back_to_head: bool = False
+    ) -> None:
+        self.window_blocks = window_blocks
+        self.back_to_head = back_to_head
+        """Where held blocks that were in the window go back: False, the queue's tail
+        (`free_blocks`, as vLLM's lazy offload does: a copied document gets a second turn in
+        vLLM's LRU); True, the head, in their order (`compat.requeue_at_head`: vLLM's LRU order
+        as if nothing had held them, so a copied document leaves vLLM's blocks next)."""
+        self._requeue: list[Any] = []
+        """Held blocks that were in the window when held, in queue order."""
+        self.block_size = block_size
+        self.page_size = page_size
+        self._records: dict[int, _Record] = {}
+        self._by_block: dict[int, set[int]] = {}
+        """vLLM block id -> keys of the uncopied records holding it."""
+        self._epoch: int | None = None
+        self._lease_version = -1
+        self._lease_set: frozenset[int] = frozenset()
+        self._lease: list[int] = []
+        """Leased slots free for a copy."""
+        self._consumed: dict[int, tuple[int, ...]] = {}
+        """Copies done that the tree has not applied yet: sequence number -> slots."""
+        self._seq = 0
+        self._copying: dict[int, tuple[_Record, tuple[int, ...]]] = {}
+        """Copies in flight (this step): key -> (record, slots); their blocks are held."""
+        self._copied: list[tuple[int, int, tuple[int, ...]]] = []
+        self._dropped: list[int] = []
+        self.stranded_blocks = 0
+        """Blocks found held with no copy in flight (handed back), since start."""
+
+    # ------------------------------------------------------------------ reads
+
+    @property
+    def held_blocks(self) -> int:
+        """Block references held for copies in flight."""
+        return sum(len(record.blocks) for record, _ in self._copying.values())
+
+    @property
+    def lease_free(self) -> int:
+        return len(self._lease)
+
+    def is_recorded(self, key: int) -> bool:
+        return key in self._records
+
+    # ------------------------------------------------------------------ from plans and finishes
+
+    def take_lease(self, lease: HostLease) -> None:
+        """A plan's lease, if newer than the one held: its slots less those consumed by copies
+        the tree has not applied (`lease.applied`) and those of copies in flight. A lease of
+        another epoch (another tree) starts afresh: every record and change of the previous
+        one is forgotten (called between steps: no copy is in flight)."""
+        if lease.epoch != self._epoch:
+            self._epoch, self._lease_version = lease.epoch, -1
+            self._records, self._by_block, self._consumed = {}, {}, {}
+            self._copied, self._dropped, self._seq = [], [], 0
+        if lease.version <= self._lease_version:
+            return
+        self._lease_version = lease.version
+        for seq in [s for s in self._consumed if s <= lease.applied]:
+            del self._consumed[seq]
+        busy = {slot for slots in self._consumed.values() for slot in slots}
+        busy.update(slot for _, slots in self._copying.values() for slot in slots)
+        self._lease_set = frozenset(lease.slots)
+        self._lease = [slot for slot in lease.slots if slot not in busy]
+
+    def record(
+        self,
+        keep: tuple[KeepSpan, ...],
+        block_ids: list[int],
+        block_pool: Any,
+        *,
+        epoch: int,
+        fail: bool = False,
+    ) -> None:
+        """A request finished with its prompt computed: record its keep spans' blocks, in
+        prompt order, until one is not wholly in vLLM's prefix cache (its children could not be
+        copied below it). A record being copied now is left alone; a plan of another epoch
+        than the lease's (an earlier tree's) records nothing."""
+        if epoch != self._epoch:
+            return
+        size = self.block_size
+        for span in keep:
+            first, end = span.token_start // size, -(-(span.token_start + span.num_tokens) // size)
+            if end > len(block_ids):
+                return
+            blocks = [block_pool.blocks[block_ids[i]] for i in range(first, end)]
+            if any(block.block_hash is None for block in blocks):
+                return
+            if span.key in self._copying:
+                continue
+            self._forget(span.key)
+            record = _Record(
+                key=span.key,
+                parent=span.parent,
+                blocks=blocks,
+                hashes=[block.block_hash for block in blocks],
+                token_start=span.token_start - first * size,
+                num_tokens=span.num_tokens,
+                fail=fail,
+            )
+            self._records[span.key] = record
+            for block in blocks:
+                self._by_block.setdefault(block.block_id, set()).add(span.key)
+
+    # ------------------------------------------------------------------ every step
+
+    def scan(self, block_pool: Any) -> list[HostWrite]:
+        """This step's host writes: the recorded documents at the head of vLLM's free queue
+        that the lease has room for, with their blocks held now (`touch`)."""
+        self._hand_back_stranded(block_pool)
+        if not self._records or self.window_blocks <= 0:
+            return []
+        chosen: list[tuple[_Record, tuple[int, ...]]] = []
+        taken: set[int] = set()
+        queue = block_pool.free_block_queue
+        in_window: list[Any] = []
+        for seen, block in enumerate(queue.iter_blocks_after(None)):
+            if seen >= self.window_blocks:
+                break
+            in_window.append(block)
+            for key in sorted(self._by_block.get(block.block_id, ())):
+                record = self._records.get(key)
+                if record is None or record.copied or key in taken:
+                    continue
+                chain = self._chain(record, taken)
+                if chain is None:
+                    self._drop(key)
+                    continue
+                counts = [slots_for_tokens(r.num_tokens, self.page_size) for r in chain]
+                if sum(counts) > len(self._lease):
+                    continue  # let go: vLLM's LRU takes it unless a later lease has room
+                for member, count in zip(chain, counts, strict=True):
+                    slots, self._lease = tuple(self._lease[:count]), self._lease[count:]
+                    chosen.append((member, slots))
+                    taken.add(member.key)
+        held = {id(b) for record, _ in chosen for b in record.blocks}
+        self._requeue = [b for b in in_window if id(b) in held]
+        writes: list[HostWrite] = []
+        for record, slots in chosen:  # touch after the walk: it unlinks blocks from the queue
+            block_pool.touch(record.blocks)
+            self._copying[record.key] = (record, slots)
+            writes.append(
+                HostWrite(
+                    key=record.key,
+                    block_ids=tuple(b.block_id for b in record.blocks),
+                    token_start=record.token_start,
+                    num_tokens=record.num_tokens,
+                    slots=slots,
+                    fail=record.fail,
+                )
+            )
+        return writes
+
+    def on_report(self, written: set[int], block_pool: Any) -> None:
+        """The step's worker report (`written`: keys of the host writes that ran; a step with
+        no report ran none): hand every held block back, number the copies done, give the
+        failed ones' slots back to the lease."""
+        copying, self._copying = self._copying, {}
+        requeue, self._requeue = self._requeue, []
+        for key, (record, slots) in copying.items():
+            block_pool.free_blocks(record.blocks)
+            if key in written and record.intact():
+                self._seq += 1
+                self._consumed[self._seq] = slots
+                self._copied.append((self._seq, key, slots))
+                record.copied = True
+                self._unindex(record)
+            else:
+                self._lease.extend(s for s in slots if s in self._lease_set)
+                self._drop(key)
+        if self.back_to_head and requeue:
+            from ragcache_core.engine.compat import requeue_at_head
+
+            requeue_at_head(block_pool, requeue)
+
+    def take_changes(self) -> tuple[tuple[tuple[int, int, tuple[int, ...]], ...], tuple[int, ...]]:
+        """Copies done and keys dropped since the last call (for one report)."""
+        copied, self._copied = tuple(self._copied), []
+        dropped, self._dropped = tuple(self._dropped), []
+        return copied, dropped
+
+    def reset(self, block_pool: Any) -> None:
+        """vLLM's prefix cache was reset (`clear()`): forget every record; blocks held (none
+        between steps) go back, their slots to the lease. The lease itself stays."""
+        self.on_report(set(), block_pool)
+        for key in sorted(self._records):
+            self._drop(key)
+
+    # ------------------------------------------------------------------ internals
+
+    def _chain(self, record: _Record, taken: set[int]) -> list[_Record] | None:
+        """`record` and its uncopied recorded ancestors, root first; None if one is gone or
+        no longer intact (its copy is impossible, so is the child's)."""
+        chain: list[_Record] = []
+        current: _Record | None = record
+        while current is not None:
+            if not current.intact():
+                return None
+            chain.append(current)
+            parent = current.parent
+            if parent is None:
+                break
+            current = self._records.get(parent)
+            if current is None:
+                return None
+            if current.copied or parent in taken:
+                break
+        chain.reverse()
+        return chain
+
+    def _hand_back_stranded(self, block_pool: Any) -> None:
+        if not self._copying:
+            return
+        held = self.held_blocks
+        logger.error("RAGCache: %d blocks held with no copy in flight; handing them back", held)
+        self.stranded_blocks += held
+        self.on_report(set(), block_pool)
+
+    def _drop(self, key: int) -> None:
+        if self._forget(key):
+            self._dropped.append(key)
+
+    def _forget(self, key: int) -> bool:
+        record = self._records.pop(key, None)
+        if record is None:
+            return False
+        self._unindex(record)
+        return True
+
+    def _unindex(self, record: _Record) -> None:
+        for block in record.blocks:
+            keys = self._by_block.get(block.block_id)
+            if keys is not None:
+                keys.discard(record.key)
+                if not keys:
+                    del self._by_block[block.block_id]

@@ -1,0 +1,169 @@
+"""Eviction-time host writes, the tree's side (`host_write="eviction"`, docs/design.md 2.2).
+
+The host tier is written as a document leaves vLLM's blocks, not as it is computed. The tree
+decides which documents it wants there and lends the engine host slots for the copies; the
+engine's window copies and reports; the tree then holds the copies:
+
+    plan(handle, ...)   keep spans for the request's path past the host-readable prefix (a key
+                        per path, stable across requests), and the lease topped up to its size
+                        (host leaves evicted by the policy to make room), stated whole
+    apply(report)       each copy reported done, once (by sequence number): the node is
+                        attached with a ready host copy on its leased slots if its parent holds
+                        one (else the slots are freed); the lease shrinks by those slots
+    engine_lost()       a new engine starts with no lease and numbers copies from 1 again
+
+A path not yet in the tree keeps its access statistics here (a *shadow*), so the node it becomes
+has the frequency and cost the policy would have given it. Shadows are bounded (`SHADOW_LIMIT`,
+the oldest forgotten) and forgotten at `clear()`; a report naming a forgotten key only frees its
+slots. Pure bookkeeping; not thread-safe (the tree's caller's thread only).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ragcache_core.capacity import slots_for_tokens
+from ragcache_core.plan import HostLease, Tier
+from ragcache_core.policy import NodeStats
+from ragcache_core.tree.integrity import fail
+from ragcache_core.tree.keys import DocKey, RootKey
+from ragcache_core.tree.placement import Placement
+from ragcache_core.tree.prefix import PrefixTree
+from ragcache_core.tree.request import RequestHandle
+
+SHADOW_LIMIT = 1 << 16
+
+
+@dataclass(slots=True)
+class Shadow:
+    """A path the tree wants on the host tier, before it is there."""
+
+    key: int
+    root_key: RootKey
+    docs: tuple[DocKey, ...]
+    num_tokens: int
+    stats: NodeStats
+
+
+class HostWrites:
+    """Shadows, the lease and what the engine reported (see the module docstring).
+    `lease_slots`: the lease's size in host slots."""
+
+    def __init__(self, prefixes: PrefixTree, placement: Placement, *, lease_slots: int) -> None:
+        self._prefixes = prefixes
+        self._placement = placement
+        self.lease_slots = lease_slots
+        self._keys: dict[tuple[RootKey, tuple[DocKey, ...]], int] = {}
+        self._shadows: OrderedDict[int, Shadow] = OrderedDict()
+        self._next_key = 0
+        self._version = 0
+        self.epoch = secrets.randbits(62)
+        """This tree's name in its leases (another tree on the same engine has another)."""
+        self.applied = 0
+        """The highest copy sequence number applied (this engine's)."""
+        self.copies = 0
+        """Copies attached as host copies (counter)."""
+        self.wasted = 0
+        """Copies whose slots were freed (parent gone, node there already, key forgotten)."""
+        self.dropped = 0
+        """Keep keys the engine let go of without a copy (counter)."""
+        self.stranded_blocks = 0
+        """What the engine last reported held without a copy in flight (0 unless a bug)."""
+
+    @property
+    def lease(self) -> frozenset[int]:
+        return frozenset(self._placement.host_lease)
+
+    def shadow(
+        self, root_key: RootKey, docs: tuple[DocKey, ...], num_tokens: int, stats: NodeStats
+    ) -> Shadow:
+        """The shadow of a path (made with `stats` if new), refreshed as the newest."""
+        key = self._keys.get((root_key, docs))
+        if key is not None:
+            self._shadows.move_to_end(key)
+            return self._shadows[key]
+        key, self._next_key = self._next_key, self._next_key + 1
+        shadow = Shadow(key, root_key, docs, num_tokens, stats)
+        self._keys[(root_key, docs)] = key
+        self._shadows[key] = shadow
+        while len(self._shadows) > SHADOW_LIMIT:
+            _, old = self._shadows.popitem(last=False)
+            del self._keys[(old.root_key, old.docs)]
+        return shadow
+
+    def lease_for(self, handle: RequestHandle, *, may_evict: bool) -> HostLease:
+        """The lease to send with `handle`'s plan: topped up to `lease_slots` from free host
+        slots, evicting host leaves by the policy when `may_evict` (the caller pinned what
+        the plan reads)."""
+        placement = self._placement
+        lease = placement.host_lease
+        missing = self.lease_slots - len(lease)
+        if missing > 0:
+            free = placement.tiers[Tier.HOST].allocator.num_free
+            if free < missing and may_evict:
+                placement.make_room(Tier.HOST, missing, handle)
+            take = min(missing, placement.tiers[Tier.HOST].allocator.num_free)
+            lease.update(placement.tiers[Tier.HOST].allocator.allocate(take))
+        self._version += 1
+        return HostLease(self.epoch, self._version, self.applied, tuple(sorted(lease)))
+
+    def apply(
+        self,
+        copied: tuple[tuple[int, int, tuple[int, ...]], ...],
+        dropped: tuple[int, ...],
+        stranded_blocks: int,
+    ) -> None:
+        """One report's host writes (any request's; each copy once, by sequence number)."""
+        self.stranded_blocks = max(self.stranded_blocks, stranded_blocks)
+        self.dropped += len(dropped)
+        placement = self._placement
+        for seq, key, slots in copied:
+            if seq <= self.applied:
+                continue
+            self.applied = seq
+            placement.host_lease.difference_update(slots)
+            placement.count_host_written(len(slots))
+            shadow = self._shadows.get(key)
+            if shadow is None or not self._attach(shadow, slots):
+                placement.tiers[Tier.HOST].allocator.free(slots)
+                self.wasted += 1
+
+    def forget(self, doc_id: str | None = None) -> None:
+        """Forget the shadows of paths through `doc_id` (None: all, at `clear()`): a copy
+        reported later for them only frees its slots."""
+        for key, shadow in list(self._shadows.items()):
+            if doc_id is None or any(d.doc_id == doc_id for d in shadow.docs):
+                del self._shadows[key]
+                del self._keys[(shadow.root_key, shadow.docs)]
+
+    def engine_lost(self) -> None:
+        """The engine died: copies it made and did not report are lost (their slots stay in
+        the lease, which the next engine gets); it numbers copies from 1 again."""
+        self.applied = 0
+
+    def check(self) -> None:
+        """Raises `IntegrityError` if the engine reported blocks held with no copy in flight."""
+        if self.stranded_blocks:
+            fail(
+                f"the engine found {self.stranded_blocks} blocks held for host writes with no "
+                "copy in flight"
+            )
+
+    def _attach(self, shadow: Shadow, slots: tuple[int, ...]) -> bool:
+        """Attach `shadow`'s node with a ready host copy on `slots`, if its parent holds a
+        ready host copy (a root needs none) and the node is not in the tree already."""
+        if len(slots) != slots_for_tokens(shadow.num_tokens, self._placement.page_size):
+            return False
+        path = self._prefixes.walk(list(shadow.docs), shadow.root_key)
+        if len(path) != len(shadow.docs):  # the node is there already, or its parent is not
+            return False
+        parent = path[-1] if path else None
+        if parent is not None and Tier.HOST not in parent.ready:
+            return False
+        key: DocKey | RootKey = shadow.docs[-1] if shadow.docs else shadow.root_key
+        node = self._prefixes.attach(key, parent, shadow.num_tokens, shadow.stats)
+        self._placement.adopt_copy(node, Tier.HOST, slots)
+        self.copies += 1
+        return True

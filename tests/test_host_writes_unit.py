@@ -1,0 +1,166 @@
+"""Eviction-time host writes, the tree's side (`tree/host_writes.py`): keep spans and the lease
+in plans, copies applied once, hierarchy, clear/invalidate/engine loss, and the integrity
+check. The engine's side is tests/test_eviction_window.py; on the real engine,
+tests/test_exact_eviction.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragcache_core.engine.connector.spans import plan_problems
+from ragcache_core.errors import ConfigError
+from ragcache_core.plan import KeepSpan, Plan, Tier
+from ragcache_core.tree import KnowledgeTree
+from ragcache_core.tree.integrity import IntegrityError
+from tests._tree_helpers import ROOT, cached_paths, doc
+
+PAGE = 4
+
+
+def _tree(host_slots: int = 32, lease: int = 8, **kwargs: object) -> KnowledgeTree:
+    return KnowledgeTree(
+        ROOT,
+        gpu_slots=0,
+        host_slots=host_slots,
+        page_size=PAGE,
+        host_write="eviction",
+        host_lease_slots=lease,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _copy(tree: KnowledgeTree, plan: Plan, seq: int, span: KeepSpan) -> tuple[int, ...]:
+    """Play the engine: copy `span` into the first free slots of the plan's lease."""
+    assert plan.lease is not None
+    count = -(-span.num_tokens // PAGE)
+    slots = tuple(s for s in plan.lease.slots if s not in _TAKEN)[:count]
+    _TAKEN.update(slots)
+    tree.apply_host_writes([(seq, span.key, slots)], [])
+    return slots
+
+
+_TAKEN: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    _TAKEN.clear()
+
+
+def test_a_plan_keeps_the_path_and_lends_a_lease_instead_of_storing() -> None:
+    tree = _tree()
+    handle = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3)
+    plan = handle.plan
+    assert plan.store == () and plan.lease is not None and len(plan.lease.slots) == 8
+    assert [(k.token_start, k.num_tokens) for k in plan.keep] == [(0, 5), (5, 8), (13, 6)]
+    assert plan.keep[0].parent is None
+    assert plan.keep[1].parent == plan.keep[0].key and plan.keep[2].parent == plan.keep[1].key
+    assert plan_problems(plan, prompt_len=22, page_size=PAGE, host_slots=32) == []
+    tree.confirm(handle)
+    assert cached_paths(tree) == {}  # nothing on the host until the engine copies it
+    tree.check_integrity()  # the lease is counted: owned + leased + free == capacity
+    # The same path in a later plan has the same keys (the engine's records are per key).
+    again = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3)
+    assert [k.key for k in again.plan.keep] == [k.key for k in plan.keep]
+    assert again.plan.lease is not None and again.plan.lease.version > plan.lease.version
+    tree.confirm(again)
+
+
+def test_copies_become_host_hits_root_first_and_each_is_applied_once() -> None:
+    tree = _tree()
+    handle = tree.begin_request(5, [doc("a", 8)], 3)
+    tree.confirm(handle)
+    root_span, a_span = handle.plan.keep
+    _copy(tree, handle.plan, 1, root_span)
+    _copy(tree, handle.plan, 2, a_span)
+    assert cached_paths(tree) == {(): {"host"}, ("a",): {"host"}}
+    tree.apply_host_writes([(2, a_span.key, (30, 31))], [])  # seen already: ignored
+    tree.check_integrity()
+    nxt = tree.begin_request(5, [doc("a", 8), doc("b", 4)], 3)
+    assert [(s.token_start, s.num_tokens) for s in nxt.plan.load] == [(0, 5), (5, 8)]
+    assert [(k.token_start, k.num_tokens, k.parent) for k in nxt.plan.keep] == [(13, 4, None)]
+    assert nxt.plan.lease is not None and nxt.plan.lease.applied == 2
+    assert len(nxt.plan.lease.slots) == 8  # topped up again
+    tree.confirm(nxt)
+    tree.check_integrity()
+
+
+def test_a_copy_whose_parent_is_not_on_the_host_frees_its_slots() -> None:
+    tree = _tree()
+    handle = tree.begin_request(5, [doc("a", 8)], 3)
+    tree.confirm(handle)
+    free = tree._placement.tiers[Tier.HOST].allocator.num_free
+    _copy(tree, handle.plan, 1, handle.plan.keep[1])  # the document without its root
+    assert cached_paths(tree) == {}
+    assert tree._placement.tiers[Tier.HOST].allocator.num_free == free + 2
+    assert tree.host_writes is not None and tree.host_writes.wasted == 1
+    tree.check_integrity()
+
+
+def test_clear_and_invalidate_make_later_copies_land_nowhere() -> None:
+    tree = _tree()
+    handle = tree.begin_request(5, [doc("a", 8)], 3)
+    tree.confirm(handle)
+    root_span, a_span = handle.plan.keep
+    tree.invalidate("a")
+    _copy(tree, handle.plan, 1, root_span)
+    _copy(tree, handle.plan, 2, a_span)
+    assert cached_paths(tree) == {(): {"host"}}  # the invalidated document never lands
+    tree.check_integrity()
+    other = tree.begin_request(5, [doc("c", 8)], 3)
+    tree.confirm(other)
+    tree.clear()
+    _copy(tree, other.plan, 3, other.plan.keep[0])
+    assert cached_paths(tree) == {}
+    tree.check_integrity()
+
+
+def test_a_lost_engine_numbers_copies_from_one_again() -> None:
+    tree = _tree()
+    handle = tree.begin_request(5, [doc("a", 8)], 3)
+    tree.confirm(handle)
+    _copy(tree, handle.plan, 1, handle.plan.keep[0])
+    tree.drop_tier(Tier.GPU)
+    second = tree.begin_request(5, [doc("a", 8)], 3)
+    assert second.plan.lease is not None and second.plan.lease.applied == 0
+    tree.confirm(second)
+    _copy(tree, second.plan, 1, second.plan.keep[0])  # the new engine's first copy
+    assert cached_paths(tree) == {(): {"host"}, ("a",): {"host"}}
+    tree.check_integrity()
+
+
+def test_the_lease_is_made_by_evicting_host_leaves_by_the_policy() -> None:
+    tree = _tree(host_slots=10, lease=8)
+    handle = tree.begin_request(4, [doc("a", 8)], 3)  # root 1 slot, a 2 slots
+    tree.confirm(handle)
+    for seq, span in enumerate(handle.plan.keep, start=1):
+        _copy(tree, handle.plan, seq, span)
+    assert cached_paths(tree) == {(): {"host"}, ("a",): {"host"}}
+    # 3 slots owned, 5 still leased, 2 free: topping the lease up to 8 evicts the leaf "a".
+    nxt = tree.begin_request(4, [doc("b", 8)], 3)
+    tree.confirm(nxt)
+    assert nxt.plan.lease is not None and len(nxt.plan.lease.slots) == 8
+    assert cached_paths(tree) == {(): {"host"}}
+    tree.check_integrity()
+
+
+def test_an_engine_report_of_stranded_blocks_fails_the_integrity_check() -> None:
+    tree = _tree()
+    tree.apply_host_writes([], [], stranded_blocks=3)
+    with pytest.raises(IntegrityError, match="3 blocks held"):
+        tree.check_integrity()
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="host_write"):
+        _tree().__class__(ROOT, gpu_slots=0, host_slots=8, page_size=PAGE, host_write="lazy")
+    with pytest.raises(ConfigError, match="no GPU slots"):
+        KnowledgeTree(ROOT, gpu_slots=4, host_slots=8, page_size=PAGE, host_write="eviction")
+
+
+def test_keep_spans_are_checked_by_the_connector() -> None:
+    bad = Plan(page_size=PAGE, keep=(KeepSpan(1, 0, 0, 4), KeepSpan(1, None, 2, 0)))
+    problems = plan_problems(bad, prompt_len=10, page_size=PAGE, host_slots=8)
+    assert any("not an earlier keep span" in p for p in problems)
+    assert any("repeat a key" in p for p in problems)
+    assert any("keep[1]" in p for p in problems)
