@@ -85,6 +85,21 @@ class QueryResult:
     through the model's chat template (or as its text): the text the prompt ids were tokenized
     from. None when not asked for (rendering it again costs a chat-template pass)."""
 
+    def openai_usage(self) -> dict[str, Any]:
+        """OpenAI's `usage`, with `prompt_tokens_details.cached_tokens` as `vllm serve
+        --enable-prompt-tokens-details` fills it: the prompt tokens served from the cache
+        (vLLM's prefix cache and RAGCache's host tier; `CacheHits.cached_tokens`), 0 when none
+        were. Where OpenAI clients read cached tokens (LangChain's `ChatOpenAI` maps it to
+        `usage_metadata["input_token_details"]["cache_read"]`); the server's responses, the
+        LlamaIndex LLM events and the LangChain `token_usage` all carry this one shape."""
+        completion = len(self.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.hits.cached_tokens},
+        }
+
     def report(self) -> dict[str, Any]:
         """The measurements as plain values (what the framework integrations attach as
         metadata)."""

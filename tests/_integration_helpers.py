@@ -69,3 +69,39 @@ def import_with_version(module: str, distribution: str, version: str, tmp: Path)
         cwd=tmp,
         timeout=120,
     )
+
+
+def guide_blocks(guide: Path, headings: tuple[str, ...] = ("## ",)) -> list[tuple[str, str]]:
+    """Every Python block of the guide `guide`, as written, with the last line before it that
+    starts with one of `headings` (a section heading, or a bold lead)."""
+    blocks, heading = [], ""
+    lines = iter(guide.read_text(encoding="utf-8").splitlines())
+    for line in lines:
+        if line.startswith(headings):
+            heading = line
+        elif line == "```python":
+            body = []
+            for inner in lines:
+                if inner == "```":
+                    break
+                body.append(inner)
+            blocks.append((heading, "\n".join(body) + "\n"))
+    return blocks
+
+
+class GuideCache:
+    """`RAGCache("/models/my-llama")` in a guide's snippet: the test module's cache, entered
+    and left without closing it (monkeypatch `ragcache_core.RAGCache` with it)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __call__(self, model: str, *args: Any, **kwargs: Any) -> GuideCache:
+        assert model == "/models/my-llama", model
+        return self
+
+    def __enter__(self) -> Any:
+        return self.cache
+
+    def __exit__(self, *exc: object) -> None:
+        return None

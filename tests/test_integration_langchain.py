@@ -16,7 +16,16 @@ from typing import Any
 import faiss
 import numpy as np
 import pytest
-from _integration_helpers import CONFIG, REPO, corpus, import_with_version, questions, reference
+from _integration_helpers import (
+    CONFIG,
+    REPO,
+    GuideCache,
+    corpus,
+    guide_blocks,
+    import_with_version,
+    questions,
+    reference,
+)
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document as LCDocument
@@ -731,44 +740,12 @@ real server by tests/test_serve.py (an unchanged ChatOpenAI) and tests/test_serv
 (RAGCacheClient), not here."""
 
 
-def _guide_blocks() -> list[tuple[str, str]]:
-    """Every Python block of docs/guide-langchain.md with the heading it sits under."""
-    text = (REPO / "docs" / "guide-langchain.md").read_text(encoding="utf-8")
-    blocks, heading = [], ""
-    lines = iter(text.splitlines())
-    for line in lines:
-        if line.startswith("## "):
-            heading = line
-        elif line == "```python":
-            body = []
-            for inner in lines:
-                if inner == "```":
-                    break
-                body.append(inner)
-            blocks.append((heading, "\n".join(body) + "\n"))
-    return blocks
-
-
-class _Shared:
-    """`RAGCache("/models/my-llama")` in a snippet: the module's cache (not closed by it)."""
-
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
-
-    def __call__(self, model: str, *args: Any, **kwargs: Any) -> Any:
-        assert model == "/models/my-llama", model
-        return self
-
-    def __enter__(self) -> Any:
-        return self.cache
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 @pytest.mark.vllm
 def test_every_guide_snippet_runs_as_written(
-    cache: Any, flat_store: FAISS, capsys: pytest.CaptureFixture[str]
+    cache: Any,
+    flat_store: FAISS,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each Python block of the LangChain guide runs as written on the real engine, with the
     names an app already has (its retriever, prompt and store) and with the guide's model path
@@ -801,19 +778,15 @@ def test_every_guide_snippet_runs_as_written(
         | StrOutputParser()
     )
     ran, skipped = [], []
-    for heading, code in _guide_blocks():
+    monkeypatch.setattr(ragcache_core, "RAGCache", GuideCache(cache))
+    for heading, code in guide_blocks(REPO / "docs" / "guide-langchain.md"):
         if heading.startswith(SERVER_SNIPPETS):
             skipped.append(heading)
             continue
         namespace = {**app, "__name__": "guide"}
-        original = ragcache_core.RAGCache
-        ragcache_core.RAGCache = _Shared(cache)  # type: ignore[assignment,misc]
-        try:
-            exec(compile(code, f"guide-langchain.md ({heading})", "exec"), namespace)
-            if "main" in namespace and callable(namespace["main"]):
-                namespace["main"]()
-        finally:
-            ragcache_core.RAGCache = original  # type: ignore[misc]
+        exec(compile(code, f"guide-langchain.md ({heading})", "exec"), namespace)
+        if callable(namespace.get("main")):
+            namespace["main"]()
         app.update({k: v for k, v in namespace.items() if k in ("chain",)})
         ran.append(heading)
     assert [h for p in SERVER_SNIPPETS for h in skipped if h.startswith(p)] == skipped

@@ -15,7 +15,15 @@ from typing import Any
 import faiss
 import numpy as np
 import pytest
-from _integration_helpers import CONFIG, corpus, import_with_version, questions, reference
+from _integration_helpers import (
+    CONFIG,
+    GuideCache,
+    corpus,
+    guide_blocks,
+    import_with_version,
+    questions,
+    reference,
+)
 from llama_index.core import StorageContext, VectorStoreIndex
 from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.callbacks import CallbackManager, CBEventType, EventPayload, LlamaDebugHandler
@@ -677,44 +685,10 @@ def test_postprocessed_nodes_keep_how_they_are_shown() -> None:
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide-llamaindex.md"
 
 
-def _guide_blocks() -> list[tuple[str, str]]:
-    """Every python block of the guide, with the heading (or bold lead) it follows."""
-    blocks, heading = [], ""
-    lines = iter(GUIDE.read_text(encoding="utf-8").splitlines())
-    for line in lines:
-        if line.startswith(("## ", "**")):
-            heading = line
-        elif line == "```python":
-            body = []
-            for inner in lines:
-                if inner == "```":
-                    break
-                body.append(inner)
-            blocks.append((heading, "\n".join(body) + "\n"))
-    return blocks
-
-
 NOT_RUN_HERE = {
     "## With a shared server": "a ragcache serve at http://ragcache:8000: test_serve_clients.py",
     "## Trying a real chat template offline": "a new engine on that model: only main() is checked",
 }
-
-
-class _SharedCache:
-    """`RAGCache("/models/my-llama")` in a snippet: the module's cache (not closed by it)."""
-
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
-
-    def __call__(self, model: str, *args: Any, **kwargs: Any) -> Any:
-        assert model == "/models/my-llama", model
-        return self
-
-    def __enter__(self) -> Any:
-        return self.cache
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @pytest.mark.vllm
@@ -727,13 +701,13 @@ def test_every_guide_snippet_runs_as_written(
     NOT_RUN_HERE, so a new block is run too."""
     import ragcache_core
 
-    monkeypatch.setattr(ragcache_core, "RAGCache", _SharedCache(cache))
+    monkeypatch.setattr(ragcache_core, "RAGCache", GuideCache(cache))
     app: dict[str, Any] = {"index": ivf_index, "cache": cache, "as_query_engine": as_query_engine}
     app["my_chat_qa_template"] = ChatPromptTemplate.from_messages(
         [("system", "Answer from these notes.\n{context_str}"), ("user", "{query_str}")]
     )
     ran, skipped = [], []
-    for heading, code in _guide_blocks():
+    for heading, code in guide_blocks(GUIDE, ("## ", "**")):
         names = {**app, "__name__": "guide"}
         compiled = compile(code, f"guide-llamaindex.md ({heading})", "exec")
         if heading.startswith(tuple(NOT_RUN_HERE)):

@@ -934,8 +934,6 @@ def test_salt_per_key_salts_every_request_with_its_tenant(tiny_model: Path, tmp_
 
 def test_usage_carries_the_cached_tokens_as_openai_and_vllm() -> None:
     """`usage.prompt_tokens_details.cached_tokens` is the prompt tokens the cache served."""
-    from ragcache_core.serve.responses import usage
-
     result = QueryResult(
         answer="a",
         token_ids=(1, 2, 3),
@@ -946,7 +944,7 @@ def test_usage_carries_the_cached_tokens_as_openai_and_vllm() -> None:
         hits=CacheHits(cached_tokens=12, computed_tokens=8),
         prompt_tokens=20,
     )
-    assert usage(result) == {
+    assert result.openai_usage() == {
         "prompt_tokens": 20,
         "completion_tokens": 3,
         "total_tokens": 23,

@@ -21,8 +21,8 @@ outcome counted, and the OpenAI bodies it is written in. Shared by every route t
 
   Every `usage` (a whole answer's, and a stream's closing usage chunk when
   `stream_options.include_usage` asks for one) carries `prompt_tokens_details.cached_tokens`,
-  the standard field for the prompt tokens the cache served (`usage`); the per-chunk usage of
-  `continuous_usage_stats` has the counts only, as vLLM's.
+  the standard field for the prompt tokens the cache served (`QueryResult.openai_usage`); the
+  per-chunk usage of `continuous_usage_stats` has the counts only, as vLLM's.
   A whole answer also carries the counts as headers (`report_headers`: x-ragcache-cached,
   -found-documents, -documents, -hit-documents, -cached-tokens); a stream's headers are sent
   before its hits are known, so it has them in its last chunk only.
@@ -339,7 +339,7 @@ class Reply:
                 body["prompt_token_ids"] = prompt
             else:
                 choice["prompt_token_ids"] = prompt
-        return {**body, "usage": usage(result), "ragcache": cache_report(self.job, result)}
+        return {**body, "usage": result.openai_usage(), "ragcache": cache_report(self.job, result)}
 
     def first(self) -> dict[str, Any] | None:
         """The chunk that opens a chat stream (the assistant role; the prompt's ids when
@@ -390,7 +390,7 @@ class Reply:
 
     def usage_chunk(self, result: QueryResult) -> dict[str, Any]:
         """`stream_options.include_usage`: an extra chunk with no choices, as OpenAI sends."""
-        return {**self._head(chunk=True), "choices": [], "usage": usage(result)}
+        return {**self._head(chunk=True), "choices": [], "usage": result.openai_usage()}
 
     def _chunk(self, choice: dict[str, Any], generated: int) -> dict[str, Any]:
         chunk: dict[str, Any] = {
@@ -405,21 +405,6 @@ class Reply:
                 "total_tokens": prompt + generated,
             }
         return chunk
-
-
-def usage(result: QueryResult) -> dict[str, Any]:
-    """OpenAI's `usage`, with `prompt_tokens_details.cached_tokens` as `vllm serve
-    --enable-prompt-tokens-details` fills it: the prompt tokens served from the cache (vLLM's
-    prefix cache and RAGCache's host tier; `CacheHits.cached_tokens`), 0 when none were. It is
-    where OpenAI clients read cached tokens (LangChain's `ChatOpenAI` maps it to
-    `usage_metadata["input_token_details"]["cache_read"]`)."""
-    completion = len(result.token_ids)
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": result.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": result.hits.cached_tokens},
-    }
 
 
 def cache_report(job: Job, result: QueryResult) -> dict[str, Any]:

@@ -59,16 +59,9 @@ def ai_message(result: QueryResult, model: str) -> AIMessage:
 def llm_result(result: QueryResult, model: str) -> LLMResult:
     """What `on_llm_end` receives: the answer as a chat generation (its message carries the
     usage, where LangSmith and Langfuse read it) and OpenAI-style `token_usage`."""
-    usage = usage_metadata(result)
-    token_usage = {
-        "prompt_tokens": usage["input_tokens"],
-        "completion_tokens": usage["output_tokens"],
-        "total_tokens": usage["total_tokens"],
-        "prompt_tokens_details": {"cached_tokens": result.hits.cached_tokens},
-    }
     return LLMResult(
         generations=[[ChatGeneration(message=ai_message(result, model))]],
-        llm_output={"token_usage": token_usage, "model_name": model},
+        llm_output={"token_usage": result.openai_usage(), "model_name": model},
     )
 
 

@@ -48,17 +48,6 @@ from ragcache_core.results import QueryResult
 dispatcher = instrument.get_dispatcher(__name__)
 
 
-def usage(result: QueryResult) -> dict[str, Any]:
-    """The OpenAI-shaped usage of `result` (cached tokens under `prompt_tokens_details`)."""
-    completion = len(result.token_ids)
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": result.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": result.hits.cached_tokens},
-    }
-
-
 def formatted(
     app: AppPrompt, question: str, documents: Sequence[Document], *, chat_model: bool
 ) -> list[ChatMessage] | str:
@@ -131,7 +120,7 @@ class LLMCall:
 
     def end(self, result: QueryResult) -> None:
         self._text = result.answer
-        counts = usage(result)
+        counts = result.openai_usage()
         raw = {"usage": counts, "ragcache": result.report()}
         extra = {k: v for k, v in counts.items() if k != "prompt_tokens_details"}
         extra["cached_tokens"] = result.hits.cached_tokens
@@ -153,4 +142,4 @@ class LLMCall:
         return ChatResponse(message=message, delta=delta, **fields)
 
 
-__all__ = ["LLMCall", "formatted", "usage"]
+__all__ = ["LLMCall", "formatted"]
