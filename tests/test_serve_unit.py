@@ -654,6 +654,10 @@ def test_a_taken_port_is_one_line_that_names_it() -> None:
                 hold_ports("127.0.0.1", ports[0], ports[1], 2, ports[2])
     with pytest.raises(ConfigError, match="not an address of this machine"):
         bind_socket("192.0.2.123", 0)  # (TEST-NET-1: never this machine's; nothing is sent)
+    with pytest.raises(ConfigError, match="--port 70000: a port is 0-65535"):
+        bind_socket("127.0.0.1", 70000)
+    with pytest.raises(ConfigError, match="port 8001 is asked for twice"):
+        hold_ports("127.0.0.1", 8001, 8001, 2, 0)  # (refused before anything is bound)
     held = hold_ports("127.0.0.1", 0, 0, 2, 0)  # all free: distinct ports, all held
     try:
         ports = [held.layout.port, held.prometheus_port, *held.layout.replica_ports]

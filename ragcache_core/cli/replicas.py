@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ragcache_core.cli import CliError
+from ragcache_core.errors import ConfigError
 from ragcache_core.serve.listen import bind_socket, bound_port
 
 ROUTER_ENV = "RAGCACHE_VLLM_ROUTER"
@@ -127,12 +128,20 @@ def hold_ports(
 ) -> HeldPorts:
     """Bind every port `ragcache replicas` needs (0: any free port; replica i gets BASE+i,
     or any free port for BASE 0); `ConfigError` naming the first taken port, with nothing
-    left bound."""
+    left bound, or naming a port asked for twice."""
+    wanted = [base_port + i for i in range(replicas)] if base_port else []
+    wanted += [p for p in (port, prometheus_port) if p]
+    clash = sorted({p for p in wanted if wanted.count(p) > 1})
+    if clash:
+        raise ConfigError(
+            f"port {clash[0]} is asked for twice (--port, --prometheus-port and --base-port + i "
+            "for each replica must differ)"
+        )
     held: list[socket.socket] = []
     try:
         for i in range(replicas):
             want = base_port + i if base_port else 0
-            held.append(bind_socket(host, want, what=f"replica {i}'s port (--base-port + {i})"))
+            held.append(bind_socket(host, want, what=f"--base-port + {i} (replica {i}'s port)"))
         held.append(bind_socket(host, port, what="--port"))
         held.append(bind_socket(host, prometheus_port, what="--prometheus-port"))
     except BaseException:

@@ -30,14 +30,22 @@ BACKLOG = 2048
 
 def bind_socket(host: str, port: int, *, what: str = "--port") -> socket.socket:
     """A TCP socket bound to `host:port` and listening, as uvicorn binds one (SO_REUSEADDR;
-    IPv6 when `host` has a colon). Not inheritable: the engine's processes never hold the
-    port. `ConfigError` naming the port (and `what` sets it) if it cannot be bound."""
+    IPv6 when `host` has a colon). Not inheritable, and vLLM spawns its engine processes
+    (never forks: `runtime/main_guard.vllm_spawns`), so they never hold the port.
+    `ConfigError` naming the port (and `what` sets it) if it cannot be bound."""
+    if not 0 <= port < 65536:
+        raise ConfigError(f"{what} {port}: a port is 0-65535 (0: any free port)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(BACKLOG)  # (only a listening socket is exclusive: see above)
+    except socket.gaierror as exc:
+        sock.close()
+        raise ConfigError(
+            f"--host {host}: not an address or a name that resolves ({exc})"
+        ) from None
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:

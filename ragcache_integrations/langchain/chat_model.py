@@ -63,9 +63,10 @@ class ChatRequest:
 
 class RAGCacheChatModel(BaseChatModel):
     """A `BaseChatModel` answering through a `RAGCache` or a `RAGCacheClient` (`cache=`); see
-    the module docstring. `sampling` (None: the cache's) is used for every call, with a call's
-    `stop` words added; `cache_salt` keeps a tenant's KV apart. Holds no per-call state beyond
-    `memory`'s documents (thread-safe): share it freely. Raises `InputError` for messages the
+    the module docstring. `sampling` (None: the cache's) is used for every call, a call's
+    `stop` words replacing its stop strings (as `ChatOpenAI`'s do); `cache_salt` keeps a
+    tenant's KV apart. Holds no per-call state beyond `memory`'s documents (thread-safe):
+    share it freely. Raises `InputError` for messages the
     model cannot take (non-text content), keyword arguments it does not support, and
     RAGCache's own bad-input errors.
 
@@ -99,7 +100,11 @@ class RAGCacheChatModel(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.ragcache.model, "sampling": repr(self.sampling)}
+        return {
+            "model_name": self.ragcache.model,
+            "sampling": repr(self.sampling),
+            "cache_salt": self.cache_salt,  # (a tenant's answers never share a response cache)
+        }
 
     def watch(self, retriever: Runnable[Any, Any]) -> Runnable[Any, Any]:
         """`retriever` with `memory` attached, so the documents it returns are recognised in

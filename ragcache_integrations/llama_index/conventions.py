@@ -49,11 +49,11 @@ ENGINE_KEYWORDS = (
     "cache_salt",
 )
 """What `as_query_engine(index, cache=...)` takes besides the search adapter's keywords."""
-SEARCH_KEYWORDS = ("nprobe", "plan", "ef_search")
-"""The search adapter's own keywords (`adapters.search_source`: Faiss IVF / HNSW settings)."""
+SEARCH_KEYWORDS = ("embed_model", "nprobe", "plan", "ef_search")
+"""The search adapter's own keywords (`adapters.search_source`: the question's embed model, as
+the stock engine passes it to its retriever, and the Faiss IVF / HNSW settings)."""
 _HINTS = {
     "llm": "RAGCache answers with the cache's own model",
-    "embed_model": "the index's own embed model embeds the question",
     "summary_template": "it belongs to response_mode='tree_summarize', which RAGCache refuses",
     "simple_template": "it belongs to response_mode='generation', which RAGCache refuses",
 }
