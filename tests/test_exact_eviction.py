@@ -12,6 +12,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,24 +106,44 @@ def _host_docs(tree: KnowledgeTree) -> set[str]:
     return {n.key.doc_id for n in tree.iter_nodes() if isinstance(n.key, DocKey)}
 
 
-def test_a_document_pushed_out_of_vllms_blocks_is_copied_on_its_way_out_and_served_exactly(
-    rig: Rig,
-) -> None:
-    rng = random.Random(3)
+@dataclass
+class Computed:
+    """One document computed once on a fresh tree, with plain vLLM's answer to `question`
+    after it (the reference every later answer must equal)."""
+
+    system: list[int]
+    doc: Any
+    question: list[int]
+    ref: Any
+    tree: KnowledgeTree
+    first: Any
+
+
+def _computed(rig: Rig, name: str, seed: int, **extra: Any) -> tuple[Computed, random.Random]:
+    rng = random.Random(seed)
     system = _tokens(rng, 32)
-    kept = _doc("kept", rng)
+    doc = _doc(name, rng)
     question = _tokens(rng, 9)
-    ref = rig.engine.run(system + list(kept.token_ids) + question, None, SAMPLING)
+    ref = rig.engine.run(system + list(doc.token_ids) + question, None, SAMPLING)
     rig.engine.reset_prefix_cache()
     tree = _tree(rig)
     first = run_request(
         rig.engine,
         tree,
         system=system,
-        documents=[kept],
+        documents=[doc],
         question=_tokens(rng, 5),
         sampling=SAMPLING,
+        **extra,
     )
+    return Computed(system, doc, question, ref, tree, first), rng
+
+
+def test_a_document_pushed_out_of_vllms_blocks_is_copied_on_its_way_out_and_served_exactly(
+    rig: Rig,
+) -> None:
+    c, rng = _computed(rig, "kept", 3)
+    system, kept, question, ref, tree, first = c.system, c.doc, c.question, c.ref, c.tree, c.first
     # Nothing was written as it was computed, and nothing is on the host yet.
     assert not first.connector.store_scheduled and first.connector.store_copy_s == 0.0
     assert _host_docs(tree) == set()
@@ -144,22 +165,8 @@ def test_a_document_pushed_out_of_vllms_blocks_is_copied_on_its_way_out_and_serv
 def test_a_failed_host_write_is_never_read_and_the_document_is_recomputed_exactly(
     rig: Rig,
 ) -> None:
-    rng = random.Random(4)
-    system = _tokens(rng, 32)
-    lost = _doc("lost", rng)
-    question = _tokens(rng, 9)
-    ref = rig.engine.run(system + list(lost.token_ids) + question, None, SAMPLING)
-    rig.engine.reset_prefix_cache()
-    tree = _tree(rig)
-    run_request(
-        rig.engine,
-        tree,
-        system=system,
-        documents=[lost],
-        question=_tokens(rng, 5),
-        sampling=SAMPLING,
-        extra_transfer_params={FAULT_KEY: {"fail_host_write": True}},
-    )
+    c, rng = _computed(rig, "lost", 4, extra_transfer_params={FAULT_KEY: {"fail_host_write": True}})
+    system, lost, question, ref, tree = c.system, c.doc, c.question, c.ref, c.tree
     _push_out(rig, tree, system, rng)
     assert "lost" not in _host_docs(tree)  # its copy ran, was reported failed: never attached
     assert tree.host_writes is not None and tree.host_writes.dropped >= 1
@@ -171,21 +178,8 @@ def test_a_failed_host_write_is_never_read_and_the_document_is_recomputed_exactl
 
 
 def test_clear_forgets_what_the_window_would_copy_and_holds_no_block(rig: Rig) -> None:
-    rng = random.Random(5)
-    system = _tokens(rng, 32)
-    gone = _doc("gone", rng)
-    question = _tokens(rng, 9)
-    ref = rig.engine.run(system + list(gone.token_ids) + question, None, SAMPLING)
-    rig.engine.reset_prefix_cache()
-    tree = _tree(rig)
-    run_request(
-        rig.engine,
-        tree,
-        system=system,
-        documents=[gone],
-        question=_tokens(rng, 5),
-        sampling=SAMPLING,
-    )
+    c, rng = _computed(rig, "gone", 5)
+    system, gone, question, ref, tree = c.system, c.doc, c.question, c.ref, c.tree
     tree.clear()
     rig.engine.reset_prefix_cache()  # what `RAGCache.clear()` sends: the records go too
     _push_out(rig, tree, system, rng)
