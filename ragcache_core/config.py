@@ -360,12 +360,14 @@ class CacheConfig:
     """Which computed documents are stored: "always" (the paper), "second" (only a document
     met before at the same prefix) or "no_evict" (only into free room). See
     docs/control-plane.md for the measurement."""
-    host_write: str = "compute"
-    """When the host tier is written: "compute" (the default: write-through, every document the
-    store policy admits is copied to the host as it is computed) or "eviction" (as it leaves
-    vLLM's blocks: the connector watches the head of vLLM's free-block queue each step and
-    copies the documents the tree keeps; docs/design.md 2.2). The store policy decides which
-    documents are written either way."""
+    host_write: str = "eviction"
+    """When the host tier is written: "eviction" (the default: as a document leaves vLLM's
+    blocks, so the two tiers hold different documents; the connector watches the head of vLLM's
+    free-block queue each step and copies the documents the tree keeps) or "compute"
+    (write-through: every document the store policy admits is copied to the host as it is
+    computed, as vLLM's `OffloadingConnector` does). docs/design.md 2.2 has both and
+    docs/benchmarks.md the figures. The store policy decides which documents are written
+    either way. With the host tier off (`host_pool_tokens=0`) nothing is written."""
     host_write_window_tokens: int | None = None
     """With `host_write="eviction"`: the window, in tokens of vLLM's free-block queue watched
     from its head each step, and the size of the host lease for the copies (None:
@@ -448,10 +450,6 @@ class CacheConfig:
             raise ConfigError(
                 f"unknown host_write {self.host_write!r}; choose 'compute' or 'eviction'"
             )
-        if self.host_write == "eviction" and self.host_pool_tokens == 0:
-            raise ConfigError(
-                'host_write="eviction" writes the host tier, but host_pool_tokens=0 turns it off'
-            )
         if self.host_write_return not in ("tail", "head"):
             raise ConfigError(
                 f"unknown host_write_return {self.host_write_return!r}; choose 'tail' or 'head'"
@@ -470,6 +468,12 @@ class CacheConfig:
             )
         if self.max_retries < 0:
             raise ConfigError(f"max_retries cannot be negative, got {self.max_retries}")
+
+    @property
+    def writes_at_eviction(self) -> bool:
+        """Whether the host tier is written as documents leave vLLM's blocks (there is a host
+        tier and `host_write="eviction"`)."""
+        return self.host_write == "eviction" and self.host_pool_tokens > 0
 
     def with_(self, **changes: Any) -> CacheConfig:
         return replace(self, **changes)

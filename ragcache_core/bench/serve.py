@@ -13,10 +13,10 @@ started once per system, not once per point.
 | `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
 | `vllm-offload`    | prefix caching + vLLM's native CPU offload, the host pool's size (CUDA) |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
-| `ragcache-evict`  | RAGCache, host tier written at eviction, copied blocks back at the tail  |
-| `ragcache-evict-head` | the same, the copied blocks back at the free queue's head (default) |
-| `ragcache-offload-proxy` | RAGCache with LRU, no reordering, no speculation: what vLLM's     |
-|                   | own CPU offload does (LRU over blocks, host written as computed)        |
+| `ragcache-writethrough` | RAGCache with its host tier written as computed, not at eviction  |
+| `ragcache-evict-tail` | RAGCache, copied blocks back at the free queue's tail, not its head |
+| `ragcache-offload-proxy` | RAGCache with LRU, write-through, no reordering, no speculation:  |
+|                   | what vLLM's own CPU offload does (LRU over blocks, host written as computed) |
 | `ragcache-nohost` / `-protect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
 |                   | the protected set on, LRU, ...)                                         |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
@@ -89,22 +89,22 @@ SYSTEMS: dict[str, SystemSpec] = {
             host_kv_to_vllm=True,
         ),
         SystemSpec(
-            "ragcache-evict",
+            "ragcache-writethrough",
             "ragcache",
-            "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
-            {"host_write": "eviction", "host_write_return": "tail"},
+            "RAGCache, host tier written through (as documents are computed), not at eviction",
+            {"host_write": "compute"},
         ),
         SystemSpec(
-            "ragcache-evict-head",
+            "ragcache-evict-tail",
             "ragcache",
-            "RAGCache, host tier written at eviction, copied blocks back at the queue's head",
-            {"host_write": "eviction", "host_write_return": "head"},
+            "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
+            {"host_write_return": "tail"},
         ),
         SystemSpec(
             "ragcache-offload-proxy",
             "ragcache",
-            "RAGCache as vLLM's CPU offload: LRU, no reordering, no speculation",
-            {"policy": "lru", "reorder": False, "speculation": False},
+            "RAGCache as vLLM's CPU offload: write-through, LRU, no reordering, no speculation",
+            {"policy": "lru", "reorder": False, "speculation": False, "host_write": "compute"},
         ),
         SystemSpec(
             "ragcache-nohost",
@@ -472,6 +472,15 @@ class PointRun:
             else 0.0,
             "ttfts_s": [o.ttft_s for o in measured],
         }
+        # Time per output token after the first, one figure per request: how long the engine's
+        # steps took while it decoded (the host tier's stores run inside those steps).
+        tpots = sorted(
+            (o.latency_s - o.ttft_s) / (len(o.token_ids) - 1)
+            for o in measured
+            if len(o.token_ids) > 1
+        )
+        out["tpot_mean_s"] = statistics.fmean(tpots) if tpots else 0.0
+        out["tpot_p99_s"] = quantile(tpots, 0.99)
         if SYSTEMS[self.system].kind == "ragcache":
             docs = max(1, sum(o.docs for o in measured))
             out["gpu_doc_hit_rate"] = sum(o.gpu_docs for o in measured) / docs
@@ -479,6 +488,11 @@ class PointRun:
             out["doc_hit_rate"] = out["gpu_doc_hit_rate"] + out["host_doc_hit_rate"]
             out["speculative_answers"] = sum(o.speculative for o in measured)
             out["counters_with_warmup"] = self.counters
+            # Host bytes over every request of the point (the counter includes the warm-up).
+            written = float(self.counters.get("host_bytes_written", 0))
+            computed = sum(o.docs - o.gpu_docs - o.host_docs for o in self.outcomes)
+            out["host_bytes_per_request"] = written / max(1, len(self.outcomes))
+            out["host_bytes_per_computed_doc"] = written / max(1, computed)
         return out
 
 

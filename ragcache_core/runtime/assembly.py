@@ -47,9 +47,9 @@ def open_pools(model: str, config: CacheConfig) -> Pools:
         layout=layout,
         host_slots=host_slots,
         host_pool_name=name,
-        host_write=config.host_write,
-        window_blocks=window_blocks(config) if config.host_write == "eviction" else 0,
-        back_to_head=config.host_write == "eviction" and config.host_write_return == "head",
+        host_write="eviction" if config.writes_at_eviction else "compute",
+        window_blocks=window_blocks(config) if config.writes_at_eviction else 0,
+        back_to_head=config.writes_at_eviction and config.host_write_return == "head",
     )
     return Pools(connector, host_pool)
 
@@ -111,9 +111,9 @@ def build_tree(
         store_policy=config.store_policy,
         protected_tokens=protected_budget(config, connector, settings),
         block_size=settings.block_size,
-        host_write=config.host_write,
+        host_write="eviction" if config.writes_at_eviction else "compute",
         host_lease_slots=-(-window_tokens(config) // config.page_size)
-        if config.host_write == "eviction"
+        if config.writes_at_eviction
         else 0,
     )
 
