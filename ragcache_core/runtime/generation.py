@@ -371,7 +371,11 @@ class Generator:
             self._lifecycle.abort(handle)
         if report is not None or attempt.plan is None:
             hits, doc_hit_tokens = served_hits(
-                handle, result, attempt.prompt, progress.cached_tokens
+                handle,
+                result,
+                attempt.prompt,
+                progress.cached_tokens,
+                self._lifecycle.tree.block_size,
             )
         else:
             prompt = attempt.prompt
