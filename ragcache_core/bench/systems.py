@@ -9,8 +9,8 @@
 | `vllm-offload`    | prefix caching + vLLM's OffloadingConnector, the host pool's size (CUDA) |
 | `vllm-offload-lazy` | prefix caching + SimpleCPUOffloadConnector, lazy_offload (CUDA)       |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
-| `ragcache-evict`  | RAGCache, host tier written at eviction, copied blocks back at the tail  |
-| `ragcache-evict-head` | the same, the copied blocks back at the free queue's head           |
+| `ragcache-writethrough` | RAGCache with its host tier written as computed, not at eviction  |
+| `ragcache-evict-tail` | RAGCache, copied blocks back at the free queue's tail, not its head |
 | `ragcache-offload-proxy` | RAGCache's plumbing as vLLM's OffloadingConnector: write-through, |
 |                   | LRU, FCFS, no speculation                                               |
 | `ragcache-offload-proxy-arc` | the same with ARC (its `eviction_policy="arc"`)              |
@@ -99,16 +99,16 @@ SYSTEMS: dict[str, SystemSpec] = {
             host_kv_to_vllm=True,
         ),
         SystemSpec(
-            "ragcache-evict",
+            "ragcache-writethrough",
+            "ragcache",
+            "RAGCache, host tier written through (as documents are computed), not at eviction",
+            {"host_write": "compute"},
+        ),
+        SystemSpec(
+            "ragcache-evict-tail",
             "ragcache",
             "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
             {"host_write": "eviction", "host_write_return": "tail"},
-        ),
-        SystemSpec(
-            "ragcache-evict-head",
-            "ragcache",
-            "RAGCache, host tier written at eviction, copied blocks back at the queue's head",
-            {"host_write": "eviction", "host_write_return": "head"},
         ),
         SystemSpec(
             "ragcache-offload-proxy",
