@@ -42,6 +42,24 @@ def distinct_prefix_tokens(requests: list[TraceRequest]) -> int:
     return total
 
 
+def _run(
+    requests: list[TraceRequest],
+    gpu: int,
+    host: int,
+    policy: str,
+    system_tokens: int,
+    store_policy: str = "always",
+) -> SimResult:
+    config = SimConfig(
+        gpu_tokens=gpu,
+        host_tokens=host,
+        policy=policy,
+        system_tokens=system_tokens,
+        store_policy=store_policy,
+    )
+    return simulate(requests, config)
+
+
 def _cell(result: SimResult, best: float) -> str:
     relative = result.doc_hit_rate / best if best else 1.0
     return f"{result.doc_hit_rate:.3f} / {result.token_hit_rate:.3f} ({relative:.3f})"
@@ -71,18 +89,8 @@ def main() -> None:
         for fraction in FRACTIONS:
             host = int(distinct * fraction)
 
-            def run(policy: str, store_policy: str = "always", host: int = host) -> SimResult:
-                config = SimConfig(
-                    gpu_tokens=gpu,
-                    host_tokens=host,
-                    policy=policy,
-                    system_tokens=args.system_tokens,
-                    store_policy=store_policy,
-                )
-                return simulate(requests, config)
-
-            results = {policy: run(policy) for policy in FIXED}
-            second = run(DEFAULT, "second")
+            results = {p: _run(requests, gpu, host, p, args.system_tokens) for p in FIXED}
+            second = _run(requests, gpu, host, DEFAULT, args.system_tokens, "second")
             best = max(r.doc_hit_rate for r in results.values())
             cells = [_cell(results[p], best) for p in FIXED] + [_cell(second, best)]
             print(f"| {host} ({fraction:.1%}) | " + " | ".join(cells) + " |")
