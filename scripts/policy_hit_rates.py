@@ -7,9 +7,11 @@ Served FCFS one request at a time (hit rates then do not depend on arrival times
 
 Each cell is the document hit rate / document-token hit rate, then (in brackets) the document
 hit rate relative to the best of the fixed policies (pgdsf, gdsf, lru, lfu, arc) in that row.
-The last column is the default policy (pgdsf) with `store_policy="second"` (a document is
-stored on its second sight, as vLLM's `store_threshold=2`), relative to the same best. The
-verdict line says whether the default comes within 1% of the best in every row.
+Then the default policy (pgdsf) with `store_policy="second"` (a document is stored on its
+second sight, as vLLM's `store_threshold=2`) and adaptive PGDSF (`apgdsf`), each relative to
+the same best. The verdict lines say whether the default comes within 1% of the best in every
+row, and how close apgdsf comes on the traces its STEP was tuned on (`--tuned`, by file stem:
+`scripts/tune_adaptive_pgdsf.py`) and on the others, apart.
 
     .venv/bin/python scripts/policy_hit_rates.py /tmp/ragcache-traces/*.jsonl
 """
@@ -26,6 +28,7 @@ from ragcache_core.trace import TraceRequest, load_trace
 FRACTIONS = (0.025, 0.05, 0.1, 0.2, 0.4)
 FIXED = ("pgdsf", "gdsf", "lru", "lfu", "arc")
 DEFAULT = "pgdsf"
+ADAPTIVE = "apgdsf"
 WITHIN = 0.99
 """The default must reach this share of the best fixed policy's document hit rate."""
 
@@ -42,7 +45,7 @@ def distinct_prefix_tokens(requests: list[TraceRequest]) -> int:
     return total
 
 
-def _run(
+def simulate_cell(
     requests: list[TraceRequest],
     gpu: int,
     host: int,
@@ -70,8 +73,13 @@ def main() -> None:
     parser.add_argument("traces", type=Path, nargs="+")
     parser.add_argument("--system-tokens", type=int, default=64)
     parser.add_argument("--gpu-fraction", type=float, default=0.01)
+    parser.add_argument(
+        "--tuned", default="nq_top2,mmlu_top2", help="traces apgdsf was tuned on (file stems)"
+    )
     args = parser.parse_args()
+    tuned = set(args.tuned.split(","))
     worst: list[tuple[float, str]] = []
+    adaptive: dict[bool, list[tuple[float, str]]] = {True: [], False: []}
     for path in args.traces:
         requests = load_trace(path)
         distinct = distinct_prefix_tokens(requests)
@@ -84,18 +92,25 @@ def main() -> None:
             f"GPU {gpu} tokens; infinite ceiling doc hit {ceiling.doc_hit_rate:.3f}, "
             f"token hit {ceiling.token_hit_rate:.3f}"
         )
-        print("| host tokens (share) | " + " | ".join(FIXED) + f" | {DEFAULT} + second |")
-        print("|---|" + "---|" * (len(FIXED) + 1))
+        role = "tuned" if path.stem in tuned else "held out"
+        heads = [*FIXED, f"{DEFAULT} + second", f"{ADAPTIVE} ({role})"]
+        print("| host tokens (share) | " + " | ".join(heads) + " |")
+        print("|---|" + "---|" * (len(FIXED) + 2))
         for fraction in FRACTIONS:
             host = int(distinct * fraction)
-
-            results = {p: _run(requests, gpu, host, p, args.system_tokens) for p in FIXED}
-            second = _run(requests, gpu, host, DEFAULT, args.system_tokens, "second")
+            results = {p: simulate_cell(requests, gpu, host, p, args.system_tokens) for p in FIXED}
+            second = simulate_cell(requests, gpu, host, DEFAULT, args.system_tokens, "second")
+            adapted = simulate_cell(requests, gpu, host, ADAPTIVE, args.system_tokens)
             best = max(r.doc_hit_rate for r in results.values())
-            cells = [_cell(results[p], best) for p in FIXED] + [_cell(second, best)]
+            cells = [_cell(results[p], best) for p in FIXED]
+            cells += [_cell(second, best), _cell(adapted, best)]
+            where = f"{path.stem} at {fraction:.1%}"
+            adaptive[path.stem in tuned].append(
+                (adapted.doc_hit_rate / best if best else 1.0, where)
+            )
             print(f"| {host} ({fraction:.1%}) | " + " | ".join(cells) + " |")
             share = results[DEFAULT].doc_hit_rate / best if best else 1.0
-            worst.append((share, f"{path.stem} at {fraction:.1%}"))
+            worst.append((share, where))
             sys.stdout.flush()
     share, where = min(worst)
     verdict = "within" if share >= WITHIN else "NOT within"
@@ -104,6 +119,15 @@ def main() -> None:
         f"its lowest share is {share:.3f} ({where}); "
         f"cells below {WITHIN}: {sum(1 for s, _ in worst if s < WITHIN)} of {len(worst)}"
     )
+    for is_tuned, shares in adaptive.items():
+        if shares:
+            low, where = min(shares)
+            mean = sum(s for s, _ in shares) / len(shares)
+            print(
+                f"{ADAPTIVE} on {'tuning' if is_tuned else 'held-out'} traces: lowest share "
+                f"{low:.3f} ({where}), mean {mean:.3f}, cells below {WITHIN}: "
+                f"{sum(1 for s, _ in shares if s < WITHIN)} of {len(shares)}"
+            )
 
 
 if __name__ == "__main__":

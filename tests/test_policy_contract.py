@@ -157,6 +157,7 @@ FREQUENCY_ORDER = {
     "gdsf": ["b", "c", "d"],
     "pgdsf": ["b", "c", "d"],
     "arc": ["b", "d", "e"],  # a and c were reused (T2); b, then each newcomer, is T1's LRU
+    "apgdsf": ["b", "c", "d"],  # no evicted key comes back: theta stays 1, PGDSF's order
 }
 
 
@@ -190,7 +191,7 @@ class PrefixCost:
 
 # Two leaves of equal size and frequency: x was computed after a 1,000-token cached prefix
 # (cost/token 11), y after a 10-token one (1.1). x is older. Only PGDSF keeps x.
-PREFIX_ORDER = {"lru": "x", "lfu": "x", "gdsf": "x", "pgdsf": "y", "arc": "x"}
+PREFIX_ORDER = {"lru": "x", "lfu": "x", "gdsf": "x", "pgdsf": "y", "arc": "x", "apgdsf": "y"}
 
 
 @pytest.mark.parametrize("policy", ALL)
@@ -241,3 +242,36 @@ def test_arc_forgets_a_copy_that_leaves_without_eviction() -> None:
     run(cache, doc("c"))
     run(cache, doc("d"))  # evicts b (T1's LRU): a ghost in B1
     assert [key[-1].doc_id for key in state.b1] == ["b"] and state.ghost[1.0] == 10
+
+
+def test_adaptive_pgdsf_weighs_recency_after_a_one_timer_returns() -> None:
+    """A document evicted after one retrieval that is requested again lowers theta (recency
+    was undervalued), one evicted after several raises it; each by the factor 1 + STEP."""
+    from ragcache_core.policy import AdaptivePGDSF
+
+    cache = make("apgdsf", gpu=20)
+    policy = cache.policy
+    assert isinstance(policy, AdaptivePGDSF)
+    for name in ["a", "a", "b", "c"]:  # c evicts b (frequency 1, below a's 2)
+        run(cache, doc(name))
+    assert ("b",) not in cached_paths(cache)
+    run(cache, doc("b"))  # b comes back from the ghost list: theta shrinks
+    assert policy.theta[Tier.GPU] == pytest.approx(1 / (1 + AdaptivePGDSF.STEP))
+
+
+def test_adaptive_pgdsf_weighs_frequency_after_a_frequent_document_returns() -> None:
+    """The hooks alone: a key evicted at frequency 2 that enters again raises theta; a copy
+    dropped without eviction (invalidated) leaves no ghost."""
+    from ragcache_core.policy import AdaptivePGDSF
+
+    policy = AdaptivePGDSF()
+    frequent = NodeStats(10, 1.0, now=0)
+    for now in (1, 2):
+        frequent.touch(now, count=True, window=0)
+    policy.on_enter(Tier.HOST, "k", frequent)
+    policy.on_leave(Tier.HOST, "k", frequent, evicted=True)
+    policy.on_enter(Tier.HOST, "k", NodeStats(10, 1.0, now=3))
+    assert policy.theta[Tier.HOST] == pytest.approx(1 + AdaptivePGDSF.STEP)
+    assert policy.theta[Tier.GPU] == 1.0  # per tier
+    policy.on_leave(Tier.HOST, "k", frequent, evicted=False)
+    assert not policy.ghosts[Tier.HOST].keys

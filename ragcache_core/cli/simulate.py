@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--trace", type=Path, required=True, metavar="T.jsonl")
     parser.add_argument(
-        "--policy", default="pgdsf", help="pgdsf, gdsf, lru, lfu or arc (%(default)s)"
+        "--policy", default="pgdsf", help="pgdsf, gdsf, lru, lfu, arc or apgdsf (%(default)s)"
     )
     parser.add_argument("--gpu-tokens", type=int, required=True, metavar="N")
     parser.add_argument("--host-tokens", type=int, required=True, metavar="M")

@@ -1,7 +1,8 @@
-"""Replacement policies (PGDSF, GDSF, LRU, LFU, ARC): priority functions behind a registry."""
+"""Replacement policies (PGDSF, GDSF, LRU, LFU, ARC, adaptive PGDSF) behind a registry."""
 
 from __future__ import annotations
 
+from ragcache_core.policy.adaptive import AdaptivePGDSF
 from ragcache_core.policy.arc import ARC
 from ragcache_core.policy.base import EvictionPolicy, GreedyDualPolicy, NodeStats, Priority
 from ragcache_core.policy.policies import GDSF, LFU, LRU, PGDSF
@@ -14,6 +15,7 @@ __all__ = [
     "LRU",
     "PGDSF",
     "POLICIES",
+    "AdaptivePGDSF",
     "EvictionPolicy",
     "GreedyDualPolicy",
     "NodeStats",

@@ -80,6 +80,7 @@ class ARC(EvictionPolicy):
 
     name = "arc"
     tracks_residency = True
+    lanes = True
 
     def __init__(self) -> None:
         self.tiers: dict[Tier, _TierState] = {Tier.GPU: _TierState(), Tier.HOST: _TierState()}

@@ -90,8 +90,10 @@ class EvictionPolicy(ABC):
 
     name: ClassVar[str]
     tracks_residency: ClassVar[bool] = False
-    """True: the tree calls `on_enter`/`on_leave` for every copy and keeps one candidate heap
-    per lane (a priority's first element), popped in `lane_order`."""
+    """True: the tree calls `on_enter`/`on_leave` for every copy."""
+    lanes: ClassVar[bool] = False
+    """True: the tree keeps one candidate heap per lane (a priority's first element), popped
+    in `lane_order`."""
 
     @abstractmethod
     def priority(self, stats: NodeStats, tier: Tier) -> Priority:
@@ -114,8 +116,8 @@ class EvictionPolicy(ABC):
         otherwise (invalidated, aborted, cleared). Called only when `tracks_residency`."""
 
     def lane_order(self, tier: Tier) -> tuple[float, ...]:
-        """The lanes to take the next victim of `tier` from, in order (only when
-        `tracks_residency`): the lowest priority of the first lane with a candidate goes."""
+        """The lanes to take the next victim of `tier` from, in order (only with `lanes`): the
+        lowest priority of the first lane with a candidate goes."""
         return ()
 
 

@@ -62,8 +62,8 @@ class Placement:
         self.policy = policy
         self.page_size = page_size
         self.tiers = {
-            Tier.GPU: TierSlots(Tier.GPU, gpu_slots, page_size, lanes=policy.tracks_residency),
-            Tier.HOST: TierSlots(Tier.HOST, host_slots, page_size, lanes=policy.tracks_residency),
+            Tier.GPU: TierSlots(Tier.GPU, gpu_slots, page_size, lanes=policy.lanes),
+            Tier.HOST: TierSlots(Tier.HOST, host_slots, page_size, lanes=policy.lanes),
         }
         self.detached_pinned: set[Node] = set()
         """Removed nodes still pinned by a request: they keep their slots until unpinned."""
