@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ragcache_core.bench.serve import ABLATIONS, Outcome, run_point
+from ragcache_core.bench.serve import Outcome, run_point
 from ragcache_core.bench.sweep import (
     MODES,
     ablation_groups,
@@ -28,9 +28,12 @@ from ragcache_core.bench.sweep import (
     sustained,
     workload_systems,
 )
+from ragcache_core.bench.systems import ABLATIONS
 from ragcache_core.bench.workloads import Request, chunk_articles, load_workload
 
-SYSTEMS = ("vllm", "vllm-apc", "ragcache")
+SYSTEMS = ("vllm", "vllm-apc", "ragcache", "ragcache-offload-proxy-arc")
+"""The smoke run's systems: the baselines, RAGCache, and the proxy whose policy (ARC) is
+RAGCache's newest, so that it serves on the real engine with answers identical to vLLM's."""
 
 
 def _words(text: str) -> int:
@@ -222,10 +225,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("--requests", "0"), "--requests must be positive"),
         (("--model", "/no/such/model"), "does not exist"),
         (("--systems", "vllm,vllm-offload"), "vLLM refuses its native CPU offload here"),
+        (("--systems", "vllm-offload-lazy"), "SimpleCPUOffloadConnector copies with CUDA"),
     ],
 )
 def test_bad_arguments_are_one_line_exit_2(args: tuple[str, ...], message: str) -> None:
-    """(`vllm-offload` is refused this way only where no CUDA device is: on this machine.)"""
+    """(`vllm-offload` and `vllm-offload-lazy` are refused this way only where no CUDA device
+    is: on this machine.)"""
     result = _cli("--smoke", *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr

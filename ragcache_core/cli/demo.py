@@ -92,7 +92,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host-pool-tokens", type=int, default=65536, help="RAGCache's host pool")
     p.add_argument("--speculation", choices=("on", "off"), default="on")
     p.add_argument("--reorder", choices=("on", "off"), default="on")
-    p.add_argument("--policy", default="pgdsf", help="pgdsf, gdsf, lru or lfu")
+    p.add_argument("--policy", default="pgdsf", help="pgdsf, gdsf, lru, lfu, arc or apgdsf")
     p.add_argument("--chart", type=Path, default=Path("ragcache-demo.png"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=("tiny", "bench"), default="bench", help="built model size")

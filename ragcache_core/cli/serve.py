@@ -115,7 +115,7 @@ def _cache_options(p: argparse.ArgumentParser) -> None:
     add_removed_option(g, "--gpu-pool-tokens", "--vllm-kv-cache-gib")
     g.add_argument("--host-pool-tokens", type=int, default=None)
     g.add_argument("--page-size", type=int, default=None)
-    g.add_argument("--policy", default=None, help="pgdsf (default), gdsf, lru, lfu")
+    g.add_argument("--policy", default=None, help="pgdsf (default), gdsf, lru, lfu, arc, apgdsf")
     g.add_argument("--top-k", type=int, default=None, help="documents per /v1/rag/query")
     g.add_argument("--system-prompt", default=None, help="the tree's root")
     g.add_argument("--max-tokens", type=int, default=None, help="/v1/rag/query's default answer")

@@ -20,7 +20,9 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("--trace", type=Path, required=True, metavar="T.jsonl")
-    parser.add_argument("--policy", default="pgdsf", help="pgdsf, gdsf, lru or lfu (%(default)s)")
+    parser.add_argument(
+        "--policy", default="pgdsf", help="pgdsf, gdsf, lru, lfu, arc or apgdsf (%(default)s)"
+    )
     parser.add_argument("--gpu-tokens", type=int, required=True, metavar="N")
     parser.add_argument("--host-tokens", type=int, required=True, metavar="M")
     parser.add_argument(

@@ -3,12 +3,16 @@
 The tree keeps the statistics (`NodeStats`) and a min-heap of each tier's eviction candidates;
 the lowest priority is evicted first. A policy never sees nodes, slots or tiers' contents: it
 reads `NodeStats`, may keep per-tier state (GDSF's clocks), and hears about each eviction.
+A policy that keeps state beside the statistics (ARC's lists and ghost lists, docs/design.md
+2.3) also hears each copy enter and leave a tier, under an opaque stable key, and may split the
+candidates into lanes whose order it picks at each eviction (`lane_order`).
 Adding a policy is adding one small subclass and one registry entry (`registry.py`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from typing import ClassVar
 
 from ragcache_core.plan import Tier
@@ -27,9 +31,12 @@ class NodeStats:
     - `standalone_cost_per_token`: T(0, n) / n, the cost of the document computed alone
       (classic GDSF's Cost/Size).
     - `last_access`: logical time (request counter) of the latest access, any request.
+    - `accesses`: accesses of any request since the node was created (never windowed; ARC
+      tells a reuse from the store by it).
     """
 
     __slots__ = (
+        "accesses",
         "cost_per_token_sum",
         "frequency",
         "last_access",
@@ -47,6 +54,7 @@ class NodeStats:
         self.num_computed = 0
         self.last_access = now
         self.window = 0
+        self.accesses = 0
 
     @property
     def avg_cost_per_token(self) -> float:
@@ -59,6 +67,7 @@ class NodeStats:
         `window` is the current frequency-window index; a count from an older window is reset.
         """
         self.last_access = now
+        self.accesses += 1
         if count:
             if self.window != window:
                 self.window = window
@@ -80,6 +89,11 @@ class EvictionPolicy(ABC):
     """
 
     name: ClassVar[str]
+    tracks_residency: ClassVar[bool] = False
+    """True: the tree calls `on_enter`/`on_leave` for every copy."""
+    lanes: ClassVar[bool] = False
+    """True: the tree keeps one candidate heap per lane (a priority's first element), popped
+    in `lane_order`."""
 
     @abstractmethod
     def priority(self, stats: NodeStats, tier: Tier) -> Priority:
@@ -90,6 +104,21 @@ class EvictionPolicy(ABC):
 
     def reset(self) -> None:  # noqa: B027 (optional hook)
         """Forget all state (the cache was cleared)."""
+
+    def on_enter(self, tier: Tier, key: Hashable, stats: NodeStats) -> None:  # noqa: B027
+        """A copy of the node `key` (stable across the node's removal and re-creation) entered
+        `tier`. Called only when `tracks_residency`, before its first `priority` there."""
+
+    def on_leave(  # noqa: B027 (optional hook)
+        self, tier: Tier, key: Hashable, stats: NodeStats, *, evicted: bool
+    ) -> None:
+        """The node's copy left `tier`: `evicted` by this policy's choice, or dropped
+        otherwise (invalidated, aborted, cleared). Called only when `tracks_residency`."""
+
+    def lane_order(self, tier: Tier) -> tuple[float, ...]:
+        """The lanes to take the next victim of `tier` from, in order (only with `lanes`): the
+        lowest priority of the first lane with a candidate goes."""
+        return ()
 
 
 class GreedyDualPolicy(EvictionPolicy):

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from ragcache_core.errors import ConfigError
+from ragcache_core.policy.adaptive import AdaptivePGDSF
+from ragcache_core.policy.arc import ARC
 from ragcache_core.policy.base import EvictionPolicy
 from ragcache_core.policy.policies import GDSF, LFU, LRU, PGDSF
 
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (PGDSF, GDSF, LRU, LFU)}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (PGDSF, GDSF, LRU, LFU, ARC, AdaptivePGDSF)
+}
 
 
 def make_policy(name: str) -> EvictionPolicy:

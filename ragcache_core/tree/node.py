@@ -64,6 +64,16 @@ class Node:
             return Tier.HOST
         return None
 
+    def path_key(self) -> tuple[DocKey | RootKey, ...]:
+        """The keys from the root down to this node: the same for a node removed and stored
+        again at the same prefix (what a policy's ghost lists remember)."""
+        keys: list[DocKey | RootKey] = []
+        node: Node | None = self
+        while node is not None:
+            keys.append(node.key)
+            node = node.parent
+        return tuple(reversed(keys))
+
     def is_candidate(self, tier: Tier) -> bool:
         """Evictable from `tier` now: has a copy there, no child has one, not pinned."""
         return (

@@ -62,8 +62,8 @@ class Placement:
         self.policy = policy
         self.page_size = page_size
         self.tiers = {
-            Tier.GPU: TierSlots(Tier.GPU, gpu_slots, page_size),
-            Tier.HOST: TierSlots(Tier.HOST, host_slots, page_size),
+            Tier.GPU: TierSlots(Tier.GPU, gpu_slots, page_size, lanes=policy.lanes),
+            Tier.HOST: TierSlots(Tier.HOST, host_slots, page_size, lanes=policy.lanes),
         }
         self.detached_pinned: set[Node] = set()
         """Removed nodes still pinned by a request: they keep their slots until unpinned."""
@@ -125,12 +125,20 @@ class Placement:
         self.set_priority(node, tier)
         self.tiers[tier].push(node)
 
-    def drop_copy(self, node: Node, tier: Tier, hold_for: RequestHandle | None = None) -> None:
+    def drop_copy(
+        self,
+        node: Node,
+        tier: Tier,
+        hold_for: RequestHandle | None = None,
+        *,
+        evicted: bool = False,
+    ) -> None:
         """Remove `node`'s copy in `tier`; its slots go back to the allocator, or to
         `hold_for`'s held slots when its pending plan still reads them. The caller removes
-        the node if it is left without a copy."""
+        the node if it is left without a copy. `evicted`: by the policy's choice."""
         tier_slots = self.tiers[tier]
         slots = node.slots.pop(tier)
+        self._left(node, tier, evicted=evicted)
         node.ready.discard(tier)
         if node.pins:
             tier_slots.pinned_slots -= len(slots)
@@ -202,7 +210,7 @@ class Placement:
         if self.available(tier, handle) + tier_slots.evictable_bound() < count:
             return False
         while self.available(tier, handle) < count:
-            victim = tier_slots.pop_victim()
+            victim = tier_slots.pop_victim(self.policy.lane_order(tier))
             if victim is None:
                 return False
             self._evict(victim, tier, handle)
@@ -214,7 +222,7 @@ class Placement:
         self._evictions[tier] += 1
         if tier is Tier.HOST or Tier.HOST in node.slots:
             # Host eviction, or a GPU eviction of a node already on host (zero copy).
-            self.drop_copy(node, tier)
+            self.drop_copy(node, tier, evicted=True)
             if not node.slots:
                 self.remove(node)
             return
@@ -223,13 +231,13 @@ class Placement:
             # First GPU eviction: swap out once. The GPU slots stay held for this request
             # (its plan copies them out before anything overwrites them).
             host_slots = self.write_copy(node, Tier.HOST, len(gpu_slots), handle)
-            self.drop_copy(node, Tier.GPU, hold_for=handle)
+            self.drop_copy(node, Tier.GPU, hold_for=handle, evicted=True)
             self.pin(node, handle)
             handle.ledger.swap_out.append(SlotCopy(gpu_slots, host_slots))
             self.set_priority(node, Tier.HOST)
             self._swap_outs += 1
         else:
-            self.drop_copy(node, Tier.GPU)
+            self.drop_copy(node, Tier.GPU, evicted=True)
             self.remove(node)
 
     # ------------------------------------------------------------------ removal
@@ -297,10 +305,17 @@ class Placement:
 
     def _add_copy(self, node: Node, tier: Tier, slots: tuple[int, ...]) -> None:
         node.slots[tier] = slots
+        if self.policy.tracks_residency:
+            self.policy.on_enter(tier, node.path_key(), node.stats)
         if node.parent is not None:
             node.parent.tier_children[tier] += 1
         if node.pins:
             self.tiers[tier].pinned_slots += len(slots)
+
+    def _left(self, node: Node, tier: Tier, *, evicted: bool) -> None:
+        """Tell a policy that tracks residency (ARC) that `node`'s copy left `tier`."""
+        if self.policy.tracks_residency:
+            self.policy.on_leave(tier, node.path_key(), node.stats, evicted=evicted)
 
     def _release_copy(self, node: Node, tier: Tier) -> None:
         """Free a removed node's copy now if unpinned; a pinned node keeps it until unpinned."""
@@ -308,6 +323,7 @@ class Placement:
             return
         self.tiers[tier].allocator.free(node.slots.pop(tier))
         node.ready.discard(tier)
+        self._left(node, tier, evicted=False)
 
     def _keep_or_free(self, node: Node) -> None:
         """A node just detached: a pinned one waits for its last pin, the rest is freed."""

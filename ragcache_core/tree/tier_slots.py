@@ -22,14 +22,17 @@ class TierSlots:
     push and stale entries are skipped on pop (lazy deletion, rebuilt when mostly stale).
     `pinned_slots` counts slots of this tier owned by pinned nodes; `held_slots` counts slots
     freed by a swap-out but held back until the request whose plan still reads them completes.
+    With `lanes`, candidates go to one heap per lane (their priority's first element) and a
+    victim is popped from the first lane of the order the policy gives (ARC's T1 and T2).
     """
 
-    __slots__ = ("_heap", "_seq", "allocator", "held_slots", "pinned_slots", "tier")
+    __slots__ = ("_heaps", "_lanes", "_seq", "allocator", "held_slots", "pinned_slots", "tier")
 
-    def __init__(self, tier: Tier, num_slots: int, page_size: int) -> None:
+    def __init__(self, tier: Tier, num_slots: int, page_size: int, *, lanes: bool = False) -> None:
         self.tier = tier
         self.allocator = SlotAllocator(num_slots, page_size)
-        self._heap: list[tuple[Priority, int, Node]] = []
+        self._lanes = lanes
+        self._heaps: dict[float, list[tuple[Priority, int, Node]]] = {}
         self._seq = 0
         self.pinned_slots = 0
         self.held_slots = 0
@@ -40,16 +43,21 @@ class TierSlots:
             return
         self._seq += 1
         node.heap_seq[self.tier] = self._seq
-        heapq.heappush(self._heap, (node.priority[self.tier], self._seq, node))
+        priority = node.priority[self.tier]
+        heap = self._heaps.setdefault(priority[0] if self._lanes else 0.0, [])
+        heapq.heappush(heap, (priority, self._seq, node))
 
-    def pop_victim(self) -> Node | None:
-        """Remove and return the lowest-priority live candidate, or None if there is none."""
-        heap, tier = self._heap, self.tier
-        while heap:
-            _, seq, node = heapq.heappop(heap)
-            if node.heap_seq.get(tier) == seq and node.is_candidate(tier):
-                del node.heap_seq[tier]
-                return node
+    def pop_victim(self, lane_order: tuple[float, ...] = ()) -> Node | None:
+        """Remove and return the lowest-priority live candidate (with lanes: of the first lane
+        in `lane_order` that has one), or None if there is none."""
+        tier = self.tier
+        for lane in lane_order if self._lanes else (0.0,):
+            heap = self._heaps.get(lane, [])
+            while heap:
+                _, seq, node = heapq.heappop(heap)
+                if node.heap_seq.get(tier) == seq and node.is_candidate(tier):
+                    del node.heap_seq[tier]
+                    return node
         return None
 
     def evictable_bound(self) -> int:
@@ -58,12 +66,14 @@ class TierSlots:
 
     def maybe_compact(self, live_nodes: int) -> None:
         """Drop stale heap entries when they dominate (keeps memory O(nodes))."""
-        if len(self._heap) > 4 * live_nodes + 1024:
+        if sum(len(heap) for heap in self._heaps.values()) > 4 * live_nodes + 1024:
             tier = self.tier
-            self._heap = [
-                e for e in self._heap if e[2].heap_seq.get(tier) == e[1] and e[2].is_candidate(tier)
-            ]
-            heapq.heapify(self._heap)
+            for lane, heap in self._heaps.items():
+                live = [
+                    e for e in heap if e[2].heap_seq.get(tier) == e[1] and e[2].is_candidate(tier)
+                ]
+                heapq.heapify(live)
+                self._heaps[lane] = live
 
     def clear_heap(self) -> None:
-        self._heap = []
+        self._heaps = {}

@@ -1,0 +1,181 @@
+"""The systems `bench serve` and `demo` measure, by name (docs/benchmarks.md, "Systems").
+
+| system            | what                                                                    |
+|-------------------|-------------------------------------------------------------------------|
+| `vllm`            | vLLM + the same search, prefix caching off (the paper's baseline)        |
+| `vllm-apc`        | prefix caching on, KV = RAGCache's vLLM KV (its GPU tier: same "GPU")    |
+| `vllm-apc-total`  | prefix caching on, KV = RAGCache's vLLM KV + host pool (same total KV)   |
+| `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
+| `vllm-offload`    | prefix caching + vLLM's OffloadingConnector, the host pool's size (CUDA) |
+| `vllm-offload-lazy` | prefix caching + SimpleCPUOffloadConnector, lazy_offload (CUDA)       |
+| `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
+| `ragcache-writethrough` | RAGCache with its host tier written as computed, not at eviction  |
+| `ragcache-evict-tail` | RAGCache, copied blocks back at the free queue's tail, not its head |
+| `ragcache-offload-proxy` | RAGCache's plumbing as vLLM's OffloadingConnector: write-through, |
+|                   | LRU, FCFS, no speculation                                               |
+| `ragcache-offload-proxy-arc` | the same with ARC (its `eviction_policy="arc"`)              |
+| `ragcache-offload-proxy-lazy` | as SimpleCPUOffloadConnector lazy_offload: eviction-time     |
+|                   | writes, LRU, copied blocks back at the free queue's tail, FCFS          |
+| `ragcache-nohost` / `-protect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
+|                   | the protected set on, LRU, ...)                                         |
+| `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
+
+The proxies are RAGCache with the same memory layout as `ragcache`, each standing for one of
+vLLM's own CPU offloading options, which run on CUDA only; each names the vLLM file and
+behaviour it models in docs/benchmarks.md. They set every switch they depend on explicitly
+(`host_write` above all), so a change of RAGCache's defaults does not change what they model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SystemKind = Literal["vllm", "ragcache"]
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """A named system: which engine, and (RAGCache) which `CacheConfig` changes."""
+
+    name: str
+    kind: SystemKind
+    what: str
+    changes: Mapping[str, Any] = field(default_factory=dict)
+    parent: str | None = None
+    """An ablation's system: what it takes one thing away from (measured beside it)."""
+    host_kv_to_vllm: bool = False
+    """RAGCache with no host tier, its memory given to vLLM's KV cache (the GPU tier)
+    instead: the same total KV as `ragcache` and `vllm-apc-total`, in one memory."""
+    cuda_only: str | None = None
+    """Why the system runs only where a CUDA vLLM runs (None: it runs anywhere); the one line
+    a run off CUDA is refused with."""
+
+    @property
+    def ablation(self) -> bool:
+        return self.parent is not None
+
+
+FCFS_NO_SPECULATION = {"reorder": False, "speculation": False}
+"""What every proxy of vLLM's offloading has: vLLM serves first come first served and starts
+a prompt only once its documents are known."""
+
+SYSTEMS: dict[str, SystemSpec] = {
+    s.name: s
+    for s in (
+        SystemSpec("vllm", "vllm", "vLLM, prefix caching off, RAGCache connector loaded idle"),
+        SystemSpec("vllm-apc", "vllm", "vLLM prefix caching, KV = RAGCache's vLLM KV"),
+        SystemSpec(
+            "vllm-apc-total", "vllm", "vLLM prefix caching, KV = RAGCache's vLLM KV + host pool"
+        ),
+        SystemSpec(
+            "vllm-offload",
+            "vllm",
+            "vLLM prefix caching + its OffloadingConnector of the host pool's size (CUDA only)",
+            cuda_only=(
+                "vllm-offload needs a CUDA vLLM: vLLM refuses its native CPU offload here "
+                '("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs", '
+                "vllm/v1/kv_offload/cpu/spec.py)"
+            ),
+        ),
+        SystemSpec(
+            "vllm-offload-lazy",
+            "vllm",
+            "vLLM prefix caching + SimpleCPUOffloadConnector, lazy_offload, of the host pool's "
+            "size (CUDA only)",
+            cuda_only=(
+                "vllm-offload-lazy needs a CUDA vLLM: SimpleCPUOffloadConnector copies with CUDA "
+                "streams and kernels (vllm/v1/simple_kv_offload/copy_backend.py, "
+                "cuda_mem_ops.py), which this vLLM build cannot run"
+            ),
+        ),
+        SystemSpec("ragcache", "ragcache", "RAGCache, all mechanisms on"),
+        SystemSpec(
+            "ragcache-onekv",
+            "ragcache",
+            "RAGCache, all of its KV in vLLM's cache (no host tier): vllm-apc-total's memory",
+            {"host_pool_tokens": 0},
+            host_kv_to_vllm=True,
+        ),
+        SystemSpec(
+            "ragcache-writethrough",
+            "ragcache",
+            "RAGCache, host tier written through (as documents are computed), not at eviction",
+            {"host_write": "compute"},
+        ),
+        SystemSpec(
+            "ragcache-evict-tail",
+            "ragcache",
+            "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
+            {"host_write": "eviction", "host_write_return": "tail"},
+        ),
+        SystemSpec(
+            "ragcache-offload-proxy",
+            "ragcache",
+            "RAGCache as vLLM's OffloadingConnector: write-through, LRU, FCFS, no speculation",
+            {"policy": "lru", "host_write": "compute", **FCFS_NO_SPECULATION},
+        ),
+        SystemSpec(
+            "ragcache-offload-proxy-arc",
+            "ragcache",
+            "RAGCache as vLLM's OffloadingConnector with eviction_policy=arc: write-through, "
+            "ARC, FCFS, no speculation",
+            {"policy": "arc", "host_write": "compute", **FCFS_NO_SPECULATION},
+        ),
+        SystemSpec(
+            "ragcache-offload-proxy-lazy",
+            "ragcache",
+            "RAGCache as vLLM's SimpleCPUOffloadConnector with lazy_offload: eviction-time "
+            "writes, LRU, copied blocks back at the queue's tail, FCFS, no speculation",
+            {
+                "policy": "lru",
+                "host_write": "eviction",
+                "host_write_return": "tail",
+                **FCFS_NO_SPECULATION,
+            },
+        ),
+        SystemSpec(
+            "ragcache-nohost",
+            "ragcache",
+            "RAGCache, host tier off",
+            {"host_pool_tokens": 0},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-protect",
+            "ragcache",
+            "RAGCache with the protected set (its automatic budget; off by default)",
+            {"protected_gpu_tokens": None},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-lru",
+            "ragcache",
+            "RAGCache, LRU instead of PGDSF",
+            {"policy": "lru"},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-noreorder",
+            "ragcache",
+            "RAGCache, FCFS queue",
+            {"reorder": False},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-nospec",
+            "ragcache",
+            "RAGCache, no speculation",
+            {"speculation": False},
+            parent="ragcache",
+        ),
+        SystemSpec("vllm-noconn", "vllm", "vLLM without any KV connector", parent="vllm"),
+        SystemSpec(
+            "vllm-apc-noconn", "vllm", "vLLM-APC without any KV connector", parent="vllm-apc"
+        ),
+    )
+}
+MAIN_SYSTEMS = tuple(n for n, s in SYSTEMS.items() if not s.ablation)
+ABLATIONS = tuple(n for n, s in SYSTEMS.items() if s.ablation)
+CUDA_ONLY = tuple(n for n, s in SYSTEMS.items() if s.cuda_only)
