@@ -33,6 +33,7 @@ from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.node import Node
+from ragcache_core.tree.order import cache_order
 from ragcache_core.tree.placement import Placement
 from ragcache_core.tree.planner import STORE_POLICIES, Planner
 from ragcache_core.tree.prefix import PrefixTree, match_result, readable_prefix
@@ -192,6 +193,14 @@ class KnowledgeTree:
                 break
             total += node.num_tokens
         return total
+
+    def cache_order(
+        self, docs: Sequence[DocSpec], root_key: RootKey | None = None
+    ) -> tuple[int, ...]:
+        """The order of `docs` (given in retrieval order) that follows this tree's readable
+        cached path under `root_key`, as retrieval ranks (`tree.order.cache_order`; bounded by
+        `max_depth`). Does not modify the cache. O(k^2) for k documents."""
+        return cache_order(self._prefixes, docs, root_key, self.max_depth)
 
     @property
     def num_nodes(self) -> int:
