@@ -11,14 +11,9 @@ from _tree_helpers import ROOT, doc, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ragcache_core.errors import InputError
-from ragcache_core.tree import (
-    DocSpec,
-    KnowledgeTree,
-    apply_order,
-    cache_order,
-    check_document_order,
-)
+from ragcache_core.config import CacheConfig, check_document_order
+from ragcache_core.errors import ConfigError, InputError
+from ragcache_core.tree import DocSpec, KnowledgeTree, apply_order, cache_order
 
 A, B, C, D = doc("a", 5), doc("b", 10), doc("c", 8), doc("d", 8)
 
@@ -72,6 +67,14 @@ def test_looks_along_the_whole_path_not_one_node() -> None:
     assert served_hits(cache, [B, A]) == 15
 
 
+def test_bare_document_ids_match_any_node_of_that_id() -> None:
+    # The runtime orders before it builds (node keys depend on the order), so it orders by id.
+    cache = tree()
+    run(cache, A, B)
+    assert cache.cache_order(["b", "a", "c"]) == (1, 0, 2)
+    assert cache.cache_order(["b", A]) == (1, 0)  # ids and specs mix
+
+
 def test_max_depth_bounds_the_walk() -> None:
     cache = tree()
     run(cache, A, B)
@@ -122,6 +125,9 @@ def test_document_order_values_and_apply_order_are_checked() -> None:
     assert check_document_order("retrieval") == "retrieval"
     with pytest.raises(InputError, match="unknown document_order 'random'"):
         check_document_order("random")
+    with pytest.raises(ConfigError, match="unknown document_order 'Cache'"):
+        CacheConfig(document_order="Cache")
+    assert CacheConfig().document_order == "retrieval"
     with pytest.raises(InputError, match="not a permutation"):
         apply_order([A, B], (0, 0))
     assert apply_order([A, B, C], (2, 0, 1)) == [C, A, B]
@@ -158,6 +164,9 @@ def test_served_order_hits_the_most_any_order_can(
         default=0,
     )
     assert served == best >= cache.cached_tokens(docs)
+    ranks, hits = cache.ordered_hits(docs)
+    assert ranks == order and hits == served  # the queue's score is the served order's hits
+    assert cache.cache_order([d.key.doc_id for d in docs]) == order  # one text per id here
 
 
 @settings(max_examples=150, deadline=None)

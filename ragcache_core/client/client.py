@@ -199,6 +199,11 @@ class RAGCacheClient(RAGCacheAPI):
         framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """`POST /v1/rag/query`, whole or streamed into `emit`."""
+        if framing.document_order not in (None, "retrieval"):
+            raise NotImplementedError(
+                "document_order='cache' over HTTP is not built yet (issue 40: the server's "
+                "request field and flag); use it in process (RAGCache)"
+            )
         body: dict[str, Any] = {"question": question, "stream": emit is not None}
         if documents is not None:
             body["documents"] = [document_to_json(d) for d in _checked(documents)]

@@ -19,12 +19,11 @@ from ragcache_core.tree.allocator import SlotAllocator
 from ragcache_core.tree.integrity import IntegrityError
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.knowledge_tree import KnowledgeTree
-from ragcache_core.tree.order import DOCUMENT_ORDERS, apply_order, cache_order, check_document_order
+from ragcache_core.tree.order import apply_order, cache_order
 from ragcache_core.tree.request import RequestHandle, RequestState
 from ragcache_core.tree.results import CacheStats, MatchResult, TierHit, TreeCounters
 
 __all__ = [
-    "DOCUMENT_ORDERS",
     "CacheStats",
     "DocKey",
     "DocSpec",
@@ -40,7 +39,6 @@ __all__ = [
     "apply_order",
     "bytes_for_tokens",
     "cache_order",
-    "check_document_order",
     "kv_bytes_per_token",
     "slots_for_tokens",
     "slots_in_tokens",
