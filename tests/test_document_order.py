@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ragcache_core.config import CacheConfig, check_document_order
+from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError, InputError
+from ragcache_core.runtime.speculation import _Run, served_order
 from ragcache_core.tree import DocSpec, KnowledgeTree, apply_order, cache_order
 
 A, B, C, D = doc("a", 5), doc("b", 10), doc("c", 8), doc("d", 8)
@@ -187,3 +189,26 @@ def test_order_depends_on_the_set_and_the_tree_only_through_ranks(
     shuffled = list(reversed(docs))
     again = apply_order(shuffled, cache.cache_order(shuffled))
     assert cache.cached_tokens(again) == cache.cached_tokens(apply_order(docs, order))
+
+
+# ------------------------------------------------------------------ speculation's rule
+
+
+def _spec(served: list[str], any_order: bool) -> _Run:
+    # Only the ids it served and its mode matter to the rule (no task, no chunks).
+    return _Run((), tuple(served), any_order, None, 0.0, None)  # type: ignore[arg-type]
+
+
+def _docs(*ids: str) -> tuple[Document, ...]:
+    return tuple(Document(i, f"text {i}") for i in ids)
+
+
+def test_a_speculation_is_reused_only_for_the_same_prompt() -> None:
+    # Retrieval order: the same ids one for one.
+    assert served_order(_spec(["a", "b"], False), _docs("a", "b")) == (0, 1)
+    assert served_order(_spec(["a", "b"], False), _docs("b", "a")) is None
+    # Cache order: the final documents arranged as the speculation served its own.
+    assert served_order(_spec(["a", "b"], True), _docs("b", "a")) == (1, 0)
+    assert served_order(_spec(["b", "a", "c"], True), _docs("c", "a", "b")) == (2, 1, 0)
+    assert served_order(_spec(["a", "b"], True), _docs("a", "c")) is None
+    assert served_order(_spec(["a", "b"], True), _docs("a", "b", "c")) is None

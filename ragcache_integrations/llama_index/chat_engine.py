@@ -244,6 +244,8 @@ class RAGCacheChatEngine(BaseChatEngine):
                 self._history.append(ChatMessage(role=MessageRole.USER, content=message))
                 self._history.append(ChatMessage(role=MessageRole.ASSISTANT, content=result.answer))
         metadata = {**result.report(), "searched": searched}
+        if len(result.retrieval_ranks) == len(nodes):  # as served (document_order="cache")
+            nodes = [nodes[rank] for rank in result.retrieval_ranks]
         return AgentChatResponse(response=result.answer, source_nodes=nodes, metadata=metadata)
 
 
