@@ -199,11 +199,6 @@ class RAGCacheClient(RAGCacheAPI):
         framing: Framing = NO_FRAMING,
     ) -> QueryResult:
         """`POST /v1/rag/query`, whole or streamed into `emit`."""
-        if framing.document_order not in (None, "retrieval"):
-            raise NotImplementedError(
-                "document_order='cache' over HTTP is not built yet (issue 40: the server's "
-                "request field and flag); use it in process (RAGCache)"
-            )
         body: dict[str, Any] = {"question": question, "stream": emit is not None}
         if documents is not None:
             body["documents"] = [document_to_json(d) for d in _checked(documents)]
@@ -217,6 +212,8 @@ class RAGCacheClient(RAGCacheAPI):
             body["cache_salt"] = framing.cache_salt
         if framing.return_prompt:
             body["return_prompt"] = True
+        if framing.document_order is not None:
+            body["document_order"] = framing.document_order
         key = self._routing_key(documents)
         headers = {AFFINITY_HEADER: key} if key is not None else None
         if emit is None:
