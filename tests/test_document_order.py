@@ -212,3 +212,15 @@ def test_a_speculation_is_reused_only_for_the_same_prompt() -> None:
     assert served_order(_spec(["b", "a", "c"], True), _docs("c", "a", "b")) == (2, 1, 0)
     assert served_order(_spec(["a", "b"], True), _docs("a", "c")) is None
     assert served_order(_spec(["a", "b"], True), _docs("a", "b", "c")) is None
+
+
+def test_documents_found_in_a_clients_text_are_never_reordered() -> None:
+    from ragcache_core.app_prompt import Framing
+    from ragcache_core.serve.jobs import CachedJob
+
+    framing = Framing(document_order="cache")
+    sent = CachedJob("q", _docs("a", "b"), (1, 2), framing)
+    assert sent.document_order == "cache"
+    found = CachedJob("q", _docs("a", "b"), (1, 2), framing, found=True)
+    assert found.document_order == "retrieval"  # that text is the client's prompt
+    assert CachedJob("q", _docs("a"), (1,)).document_order is None  # the server's default
