@@ -45,7 +45,11 @@ class RAGCacheAPI(abc.ABC):
     text with the documents spliced in where it puts its context; None: the cache's
     `CacheConfig.prompt` layout), `cache_salt=`, a tenant's salt: a salted request hits
     only KV stored under the same salt (docs/design.md 2.1), and `return_prompt=`: True puts
-    the prompt as the model saw it in `QueryResult.prompt_text` (for traces and checks).
+    the prompt as the model saw it in `QueryResult.prompt_text` (for traces and checks), and
+    `document_order=`: "retrieval" (documents as retrieved or given) or "cache" (the order that
+    follows the cached path: more reuse with top-k > 1, but the model reads them in another
+    order; None: `CacheConfig.document_order`). `QueryResult.sources` lists the documents as
+    served, with `retrieval_ranks`.
     """
 
     config: CacheConfig
@@ -114,9 +118,10 @@ class RAGCacheAPI(abc.ABC):
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
         return_prompt: bool = False,
+        document_order: str | None = None,
     ) -> QueryResult:
         """Retrieve the top-k documents for `question` and answer with them."""
-        framing = Framing(prompt, cache_salt, return_prompt)
+        framing = Framing(prompt, cache_salt, return_prompt, document_order)
         return await self._loop.arun(self._query(question, search, top_k, sampling, None, framing))
 
     def query(
@@ -129,9 +134,10 @@ class RAGCacheAPI(abc.ABC):
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
         return_prompt: bool = False,
+        document_order: str | None = None,
     ) -> QueryResult:
         """Blocking `aquery`."""
-        framing = Framing(prompt, cache_salt, return_prompt)
+        framing = Framing(prompt, cache_salt, return_prompt, document_order)
         return self._loop.run(self._query(question, search, top_k, sampling, None, framing))
 
     async def agenerate(
@@ -143,9 +149,10 @@ class RAGCacheAPI(abc.ABC):
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
         return_prompt: bool = False,
+        document_order: str | None = None,
     ) -> QueryResult:
         """Answer with documents the caller already has (no retrieval)."""
-        framing = Framing(prompt, cache_salt, return_prompt)
+        framing = Framing(prompt, cache_salt, return_prompt, document_order)
         return await self._loop.arun(self._answer(question, documents, sampling, None, framing))
 
     def generate(
@@ -157,9 +164,10 @@ class RAGCacheAPI(abc.ABC):
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
         return_prompt: bool = False,
+        document_order: str | None = None,
     ) -> QueryResult:
         """Blocking `agenerate`."""
-        framing = Framing(prompt, cache_salt, return_prompt)
+        framing = Framing(prompt, cache_salt, return_prompt, document_order)
         return self._loop.run(self._answer(question, documents, sampling, None, framing))
 
     async def astream(
@@ -173,10 +181,11 @@ class RAGCacheAPI(abc.ABC):
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
         return_prompt: bool = False,
+        document_order: str | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream the answer as text deltas; the last chunk carries the `QueryResult`.
         With `documents` no retrieval runs. Closing the iterator early aborts the request."""
-        framing = Framing(prompt, cache_salt, return_prompt)
+        framing = Framing(prompt, cache_salt, return_prompt, document_order)
 
         def work(emit: Emit) -> Any:
             if documents is not None:
@@ -197,6 +206,7 @@ class RAGCacheAPI(abc.ABC):
         prompt: AppPrompt | None = None,
         cache_salt: str | None = None,
         return_prompt: bool = False,
+        document_order: str | None = None,
     ) -> Iterator[StreamChunk]:
         """Blocking `astream`: an iterator of `StreamChunk`s."""
         chunks = self.astream(
@@ -208,6 +218,7 @@ class RAGCacheAPI(abc.ABC):
             prompt=prompt,
             cache_salt=cache_salt,
             return_prompt=return_prompt,
+            document_order=document_order,
         )
         return iterate_on(self._loop, chunks)
 

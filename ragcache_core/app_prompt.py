@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ragcache_core.config import PromptConfig
+from ragcache_core.config import PromptConfig, check_document_order
 from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate
 from ragcache_core.errors import InputError
 
@@ -169,11 +169,13 @@ class Framing:
     """What frames one request's documents: the app's prompt (None: the cache's configured
     layout, its default root) and the tenant's `cache_salt` (None: unsalted). A salted
     request reaches only KV stored under the same salt. `return_prompt`: the result carries
-    the rendered prompt (`QueryResult.prompt_text`)."""
+    the rendered prompt (`QueryResult.prompt_text`). `document_order`: "retrieval" or
+    "cache" for this request (None: `CacheConfig.document_order`)."""
 
     prompt: AppPrompt | None = None
     cache_salt: str | None = None
     return_prompt: bool = False
+    document_order: str | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is not None and not isinstance(self.prompt, AppPrompt):
@@ -182,6 +184,8 @@ class Framing:
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):
             raise InputError("cache_salt must be a non-empty string (or left out)")
+        if self.document_order is not None:
+            check_document_order(self.document_order)
 
 
 NO_FRAMING = Framing()

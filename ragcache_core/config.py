@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate
-from ragcache_core.errors import ConfigError, SamplingError
+from ragcache_core.errors import ConfigError, InputError, SamplingError
 
 SPECULATION_MIN_SEARCH_S = 0.1
 """Speculation's gate by default: on a source whose searches take under 100 ms (every shipped
@@ -335,6 +335,21 @@ def _clamped_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
     return out
 
 
+DOCUMENT_ORDERS = ("retrieval", "cache")
+"""`document_order` values: "retrieval" (the default: the prompt shows the documents in
+retrieval order) or "cache" (the order that follows the cached path, `tree.order.cache_order`;
+docs/configuration.md "Document order")."""
+
+
+def check_document_order(value: object) -> str:
+    """`value` if it is a known document order; raises `InputError` naming it otherwise."""
+    if value not in DOCUMENT_ORDERS:
+        raise InputError(
+            f"unknown document_order {value!r}; choose one of {', '.join(DOCUMENT_ORDERS)}"
+        )
+    return str(value)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Settings of a `RAGCache`. Immutable; derive variants with `with_(...)`."""
@@ -380,6 +395,10 @@ class CacheConfig:
     docs/benchmarks.md "Eviction-time host writes")."""
     max_cached_depth: int | None = None
     """Cache only the first j documents of a sequence (paper 2.7); None caches all."""
+    document_order: str = "retrieval"
+    """The prompt's document order when a call names none: "retrieval" (as retrieved) or
+    "cache" (the order that follows the cached path: more reuse with top-k > 1, but the model
+    reads the documents in another order; docs/configuration.md "Document order")."""
     cost_profile: str | None = None
     """A `ragcache profile` JSON for PGDSF's cost model; None uses the built-in analytic one."""
 
@@ -457,6 +476,11 @@ class CacheConfig:
         if self.host_write_window_tokens is not None and self.host_write_window_tokens < 1:
             raise ConfigError(
                 f"host_write_window_tokens must be at least 1, got {self.host_write_window_tokens}"
+            )
+        if self.document_order not in DOCUMENT_ORDERS:
+            raise ConfigError(
+                f"unknown document_order {self.document_order!r}; "
+                f"choose one of {', '.join(DOCUMENT_ORDERS)}"
             )
         if self.max_cached_depth is not None and self.max_cached_depth < 0:
             raise ConfigError(f"max_cached_depth cannot be negative, got {self.max_cached_depth}")

@@ -71,6 +71,10 @@ class QueryResult:
     retries: int = 0
     scores: tuple[float, ...] = ()
     """The search scores of `sources` (empty when the caller gave the documents)."""
+    retrieval_ranks: tuple[int, ...] = ()
+    """Each source's retrieval rank (0: retrieved first), parallel to `sources`, which list
+    the documents in the order the model read them: with `document_order="cache"` that order
+    may differ from retrieval's (a citing app cites `sources` as served)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Where the request's time went, in seconds: `plan` (tree walk, eviction, plan check and
     serialization), `engine_first_token` (submit to first token: scheduling, copies, prefill),

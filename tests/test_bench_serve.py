@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ragcache_core.bench.serve import Outcome, run_point
+from ragcache_core.bench.serve import Outcome, PointRun, identical_answers, run_point
 from ragcache_core.bench.sweep import (
     MODES,
     ablation_groups,
@@ -162,6 +162,18 @@ class _Recorder:
 
     async def aclose(self) -> None:
         pass
+
+
+def test_a_reordering_system_is_left_out_of_the_identical_answers() -> None:
+    # ragcache-docorder sends other prompts (issue 40): its answers are checked against plain
+    # vLLM on its own ordered prompts (tests/test_controller.py), not against the others'.
+    def run(system: str, *tokens: int) -> PointRun:
+        return PointRun(system, 1.0, (0.0,) * len(tokens), tuple(
+            Outcome(0.01, 0.01, (t,), 10, 0) for t in tokens), 0)  # fmt: skip
+
+    same = [run("vllm", 1, 2), run("ragcache", 1, 2)]
+    assert identical_answers([*same, run("ragcache-docorder", 1, 9)]) == (2, 2)
+    assert identical_answers([*same, run("ragcache-lru", 1, 9)]) == (1, 2)
 
 
 def test_warm_up_runs_closed_loop_before_the_measured_stream(

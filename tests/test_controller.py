@@ -604,6 +604,37 @@ def test_tenants_never_hit_each_others_nodes(cache: RAGCache) -> None:
     assert len(nodes) == 3 and len({id(n.parent) for n in nodes}) == 3
 
 
+def test_cache_document_order_serves_the_cached_path_exactly(cache: RAGCache) -> None:
+    # Issue 40: the tree holds d0 -> d1; [d1, d0] in retrieval order hits nothing, in cache
+    # order it is served as [d0, d1], hits both, and answers as plain vLLM on that prompt.
+    cache.clear()
+    cache.generate("Capital of France?", [DOCS[0], DOCS[1]])
+    swapped = [DOCS[1], DOCS[0]]
+    ordered = cache.generate("Which river?", swapped, document_order="cache")
+    assert ordered.sources == (DOCS[0], DOCS[1]) and ordered.retrieval_ranks == (1, 0)
+    assert ordered.hits.hit_docs == 2
+    assert ordered.token_ids == reference(cache, "Which river?", [DOCS[0], DOCS[1]])
+    kept = cache.generate("Which river?", swapped)  # the default keeps retrieval order
+    assert kept.sources == tuple(swapped) and kept.retrieval_ranks == (0, 1)
+    assert kept.hits.hit_docs == 0
+    assert kept.token_ids == reference(cache, "Which river?", swapped)
+
+
+def test_cache_ordered_speculation_is_reused_for_the_same_documents(cache: RAGCache) -> None:
+    cache.clear()
+    cache.generate("Capital of Italy?", [DOCS[2], DOCS[3]])
+    # The speculation starts on [d3, d2] (served [d2, d3]); the final stage retrieves
+    # [d2, d3]: ordered the same way it gives the same prompt, so it is reused.
+    source = ScriptedSource([[DOCS[3], DOCS[2]], [DOCS[2], DOCS[3]]])
+    result = cache.query("Capital of Spain?", search=source, document_order="cache")
+    assert result.speculative
+    assert result.sources == (DOCS[2], DOCS[3]) and result.retrieval_ranks == (0, 1)
+    assert result.token_ids == reference(cache, "Capital of Spain?", [DOCS[2], DOCS[3]])
+    # In retrieval order the same stages differ, so the speculation is not reused.
+    plain = cache.query("Capital of Spain?", search=ScriptedSource(source.stages))
+    assert not plain.speculative
+
+
 # ---------------------------------------------------------------- the protected set
 # The documents the policy protects stay in vLLM's blocks under vLLM's own eviction pressure
 # and are hit there without a copy; the same pressure evicts them with protection off (the

@@ -155,6 +155,31 @@ def test_lcel_chain_matches_vllm_hits_cache_and_reports(cache: Any, flat_store: 
     assert again.reports[0]["cache_hits"]["gpu_docs"] == 2
 
 
+@pytest.mark.vllm
+def test_the_runnable_serves_the_cached_order_when_asked(cache: Any, flat_store: FAISS) -> None:
+    """Issue 40: the chain's order wins unless the runnable asks for "cache", which serves
+    the cached path (exact on those ids) and reports its sources as served."""
+    cache.clear()
+    question = QUESTIONS[1]
+    docs = flat_store.similarity_search(question, k=2)
+    RAGCacheRunnable(cache=cache).invoke({"context": docs, "question": question})
+    flipped = {"context": docs[::-1], "question": question}
+    record = Record()
+    ordered = RAGCacheRunnable(cache=cache, document_order="cache")
+    answer = ordered.invoke(flipped, config={"callbacks": [record]})
+    (report,) = record.reports
+    assert [d.id for d in report["sources"]] == [d.id for d in docs]
+    assert report["retrieval_ranks"] == [1, 0]
+    assert report["cache_hits"]["gpu_docs"] + report["cache_hits"]["host_docs"] == 2
+    expected = reference(cache, question, tuple(to_ragcache(d) for d in docs))
+    assert answer == expected.text and report["token_ids"] == list(expected.token_ids)
+    kept = Record()
+    RAGCacheRunnable(cache=cache).invoke(flipped, config={"callbacks": [kept]})
+    assert [d.id for d in kept.reports[0]["sources"]] == [d.id for d in docs[::-1]]
+    with pytest.raises(ValueError, match="unknown document_order"):
+        RAGCacheRunnable(cache=cache, document_order="best")
+
+
 RETRIEVAL_PROMPT = ChatPromptTemplate.from_messages(
     [
         ("system", "Use the given context to answer the question. Context: {context}"),

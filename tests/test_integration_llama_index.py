@@ -498,6 +498,53 @@ def test_node_postprocessors_run_once_on_the_final_nodes(
     assert counting._calls == 2
 
 
+class _Reversed(BaseNodePostprocessor):
+    """An app's own reordering step (as LongContextReorder is): the nodes reversed."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "Reversed"
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        return list(reversed(nodes))
+
+
+@pytest.mark.vllm
+def test_cache_document_order_serves_the_cached_path_and_its_source_nodes(
+    cache: Any, ivf_index: VectorStoreIndex
+) -> None:
+    """Issue 40: the app's reordering wins unless the engine asks for "cache", which serves
+    the cached order (source nodes as served, exact on those ids), streamed too."""
+    cache.clear()
+    question = QUESTIONS[4]
+    stored = _source_ids(as_query_engine(ivf_index, cache=cache).query(question))
+    engine = as_query_engine(
+        ivf_index, cache=cache, node_postprocessors=[_Reversed()], document_order="cache"
+    )
+    served = engine.query(question)
+    assert _source_ids(served) == stored
+    assert served.metadata["cache_hits"]["gpu_docs"] + served.metadata["cache_hits"][
+        "host_docs"
+    ] == len(stored)
+    expected = reference(cache, question, _documents(served), engine.app_prompt)
+    assert served.metadata["token_ids"] == list(expected.token_ids)
+    streamed = as_query_engine(
+        ivf_index,
+        cache=cache,
+        node_postprocessors=[_Reversed()],
+        document_order="cache",
+        streaming=True,
+    ).query(question)
+    assert "".join(streamed.response_gen) == expected.text
+    assert _source_ids(streamed) == stored  # in the served order once the answer ended
+    flipped = as_query_engine(ivf_index, cache=cache, node_postprocessors=[_Reversed()])
+    assert _source_ids(flipped.query(question)) == stored[::-1]  # the app's order wins
+    with pytest.raises(InputError, match="unknown document_order"):
+        as_query_engine(ivf_index, cache=cache, document_order="best")
+
+
 @pytest.mark.vllm
 def test_filters_go_to_the_store_before_the_top_k(
     cache: Any, simple_index: VectorStoreIndex, ivf_index: VectorStoreIndex

@@ -249,3 +249,16 @@ def test_a_request_without_a_report_releases_what_it_asked_to_protect(
     assert keys <= set(nxt.plan.release)
     life.abort(nxt)
     tree.check_integrity()
+
+
+def test_a_cache_ordered_request_is_scored_in_the_order_it_will_be_served() -> None:
+    # Issue 40: the queue scores a document_order="cache" request by the hits of the order
+    # that follows the tree now, not of the order its prompt was first built in.
+    life = _lifecycle()
+    handle, _ = life.open(_prompt("a", "b"), final=True)
+    life.first_token(handle)
+    assert life.settle(handle, _stored())
+    swapped = _prompt("b", "a")
+    total = swapped.num_tokens
+    assert life.score(swapped) == (6, total - 6)  # the root only: b is not cached first
+    assert life.score_ordered(swapped) == (26, total - 26)  # root + a + b, served [a, b]

@@ -134,6 +134,39 @@ def test_generate_equals_plain_vllm_and_repeats_hit(client: RAGCacheClient, plai
     assert again.ttft_s > 0 and again.prompt_tokens == first.prompt_tokens
 
 
+def test_cache_document_order_over_the_wire(
+    server: ServerProcess, client: RAGCacheClient, plain: Any
+) -> None:
+    """Issue 40 through `ragcache serve`: the request field reorders the documents sent, the
+    result lists them as served (exact against plain vLLM on those ids), and the OpenAI
+    route's `ragcache` report too."""
+    docs = (DOCS[40], DOCS[41])
+    client.generate(QUESTIONS[5], docs, sampling=GREEDY)  # stores d40 -> d41
+    swapped = (docs[1], docs[0])
+    served = client.generate(QUESTIONS[6], swapped, sampling=GREEDY, document_order="cache")
+    assert [d.id for d in served.sources] == [d.id for d in docs]
+    assert served.retrieval_ranks == (1, 0) and served.hits.hit_docs == 2
+    assert served.token_ids == plain(QUESTIONS[6], docs)
+    kept = client.generate(QUESTIONS[6], swapped, sampling=GREEDY)
+    assert [d.id for d in kept.sources] == [d.id for d in swapped]
+
+    def chat(documents: tuple[Document, ...], **extra: Any) -> dict[str, Any]:
+        sent = [{"id": d.id, "text": d.text, "metadata": dict(d.metadata)} for d in documents]
+        body = {"messages": [{"role": "user", "content": QUESTIONS[7]}], "documents": sent}
+        return {**body, "max_tokens": 4, **extra}
+
+    # Other documents: both orders of d40 and d41 are cached now (a tie goes by rank).
+    other = (DOCS[42], DOCS[43])
+    with server.client() as http:
+        assert http.post("/v1/chat/completions", json=chat(other)).status_code == 200
+        answer = http.post("/v1/chat/completions", json=chat(other[::-1], document_order="cache"))
+        report = answer.json()["ragcache"]
+        assert report["documents"] == [d.id for d in other]
+        assert report["retrieval_ranks"] == [1, 0]
+        wrong = http.post("/v1/rag/query", json={"question": "q", "document_order": "best"})
+        assert wrong.status_code == 400
+
+
 def test_stream_and_astream_and_an_early_close_aborts(
     server: ServerProcess, client: RAGCacheClient
 ) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ragcache_core.cli import main
-from ragcache_core.errors import InputError
+from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.sim import SimConfig, Simulator, TraceRequest, load_trace, write_trace
 
 GOOD = {"id": "r1", "arrival_s": 0.5, "docs": ["a", "b"], "doc_tokens": [10, 20],
@@ -98,3 +98,42 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "\n" not in err and ":2:" in err
     assert main([*args[:-1], "0", "--policy", "fifo"]) == 2
     assert "unknown replacement policy" in capsys.readouterr().err
+
+
+def _swapped() -> list[TraceRequest]:
+    return [
+        TraceRequest("1", 0.0, ("a", "b"), (10, 20), 1),
+        TraceRequest("2", 1.0, ("b", "a"), (20, 10), 1),
+        TraceRequest("3", 2.0, ("c", "b"), (5, 20), 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    "order, cached_docs",
+    [
+        ("retrieval", 0),  # [b, a] and [c, b] miss a -> b
+        ("cache", 2),  # [b, a] is served as [a, b]; c, b has no cached continuation
+        ("sorted", 2),  # [a, b] both times; [b, c]: root -> b is not cached
+        ("first_seen", 2),  # a before b (both times)
+    ],
+)
+def test_document_order_in_the_simulator(order: str, cached_docs: int) -> None:
+    config = SimConfig(gpu_tokens=1000, host_tokens=0, document_order=order)
+    result = Simulator(config).run(_swapped())
+    assert result.cached_docs == cached_docs
+    assert result.requested_docs == 6  # the totals are the request's, in any order
+
+
+def test_document_order_is_checked_and_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ConfigError, match="unknown document_order 'random'"):
+        SimConfig(gpu_tokens=1, host_tokens=0, document_order="random")
+    path = tmp_path / "t.jsonl"
+    write_trace(path, _swapped())
+    args = ["simulate", "--trace", str(path), "--gpu-tokens", "1000", "--host-tokens", "0"]
+    assert main([*args, "--document-order", "cache", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["document_order"] == "cache" and out["cached_docs"] == 2
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cached_docs"] == 0

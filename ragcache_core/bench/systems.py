@@ -16,6 +16,7 @@
 | `ragcache-offload-proxy-arc` | the same with ARC (its `eviction_policy="arc"`)              |
 | `ragcache-offload-proxy-lazy` | as SimpleCPUOffloadConnector lazy_offload: eviction-time     |
 |                   | writes, LRU, copied blocks back at the free queue's tail, FCFS          |
+| `ragcache-docorder` | RAGCache, `document_order="cache"` (its prompts differ: not compared) |
 | `ragcache-nohost` / `-protect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
 |                   | the protected set on, LRU, ...)                                         |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
@@ -109,6 +110,12 @@ SYSTEMS: dict[str, SystemSpec] = {
             "ragcache",
             "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
             {"host_write": "eviction", "host_write_return": "tail"},
+        ),
+        SystemSpec(
+            "ragcache-docorder",
+            "ragcache",
+            "RAGCache, documents in the order the cache holds them (document_order=cache)",
+            {"document_order": "cache"},
         ),
         SystemSpec(
             "ragcache-offload-proxy",

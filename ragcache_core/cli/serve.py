@@ -117,6 +117,13 @@ def _cache_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=None)
     g.add_argument("--policy", default=None, help="pgdsf (default), gdsf, lru, lfu, arc, apgdsf")
     g.add_argument("--top-k", type=int, default=None, help="documents per /v1/rag/query")
+    g.add_argument(
+        "--document-order",
+        choices=("retrieval", "cache"),
+        default=None,
+        help="the prompt's document order when a request names none: retrieval (default) or "
+        "cache (follows the cached path; docs/configuration.md 'Document order')",
+    )
     g.add_argument("--system-prompt", default=None, help="the tree's root")
     g.add_argument("--max-tokens", type=int, default=None, help="/v1/rag/query's default answer")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -169,6 +176,7 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
         "page_size": args.page_size,
         "policy": args.policy,
         "top_k": args.top_k,
+        "document_order": args.document_order,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "vllm_kv_cache_gib": args.vllm_kv_cache_gib,

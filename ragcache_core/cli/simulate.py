@@ -50,6 +50,14 @@ def register(subparsers: Any) -> None:
         help="which computed documents are stored (%(default)s)",
     )
     parser.add_argument(
+        "--document-order",
+        choices=("retrieval", "cache", "sorted", "first_seen"),
+        default="retrieval",
+        help="the prompt's document order: retrieval (%(default)s), cache (follows the cached "
+        "path, as document_order='cache' serves it), or the canonical orders sorted (by id) "
+        "and first_seen (simulator only, for comparison)",
+    )
+    parser.add_argument(
         "--replicas",
         type=int,
         default=None,
@@ -88,6 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         max_prefill_bs=args.max_prefill_bs,
         window=args.window,
         store_policy=args.store_policy,
+        document_order=args.document_order,
     )
     cost = (
         InterpolatedCostModel(CostProfile.load(args.profile))
@@ -109,6 +118,7 @@ def _run(args: argparse.Namespace) -> int:
         "max_prefill_bs": args.max_prefill_bs,
         "window": args.window,
         "store_policy": args.store_policy,
+        "document_order": args.document_order,
         "profile": str(args.profile) if args.profile else "analytic",
     }
     return _print(out, args.json)

@@ -212,6 +212,8 @@ class RAGCacheClient(RAGCacheAPI):
             body["cache_salt"] = framing.cache_salt
         if framing.return_prompt:
             body["return_prompt"] = True
+        if framing.document_order is not None:
+            body["document_order"] = framing.document_order
         key = self._routing_key(documents)
         headers = {AFFINITY_HEADER: key} if key is not None else None
         if emit is None:

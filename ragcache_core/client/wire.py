@@ -3,7 +3,8 @@ reads. Pure functions (no HTTP, no FastAPI), so the client needs only `httpx`.
 
     Document      {"id", "text", "metadata", "prompt_text" (only when set)}
     AppPrompt     `AppPrompt.to_json` (app_prompt.py)
-    QueryResult   {"answer", "token_ids", "sources", "scores", "ttft_s", "retrieval_s",
+    QueryResult   {"answer", "token_ids", "sources" (as served), "retrieval_ranks", "scores",
+                   "ttft_s", "retrieval_s",
                    "queue_wait_s", "cache_hits", "prompt_tokens", "finish_reason",
                    "speculative", "retries", "timings", "logprobs", "prompt_text" (only
                    when asked for: `return_prompt`)}
@@ -64,6 +65,7 @@ def result_to_json(result: QueryResult) -> dict[str, Any]:
         "token_ids": list(result.token_ids),
         "sources": [document_to_json(d) for d in result.sources],
         "scores": list(result.scores),
+        "retrieval_ranks": list(result.retrieval_ranks),
         "ttft_s": result.ttft_s,
         "retrieval_s": result.retrieval_s,
         "queue_wait_s": result.queue_wait_s,
@@ -92,6 +94,7 @@ def result_from_json(data: Mapping[str, Any]) -> QueryResult:
         speculative=bool(data.get("speculative", False)),
         retries=int(data.get("retries", 0)),
         scores=tuple(float(s) for s in data.get("scores", ())),
+        retrieval_ranks=tuple(int(r) for r in data.get("retrieval_ranks", ())),
         timings={str(k): float(v) for k, v in (data.get("timings") or {}).items()},
         logprobs=logprobs_from_json(data.get("logprobs")),
         prompt_text=None if data.get("prompt_text") is None else str(data["prompt_text"]),

@@ -13,7 +13,7 @@ an engine death); the steps that move it along are `Generator`'s (`generation.py
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,9 @@ class Attempt:
     ticket: Ticket
     caller: Emit | None = None
     """Where the answer's text deltas go (None: nobody streams them)."""
+    reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None
+    """A `document_order="cache"` request: its prompt in the order that follows the cached
+    path when it opens (`Generator.reordering`); None keeps `prompt` as built."""
     epoch: int = 0
     lease: PrefillLease | None = None
     handle: RequestHandle | None = None

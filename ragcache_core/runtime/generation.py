@@ -32,7 +32,7 @@ from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document, checked_documents
 from ragcache_core.engine.async_engine import EngineDied, StreamEvent
 from ragcache_core.engine.connector import ConnectorResult
-from ragcache_core.errors import PromptTooLong, RAGCacheError, check_fits_context
+from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError, check_fits_context
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
@@ -165,6 +165,15 @@ class Generator:
             prompt = self._prompts.build(
                 question, documents, framing.prompt, framing.cache_salt, max_tokens=limit
             )
+            order = self.served_order(prompt, documents, framing)
+            if order is not None:
+                served = [documents[rank] for rank in order]
+                prompt = replace(
+                    self._prompts.build(
+                        question, served, framing.prompt, framing.cache_salt, max_tokens=limit
+                    ),
+                    order=order,
+                )
         except PromptTooLong as exc:
             raise PromptTooLong(
                 f"{exc} (max_model_len {max_len} - max_tokens {sampling.max_tokens})",
@@ -175,6 +184,47 @@ class Generator:
             moved_cuts=prompt.moved_cuts, unplaced_docs=prompt.unplaced_docs
         )
         return prompt
+
+    def reordering(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        sampling: SamplingConfig,
+        framing: Framing = NO_FRAMING,
+    ) -> Callable[[BuiltPrompt], BuiltPrompt] | None:
+        """For a `document_order="cache"` request, what its attempt calls when it opens: the
+        prompt again in the order that follows the cached path then (the tree moved while it
+        waited; the queue scored it in that order, `Lifecycle.score_ordered`), or the same
+        prompt when the order did not change. None for a request in retrieval order."""
+        wanted = framing.document_order or self._config.document_order
+        if wanted != "cache" or len(documents) < 2:
+            return None
+
+        def again(prompt: BuiltPrompt) -> BuiltPrompt:
+            order = self.served_order(prompt, documents, framing)
+            if order == prompt.order:
+                return prompt
+            try:
+                return self.build(question, documents, sampling, framing)
+            except InputError:  # another order a token longer than the context: keep it
+                return prompt
+
+        return again
+
+    def served_order(
+        self, prompt: BuiltPrompt, documents: Sequence[Document], framing: Framing
+    ) -> tuple[int, ...] | None:
+        """With `document_order="cache"` (the call's, else the config's), the order of
+        `documents` that follows the cached path under `prompt`'s root now
+        (`KnowledgeTree.cache_order`, by document id: a node's ids depend on what precedes it,
+        so the keys of another order are known only once it is built); None when that is
+        retrieval order or the call keeps retrieval order."""
+        wanted = framing.document_order or self._config.document_order
+        if wanted != "cache" or len(documents) < 2:
+            return None
+        ids = [doc.id for doc in documents]
+        order = self._lifecycle.tree.cache_order(ids, prompt.root_key)
+        return None if order == tuple(range(len(ids))) else order
 
     # ------------------------------------------------------------------ requests
 
@@ -192,7 +242,8 @@ class Generator:
         sampling = sampling or self._config.sampling
         self.check_sampling(sampling)
         prompt = self.build(question, documents, sampling, framing)
-        generation = await self.generate(prompt, sampling, emit, final=True)
+        reorder = self.reordering(question, documents, sampling, framing)
+        generation = await self.generate(prompt, sampling, emit, final=True, reorder=reorder)
         return self.finish(generation, documents, started=started, search_done=started)
 
     def finish(
@@ -204,11 +255,14 @@ class Generator:
         search_done: float,
         retrieval_s: float = 0.0,
         speculative: bool = False,
+        order: tuple[int, ...] | None = None,
     ) -> QueryResult:
         """The caller's result (TTFT from the call, counting a first token that came before
-        the search ended as shown at its end); recorded in the metrics."""
+        the search ended as shown at its end); recorded in the metrics. `documents` are in
+        retrieval order; the sources list them as served (`order`, else the prompt's)."""
         ttft = max(generation.first_token_at, search_done) - started
         prompt = generation.prompt
+        ranks = order or prompt.order or tuple(range(len(documents)))
         self._metrics.record_request(
             generation.hits,
             num_docs=len(prompt.doc_specs),
@@ -220,7 +274,8 @@ class Generator:
         return QueryResult(
             answer=generation.text,
             token_ids=generation.token_ids,
-            sources=documents,
+            sources=tuple(documents[rank] for rank in ranks),
+            retrieval_ranks=ranks,
             ttft_s=ttft,
             retrieval_s=retrieval_s,
             queue_wait_s=generation.queue_wait_s,
@@ -241,14 +296,16 @@ class Generator:
         *,
         final: bool,
         lease: PrefillLease | None = None,
+        reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None,
     ) -> Generation:
         """Run one generation, a new `Attempt` per try (retried on a timeout or an engine
         death). `lease`: a place in prefill the caller already holds (speculation), used by
-        the first attempt and released on every path. An attempt that already streamed text
-        is not retried (the text cannot be taken back)."""
+        the first attempt and released on every path. `reorder` (`reordering`): a
+        cache-ordered request, built again in the order of the tree when it opens. An attempt
+        that already streamed text is not retried (the text cannot be taken back)."""
         retries = 0
         while True:
-            attempt = self._attempt(prompt, sampling, emit, final, lease)
+            attempt = self._attempt(prompt, sampling, emit, final, lease, reorder)
             lease = None
             try:
                 generation = await self._run(attempt)
@@ -270,10 +327,12 @@ class Generator:
         emit: Emit | None,
         final: bool,
         lease: PrefillLease | None,
+        reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None,
     ) -> Attempt:
         lifecycle = self._lifecycle
+        score = lifecycle.score if reorder is None else lifecycle.score_ordered
         ticket = Ticket(
-            score=functools.partial(lifecycle.score, prompt),
+            score=functools.partial(score, prompt),
             blocked=functools.partial(lifecycle.blocked, prompt),
         )
         return Attempt(
@@ -285,6 +344,7 @@ class Generator:
             caller=emit,
             epoch=self._engines.epoch,
             lease=lease,
+            reorder=reorder,
         )
 
     async def _run(self, attempt: Attempt) -> Generation:
@@ -315,6 +375,8 @@ class Generator:
     def _open(self, attempt: Attempt) -> None:
         """Plan the request in the tree (`Lifecycle.open`)."""
         started = time.perf_counter()
+        if attempt.reorder is not None:
+            attempt.prompt = attempt.reorder(attempt.prompt)
         attempt.handle, attempt.plan = self._lifecycle.open(attempt.prompt, final=attempt.final)
         self._metrics.record_tree(self._lifecycle.tree.counters)
         attempt.timings["plan"] = time.perf_counter() - started

@@ -57,6 +57,14 @@ class Lifecycle:
         cached = self.tree.match(prompt.doc_specs, prompt.root_key).cached_tokens
         return cached, prompt.num_tokens - cached
 
+    def score_ordered(self, prompt: BuiltPrompt) -> tuple[int, int]:
+        """`score` of a `document_order="cache"` request: the hits of the order that follows
+        the cached path now (`KnowledgeTree.ordered_hits`, by document id), the order its
+        prompt is built in when it opens (`Generator.reordering`)."""
+        ids = [spec.key.doc_id for spec in prompt.doc_specs]
+        cached = self.tree.ordered_hits(ids, prompt.root_key)[1]
+        return cached, prompt.num_tokens - cached
+
     def blocked(self, prompt: BuiltPrompt) -> bool:
         """Whether the next document of the prompt's readable prefix is being written by a
         request in prefill (admission defers the prompt until it is readable)."""

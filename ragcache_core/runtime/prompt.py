@@ -71,6 +71,9 @@ class BuiltPrompt:
     root_key: RootKey | None = None
     moved_cuts: int = 0
     unplaced_docs: int = 0
+    order: tuple[int, ...] | None = None
+    """The served documents' retrieval ranks (`document_order="cache"`, `Generator.build`):
+    `doc_specs[i]` is the document retrieved at rank `order[i]`; None: retrieval order."""
 
     @property
     def token_ids(self) -> list[int]:

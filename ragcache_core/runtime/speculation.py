@@ -81,6 +81,11 @@ class _Run:
     """One speculative generation in flight on the engine."""
 
     documents: tuple[Document, ...]
+    """As retrieved at the stage it speculated on."""
+    served_ids: tuple[str, ...]
+    """The documents' ids in the order its prompt serves them."""
+    any_order: bool
+    """`document_order="cache"`: final documents in another retrieval order may reuse it."""
     task: asyncio.Task[Generation]
     started_at: float
     chunks: asyncio.Queue[StreamChunk]
@@ -131,12 +136,16 @@ class SpeculativeQuery:
         self.clock.observe(source, search_done - started)
         generation = await self._use(spec, final, emit, search_done)
         speculative = generation is not None
+        order = served_order(spec, final.documents) if spec and speculative else None
         hidden = (
             max(0.0, search_done - max(started, spec.started_at)) if spec and speculative else 0.0
         )
         if generation is None:
             prompt = self._generator.build(question, final.documents, sampling, framing)
-            generation = await self._generator.generate(prompt, sampling, emit, final=True)
+            reorder = self._generator.reordering(question, final.documents, sampling, framing)
+            generation = await self._generator.generate(
+                prompt, sampling, emit, final=True, reorder=reorder
+            )
         result = self._generator.finish(
             generation,
             final.documents,
@@ -144,8 +153,10 @@ class SpeculativeQuery:
             search_done=search_done,
             retrieval_s=search_done - started,
             speculative=speculative,
+            order=order,
         )
-        return dataclasses.replace(result, scores=final.scores, search_hidden_s=hidden)
+        scores = final.scores and tuple(final.scores[r] for r in result.retrieval_ranks)
+        return dataclasses.replace(result, scores=scores, search_hidden_s=hidden)
 
     async def _search(
         self,
@@ -208,7 +219,10 @@ class SpeculativeQuery:
         # A task cancelled before its first step never runs its cleanup: free the lease here.
         task.add_done_callback(lambda _: lease.release())
         self._metrics.record_speculation("started")
-        return _Run(documents, task, time.perf_counter(), chunks)
+        ranks = prompt.order or range(len(documents))
+        served = tuple(documents[rank].id for rank in ranks)
+        any_order = (framing.document_order or self._config.document_order) == "cache"
+        return _Run(documents, served, any_order, task, time.perf_counter(), chunks)
 
     async def _use(
         self, spec: _Run | None, final: StageResult, emit: Emit | None, search_done: float
@@ -217,7 +231,7 @@ class SpeculativeQuery:
         succeeded; otherwise it is aborted and None returned (run the final generation)."""
         if spec is None:
             return None
-        if tuple(d.id for d in spec.documents) != final.doc_ids:
+        if served_order(spec, final.documents) is None:
             await self._abort(spec)
             return None
         try:
@@ -242,6 +256,26 @@ class SpeculativeQuery:
         await _cancel(run)
         in_flight = time.perf_counter() - run.started_at
         self._metrics.record_speculation("aborted", in_flight_s=in_flight)
+
+
+def served_order(spec: _Run, final: tuple[Document, ...]) -> tuple[int, ...] | None:
+    """The final documents' retrieval ranks in the order the speculation's prompt serves
+    them when that prompt is the final one's, else None. In retrieval order the ids must match
+    one for one; with `document_order="cache"` the final documents, arranged as the
+    speculation ordered its own, must give the same prompt: the same ids, in any retrieval
+    order (the documents are compared by id, as the search stages name them)."""
+    ids = [doc.id for doc in final]
+    if not spec.any_order:
+        return tuple(range(len(ids))) if tuple(ids) == spec.served_ids else None
+    if sorted(ids) != sorted(spec.served_ids):
+        return None
+    free = list(range(len(ids)))
+    order = []
+    for doc_id in spec.served_ids:
+        rank = next(r for r in free if ids[r] == doc_id)
+        free.remove(rank)
+        order.append(rank)
+    return tuple(order)
 
 
 async def _cancel(run: _Run) -> None:

@@ -83,6 +83,13 @@ class CachedJob:
         return tuple(d.id for d in self.documents)
 
     @property
+    def document_order(self) -> str | None:
+        """The order to serve the documents in: found in the client's text, that text is the
+        client's prompt, so never reordered (issue 40); sent, the request's (None: the
+        server's `CacheConfig.document_order`)."""
+        return "retrieval" if self.found else self.framing.document_order
+
+    @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
@@ -184,7 +191,8 @@ def chat_job(request: ChatRequest, renderer: PromptRenderer, salt: str | None = 
         prompt = renderer.conversation(history, system_prompt) if history else None
     except InputError as exc:
         raise bad_request(str(exc), "messages") from None
-    framing = Framing(prompt or renderer.server_prompt(system_prompt), salt)
+    prompt = prompt or renderer.server_prompt(system_prompt)
+    framing = Framing(prompt, salt, document_order=request.document_order)
     return _cached(renderer, question, documents, "messages", framing)
 
 

@@ -16,8 +16,8 @@ outcome counted, and the OpenAI bodies it is written in. Shared by every route t
   TTFT. A stream carries it on its last choice chunk (the one with `finish_reason`):
 
     "ragcache": {"cached": true, "uncached_reason": null, "documents": ["d1", "d2"],
-                 "found_documents": false, "cache_hits": {...}, "ttft_s": 0.05,
-                 "queue_wait_s": 0.0, "prompt_tokens": 212}
+                 "retrieval_ranks": [0, 1], "found_documents": false, "cache_hits": {...},
+                 "ttft_s": 0.05, "queue_wait_s": 0.0, "prompt_tokens": 212}
 
   Every `usage` (a whole answer's, and a stream's closing usage chunk when
   `stream_options.include_usage` asks for one) carries `prompt_tokens_details.cached_tokens`,
@@ -408,10 +408,13 @@ class Reply:
 
 
 def cache_report(job: Job, result: QueryResult) -> dict[str, Any]:
+    """The `ragcache` extension; `documents` as the model read them (`document_order`)."""
+    cached = isinstance(job, CachedJob)
     return {
-        "cached": isinstance(job, CachedJob),
+        "cached": cached,
         "uncached_reason": None if isinstance(job, CachedJob) else job.reason,
-        "documents": list(job.doc_ids),
+        "documents": [d.id for d in result.sources] if cached else list(job.doc_ids),
+        "retrieval_ranks": list(result.retrieval_ranks),
         "found_documents": isinstance(job, CachedJob) and job.found,
         "cache_hits": dataclasses.asdict(result.hits),
         "ttft_s": result.ttft_s,

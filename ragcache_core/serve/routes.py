@@ -185,6 +185,7 @@ def open_stream(cache: RAGCache, job: Job, sampling: SamplingConfig) -> AsyncIte
             sampling=sampling,
             prompt=job.framing.prompt,
             cache_salt=job.framing.cache_salt,
+            document_order=job.document_order,
         )
     return cache.astream_uncached(job.prompt_ids, sampling=sampling)
 
@@ -200,6 +201,7 @@ def whole_answer(cache: RAGCache, job: Job, sampling: SamplingConfig) -> Awaitab
             sampling=sampling,
             prompt=job.framing.prompt,
             cache_salt=job.framing.cache_salt,
+            document_order=job.document_order,
         )
     return cache.agenerate_uncached(job.prompt_ids, sampling=sampling)
 
@@ -239,7 +241,8 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
     sampling = _rag_sampling(body, cache.config.sampling, state.settings.config.max_model_len)
     try:
         prompt = None if body.prompt is None else AppPrompt.from_json(body.prompt)
-        framing = Framing(prompt, state.salt_for(request, body.cache_salt))
+        salt = state.salt_for(request, body.cache_salt)
+        framing = Framing(prompt, salt, document_order=body.document_order)
     except InputError as exc:
         raise bad_request(str(exc), "prompt") from None
     place = state.enter(QUERY)  # a full server refuses before any work
@@ -271,6 +274,7 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
             prompt=prompt,
             cache_salt=salt,
             return_prompt=shown,
+            document_order=body.document_order,
         )
         return responses.streamed(state, QUERY, place, _rag_events(chunks), "question")
     if documents is None:
@@ -281,6 +285,7 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
             prompt=prompt,
             cache_salt=salt,
             return_prompt=shown,
+            document_order=body.document_order,
         )
     else:
         work = cache.agenerate(
@@ -290,6 +295,7 @@ async def rag_query(body: RagQueryRequest, request: Request) -> Response:
             prompt=prompt,
             cache_salt=salt,
             return_prompt=shown,
+            document_order=body.document_order,
         )
     return await responses.whole(state, request, QUERY, place, work, result_to_json, "question")
 

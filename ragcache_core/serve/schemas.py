@@ -162,6 +162,10 @@ CHAT_FIELDS: dict[str, Treatment] = {
         "with ids: RAGCache's documents (cached); without: the chat template's documents "
         "(uncached, as vLLM)"
     ),
+    "document_order": _h(
+        "RAGCache's: retrieval (the documents as sent) or cache (the order that follows the "
+        "cached path; null: the server's --document-order); documents found in the text: never"
+    ),
     "include_reasoning": _i("no reasoning parser"),
     "parallel_tool_calls": _i("no tool parser (tools are refused)"),
     "tools": _r("no tool parser (vllm serve needs --enable-auto-tool-choice)", None),
@@ -190,7 +194,7 @@ COMPLETION_FIELDS: dict[str, Treatment] = {
     "prompt_embeds": _r("token ids or text only", None),
     "add_special_tokens": _r("a string prompt is tokenized with special tokens", True, None),
 }
-EXTENSIONS = {"completion": ("documents",), "chat": ()}
+EXTENSIONS = {"completion": ("documents",), "chat": ("document_order",)}
 """RAGCache's fields that vLLM's models lack (chat's `documents` is vLLM's field too)."""
 GUIDED_FIELDS = (
     "guided_json",
@@ -518,6 +522,8 @@ class ChatRequest(_OpenAIRequest):
     max_completion_tokens: int | None = None
     template_documents: list[TemplateDocument] | None = None
     """vLLM-shaped `documents` (no `id`): passed to the chat template (module docstring)."""
+    document_order: Literal["retrieval", "cache"] | None = None
+    """RAGCache's: the order the prompt shows the sent documents in (None: the server's)."""
     include_reasoning: bool = True
     parallel_tool_calls: bool | None = True
     tools: Any = None
@@ -728,6 +734,8 @@ class RagQueryRequest(BaseModel):
     cache_salt: NonEmpty | None = None
     return_prompt: bool = False
     """Put the prompt as the model saw it in the result (`QueryResult.prompt_text`)."""
+    document_order: Literal["retrieval", "cache"] | None = None
+    """The prompt's document order (None: the server's `--document-order`)."""
 
 
 class InvalidateRequest(BaseModel):

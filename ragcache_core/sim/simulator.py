@@ -21,6 +21,7 @@ from ragcache_core.runtime.reorder import make_queue
 from ragcache_core.trace import TraceRequest
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RequestHandle, RootKey
 
+SIM_DOCUMENT_ORDERS = ("retrieval", "cache", "sorted", "first_seen")
 SIM_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
 
 
@@ -36,8 +37,17 @@ class SimConfig:
     window: int = 16
     page_size: int = 1
     store_policy: str = "always"
+    document_order: str = "retrieval"
+    """"retrieval", "cache" (`KnowledgeTree.cache_order` when the request begins), or the two
+    canonical orders measured against it (simulator only): "sorted" (by document id) and
+    "first_seen" (by when the run first met each document, scored or served)."""
 
     def __post_init__(self) -> None:
+        if self.document_order not in SIM_DOCUMENT_ORDERS:
+            raise ConfigError(
+                f"unknown document_order {self.document_order!r}; "
+                f"choose one of {', '.join(SIM_DOCUMENT_ORDERS)}"
+            )
         if self.max_prefill_bs < 1:
             raise ConfigError(f"max_prefill_bs must be >= 1, got {self.max_prefill_bs}")
         for name in ("gpu_tokens", "host_tokens", "system_tokens"):
@@ -93,6 +103,7 @@ class Simulator:
             max_depth=config.max_depth,
             store_policy=config.store_policy,
         )
+        self._first_seen: dict[str, int] = {}
 
     @staticmethod
     def specs(request: TraceRequest) -> list[DocSpec]:
@@ -102,9 +113,27 @@ class Simulator:
             for doc, n in zip(request.docs, request.doc_tokens, strict=True)
         ]
 
-    def score(self, request: TraceRequest) -> tuple[int, int]:
-        """(cached tokens, tokens to compute) of `request` against the cache now."""
+    def served_specs(self, request: TraceRequest) -> list[DocSpec]:
+        """`request`'s documents in the order the prompt serves them (`document_order`)
+        against the cache now."""
         specs = self.specs(request)
+        order = self.config.document_order
+        if order == "cache":
+            ranks = self.cache.cache_order(specs)
+            return [specs[rank] for rank in ranks]
+        if order == "sorted":
+            return sorted(specs, key=lambda spec: spec.key.doc_id)
+        if order == "first_seen":
+            seen = self._first_seen
+            for spec in specs:
+                seen.setdefault(spec.key.doc_id, len(seen))
+            return sorted(specs, key=lambda spec: seen[spec.key.doc_id])
+        return specs
+
+    def score(self, request: TraceRequest) -> tuple[int, int]:
+        """(cached tokens, tokens to compute) of `request` against the cache now, in the
+        order it would be served now (the reordering queue scores with the same order)."""
+        specs = self.served_specs(request)
         if self.config.max_depth is not None:
             specs = specs[: self.config.max_depth]
         cached = self.cache.cached_tokens(specs)
@@ -140,7 +169,7 @@ class Simulator:
         Returns the batch time."""
         cfg = self.config
         handles = [
-            self.cache.begin_request(cfg.system_tokens, self.specs(r), r.question_tokens)
+            self.cache.begin_request(cfg.system_tokens, self.served_specs(r), r.question_tokens)
             for r in batch
         ]
         batch_s = 0.0

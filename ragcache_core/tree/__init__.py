@@ -19,6 +19,7 @@ from ragcache_core.tree.allocator import SlotAllocator
 from ragcache_core.tree.integrity import IntegrityError
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.knowledge_tree import KnowledgeTree
+from ragcache_core.tree.order import apply_order, cache_order
 from ragcache_core.tree.request import RequestHandle, RequestState
 from ragcache_core.tree.results import CacheStats, MatchResult, TierHit, TreeCounters
 
@@ -35,7 +36,9 @@ __all__ = [
     "SlotAllocator",
     "TierHit",
     "TreeCounters",
+    "apply_order",
     "bytes_for_tokens",
+    "cache_order",
     "kv_bytes_per_token",
     "slots_for_tokens",
     "slots_in_tokens",

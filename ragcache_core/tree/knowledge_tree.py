@@ -33,6 +33,7 @@ from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.node import Node
+from ragcache_core.tree.order import ordered_hits
 from ragcache_core.tree.placement import Placement
 from ragcache_core.tree.planner import STORE_POLICIES, Planner
 from ragcache_core.tree.prefix import PrefixTree, match_result, readable_prefix
@@ -194,6 +195,22 @@ class KnowledgeTree:
                 break
             total += node.num_tokens
         return total
+
+    def cache_order(
+        self, docs: Sequence[DocSpec | str], root_key: RootKey | None = None
+    ) -> tuple[int, ...]:
+        """The order of `docs` (given in retrieval order) that follows this tree's readable
+        cached path under `root_key`, as retrieval ranks (`tree.order.cache_order`; bounded by
+        `max_depth`; a bare document id matches any node of that id). Does not modify the cache."""
+        return ordered_hits(self._prefixes, docs, root_key, self.max_depth)[0]
+
+    def ordered_hits(
+        self, docs: Sequence[DocSpec | str], root_key: RootKey | None = None
+    ) -> tuple[tuple[int, ...], int]:
+        """`cache_order(docs, root_key)` and the cached tokens that order reads, the root's
+        included (the reordering queue's score of a cache-ordered request). Does not modify
+        the cache."""
+        return ordered_hits(self._prefixes, docs, root_key, self.max_depth)
 
     @property
     def num_nodes(self) -> int:

@@ -45,7 +45,7 @@ from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.results import QueryResult
-from ragcache_integrations.langchain.llm import DocumentMemory, say_uncached, watched
+from ragcache_integrations.langchain.llm import FOUND_ORDER, DocumentMemory, say_uncached, watched
 from ragcache_integrations.langchain.prompts import message_dict
 from ragcache_integrations.langchain.traces import ai_message, response_metadata, usage_metadata
 
@@ -131,6 +131,7 @@ class RAGCacheChatModel(BaseChatModel):
             sampling=request.sampling,
             prompt=request.prompt,
             cache_salt=self.cache_salt,
+            document_order=FOUND_ORDER,
         )
         return self._result(result)
 
@@ -148,6 +149,7 @@ class RAGCacheChatModel(BaseChatModel):
             sampling=request.sampling,
             prompt=request.prompt,
             cache_salt=self.cache_salt,
+            document_order=FOUND_ORDER,
         )
         return self._result(result)
 
@@ -165,6 +167,7 @@ class RAGCacheChatModel(BaseChatModel):
             sampling=request.sampling,
             prompt=request.prompt,
             cache_salt=self.cache_salt,
+            document_order=FOUND_ORDER,
         )
         for piece in pieces:
             chunk = self._chunk(piece.delta, piece.result)
@@ -186,6 +189,7 @@ class RAGCacheChatModel(BaseChatModel):
             sampling=request.sampling,
             prompt=request.prompt,
             cache_salt=self.cache_salt,
+            document_order=FOUND_ORDER,
         )
         async for piece in pieces:
             chunk = self._chunk(piece.delta, piece.result)

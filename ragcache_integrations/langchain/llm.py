@@ -55,6 +55,12 @@ from ragcache_integrations.langchain.documents import to_ragcache
 logger = logging.getLogger(__name__)
 
 
+FOUND_ORDER = "retrieval"
+"""The chat model and the LLM find the documents in text the app already formatted: that text
+is the app's prompt, so its documents are never reordered (issue 40), whatever
+`CacheConfig.document_order` says. For a cache-ordered prompt, use `RAGCacheRunnable`."""
+
+
 @dataclass(frozen=True)
 class PromptSplit:
     """A rendered prompt taken apart: the documents found in it, in prompt order, and the
@@ -253,7 +259,12 @@ class RAGCacheLLM(LLM):
         for prompt in prompts:
             question, documents, sampling, app = self._request(prompt, stop)
             result = self.ragcache.generate(
-                question, documents, sampling=sampling, prompt=app, cache_salt=self.cache_salt
+                question,
+                documents,
+                sampling=sampling,
+                prompt=app,
+                cache_salt=self.cache_salt,
+                document_order=FOUND_ORDER,
             )
             generations.append([Generation(text=result.answer, generation_info=_info(result))])
         return LLMResult(generations=generations)
@@ -269,7 +280,12 @@ class RAGCacheLLM(LLM):
         for prompt in prompts:
             question, documents, sampling, app = self._request(prompt, stop)
             result = await self.ragcache.agenerate(
-                question, documents, sampling=sampling, prompt=app, cache_salt=self.cache_salt
+                question,
+                documents,
+                sampling=sampling,
+                prompt=app,
+                cache_salt=self.cache_salt,
+                document_order=FOUND_ORDER,
             )
             generations.append([Generation(text=result.answer, generation_info=_info(result))])
         return LLMResult(generations=generations)
@@ -283,7 +299,12 @@ class RAGCacheLLM(LLM):
     ) -> Iterator[GenerationChunk]:
         question, documents, sampling, app = self._request(prompt, stop)
         pieces = self.ragcache.stream(
-            question, documents=documents, sampling=sampling, prompt=app, cache_salt=self.cache_salt
+            question,
+            documents=documents,
+            sampling=sampling,
+            prompt=app,
+            cache_salt=self.cache_salt,
+            document_order=FOUND_ORDER,
         )
         for piece in pieces:
             chunk = _chunk(piece.delta, piece.result)
@@ -300,7 +321,12 @@ class RAGCacheLLM(LLM):
     ) -> AsyncIterator[GenerationChunk]:
         question, documents, sampling, app = self._request(prompt, stop)
         pieces = self.ragcache.astream(
-            question, documents=documents, sampling=sampling, prompt=app, cache_salt=self.cache_salt
+            question,
+            documents=documents,
+            sampling=sampling,
+            prompt=app,
+            cache_salt=self.cache_salt,
+            document_order=FOUND_ORDER,
         )
         async for piece in pieces:
             chunk = _chunk(piece.delta, piece.result)

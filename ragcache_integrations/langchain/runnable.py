@@ -48,7 +48,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from ragcache_core.api import RAGCacheAPI, require_cache
 from ragcache_core.app_prompt import NO_FRAMING, Framing
-from ragcache_core.config import SamplingConfig
+from ragcache_core.config import SamplingConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, wrong_type
 from ragcache_core.results import QueryResult
@@ -102,12 +102,22 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
     question_key: str | None = None
     history_key: str = "chat_history"
     cache_salt: str | None = None
+    document_order: str | None = None
+    """"retrieval" or "cache" (None: the cache's `CacheConfig.document_order`): the order the
+    prompt shows the documents in; the "ragcache" event's documents follow the served order.
+    An app's own reordering (LangChain's `LongContextReorder`) runs before and wins unless it
+    asks for "cache"."""
     _warned_no_context: bool = PrivateAttr(default=False)
 
     @field_validator("cache", mode="before")
     @classmethod
     def _check_cache(cls, value: Any) -> Any:
         return require_cache(value, "RAGCacheRunnable(cache=...)")
+
+    @field_validator("document_order")
+    @classmethod
+    def _check_order(cls, value: str | None) -> str | None:
+        return None if value is None else check_document_order(value)
 
     @field_validator("search")
     @classmethod
@@ -126,6 +136,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
         sampling: SamplingConfig | None = None,
         prompt: Any = None,
         cache_salt: str | None = None,
+        document_order: str | None = None,
         **search_options: Any,
     ) -> RAGCacheRunnable:
         """A runnable that retrieves from `vectorstore` itself (input: the question, or a dict
@@ -143,6 +154,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
             sampling=sampling,
             prompt=prompt,
             cache_salt=cache_salt,
+            document_order=document_order,
         )
 
     # ------------------------------------------------------------------ Runnable interface
@@ -202,6 +214,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
                 prompt=framing.prompt,
                 cache_salt=framing.cache_salt,
                 return_prompt=shown,
+                document_order=self.document_order,
             )
         else:
             result = self.cache.generate(
@@ -211,6 +224,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
                 prompt=framing.prompt,
                 cache_salt=framing.cache_salt,
                 return_prompt=shown,
+                document_order=self.document_order,
             )
         if shown:
             report_llm_run(llm_runs, LLM_RUN_NAME, self.cache.model, result)
@@ -235,6 +249,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
                 prompt=framing.prompt,
                 cache_salt=framing.cache_salt,
                 return_prompt=shown,
+                document_order=self.document_order,
             )
         else:
             result = await self.cache.agenerate(
@@ -244,6 +259,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
                 prompt=framing.prompt,
                 cache_salt=framing.cache_salt,
                 return_prompt=shown,
+                document_order=self.document_order,
             )
         if shown:
             await areport_llm_run(llm_runs, LLM_RUN_NAME, self.cache.model, result)
@@ -293,6 +309,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
             "prompt": framing.prompt,
             "cache_salt": framing.cache_salt,
             "return_prompt": shown,
+            "document_order": self.document_order,
         }
         if documents is None:
             return {**args, "search": self.search, "top_k": self.k}
@@ -383,7 +400,11 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
 
     @staticmethod
     def _report(result: QueryResult) -> dict[str, Any]:
-        return {**result.report(), "sources": [to_langchain(d) for d in result.sources]}
+        return {
+            **result.report(),
+            "sources": [to_langchain(d) for d in result.sources],  # as served
+            "retrieval_ranks": list(result.retrieval_ranks),
+        }
 
 
 def _documents(context: object) -> tuple[Document, ...]:

@@ -50,7 +50,7 @@ from llama_index.core.settings import Settings
 
 from ragcache_core.api import RAGCacheAPI, require_cache
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
-from ragcache_core.config import SamplingConfig
+from ragcache_core.config import SamplingConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.results import QueryResult
@@ -82,6 +82,7 @@ class RAGCacheChatEngine(BaseChatEngine):
         chat_history: Sequence[ChatMessage] | None = None,
         sampling: SamplingConfig | None = None,
         cache_salt: str | None = None,
+        document_order: str | None = None,
         callback_manager: CallbackManager | None = None,
     ) -> None:
         self._cache = require_cache(cache, "as_chat_engine(index, cache=...)")
@@ -104,6 +105,7 @@ class RAGCacheChatEngine(BaseChatEngine):
         self._condense = condense_template or DEFAULT_CONDENSE_PROMPT_TEMPLATE
         self._sampling = sampling
         self._salt = cache_salt
+        self._order = None if document_order is None else check_document_order(document_order)
         self._history: list[ChatMessage] = list(chat_history or ())
         self._lock = threading.Lock()
 
@@ -126,9 +128,14 @@ class RAGCacheChatEngine(BaseChatEngine):
         nodes = self._retriever.retrieve(searched)
         app, documents = self._prompt(history, nodes)
         result = self._cache.generate(
-            message, documents, sampling=self._sampling, prompt=app, cache_salt=self._salt
+            message,
+            documents,
+            sampling=self._sampling,
+            prompt=app,
+            cache_salt=self._salt,
+            document_order=self._order,
         )
-        self._events(app, message, documents, result)
+        self._events(app, message, result.sources, result)
         return self._reply(message, result, nodes, searched, keep=chat_history is None)
 
     async def achat(
@@ -139,9 +146,14 @@ class RAGCacheChatEngine(BaseChatEngine):
         nodes = await self._retriever.aretrieve(searched)
         app, documents = self._prompt(history, nodes)
         result = await self._cache.agenerate(
-            message, documents, sampling=self._sampling, prompt=app, cache_salt=self._salt
+            message,
+            documents,
+            sampling=self._sampling,
+            prompt=app,
+            cache_salt=self._salt,
+            document_order=self._order,
         )
-        self._events(app, message, documents, result)
+        self._events(app, message, result.sources, result)
         return self._reply(message, result, nodes, searched, keep=chat_history is None)
 
     def stream_chat(
@@ -244,6 +256,8 @@ class RAGCacheChatEngine(BaseChatEngine):
                 self._history.append(ChatMessage(role=MessageRole.USER, content=message))
                 self._history.append(ChatMessage(role=MessageRole.ASSISTANT, content=result.answer))
         metadata = {**result.report(), "searched": searched}
+        if len(result.retrieval_ranks) == len(nodes):  # as served (document_order="cache")
+            nodes = [nodes[rank] for rank in result.retrieval_ranks]
         return AgentChatResponse(response=result.answer, source_nodes=nodes, metadata=metadata)
 
 
@@ -265,8 +279,9 @@ def as_chat_engine(
 ) -> RAGCacheChatEngine:
     """`index.as_chat_engine(...)` answered by RAGCache (see the module docstring). `options`:
     similarity_top_k, system_prompt, context_template, condense_template, chat_history,
-    sampling, cache_salt, callback_manager; any other keyword raises `TypeError` naming it
-    (LlamaIndex's own would drop it silently)."""
+    sampling, cache_salt, document_order ("retrieval" or "cache": the prompt's document order;
+    source nodes follow the served order), callback_manager; any other keyword raises
+    `TypeError` naming it (LlamaIndex's own would drop it silently)."""
     from ragcache_integrations.llama_index.query_engine import check_index
 
     check_index(index)
@@ -278,6 +293,7 @@ def as_chat_engine(
         "chat_history",
         "sampling",
         "cache_salt",
+        "document_order",
         "callback_manager",
     }
     unknown = sorted(set(options) - known)

@@ -47,6 +47,7 @@ ENGINE_KEYWORDS = (
     "prompt",
     "sampling",
     "cache_salt",
+    "document_order",
 )
 """What `as_query_engine(index, cache=...)` takes besides the search adapter's keywords."""
 SEARCH_KEYWORDS = ("embed_model", "nprobe", "plan", "ef_search")

@@ -55,7 +55,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from ragcache_core.api import RAGCacheAPI, require_cache
 from ragcache_core.app_prompt import AppPrompt
-from ragcache_core.config import PromptConfig, SamplingConfig
+from ragcache_core.config import PromptConfig, SamplingConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, wrong_type
 from ragcache_core.results import QueryResult, StreamChunk
@@ -87,7 +87,11 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     `index`, when given, is where `source_nodes` are looked up, so they are the index's own
     nodes (relationships included). `app_prompt` is the prompt it renders (`prompt.app_prompt`:
     LlamaIndex's own QA template by default, nodes with their metadata as LlamaIndex shows them);
-    `cache_salt` keeps a tenant's KV apart. `node_postprocessors` run on the final top-k
+    `cache_salt` keeps a tenant's KV apart. `document_order` ("retrieval" or "cache"; None:
+    the cache's `CacheConfig.document_order`) is the order the prompt shows the documents in;
+    `source_nodes` follow the served order (a streamed response's, once the answer ended). An
+    app's own reordering postprocessor (`LongContextReorder`) runs first and wins unless the
+    engine asks for "cache". `node_postprocessors` run on the final top-k
     (speculation off, `can_speculate`); `prompt_template` is the LlamaIndex QA template the app
     gave (reported by `get_prompts()`). The engine holds no per-query state: one engine may
     serve many concurrent queries (`update_prompts` changes the prompt for the queries that
@@ -101,6 +105,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     streaming: bool = False
     app_prompt: AppPrompt | None = Field(default=None, exclude=True)
     cache_salt: str | None = None
+    document_order: str | None = None
     index: VectorStoreIndex | None = Field(default=None, exclude=True)
     node_postprocessors: list[BaseNodePostprocessor] = Field(default_factory=list, exclude=True)
     response_mode: ResponseMode = ResponseMode.COMPACT
@@ -161,6 +166,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         prompt: BasePromptTemplate | str | PromptConfig | None = None,
         sampling: SamplingConfig | None = None,
         cache_salt: str | None = None,
+        document_order: str | None = None,
         **search_options: Any,
     ) -> RAGCacheQueryEngine:
         """An engine over `index`'s vector store. `text_qa_template` (LlamaIndex's name) or
@@ -193,6 +199,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             streaming=streaming,
             app_prompt=rendered,
             cache_salt=cache_salt,
+            document_order=_checked_order(document_order),
             index=index,
             node_postprocessors=postprocessors,
             response_mode=mode,
@@ -216,6 +223,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         prompt: BasePromptTemplate | str | PromptConfig | None = None,
         sampling: SamplingConfig | None = None,
         cache_salt: str | None = None,
+        document_order: str | None = None,
     ) -> RAGCacheQueryEngine:
         """An engine over any LlamaIndex retriever (metadata filters, hybrid search, ...).
         The retriever runs as one search step (RAGCache cannot speculate) and decides k.
@@ -246,6 +254,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             streaming=streaming,
             app_prompt=rendered,
             cache_salt=cache_salt,
+            document_order=_checked_order(document_order),
             node_postprocessors=postprocessors,
             response_mode=mode,
             prompt_template=template,
@@ -282,12 +291,13 @@ class RAGCacheQueryEngine(CustomQueryEngine):
                 sampling=self.sampling,
                 prompt=prompt,
                 cache_salt=self.cache_salt,
+                document_order=self.document_order,
             )
             first = next(chunks)  # the search is over once anything arrives: sources are known
             nodes = self._nodes_from_search(source)
             metadata: dict[str, Any] = {}
             call = self._stream_call(query_str, source, nodes, prompt)
-            gen = self._sync_deltas(first, chunks, metadata, call)
+            gen = self._sync_deltas(first, chunks, metadata, call, nodes)
             return StreamingResponse(gen, source_nodes=nodes, metadata=metadata)
         result = self.cache.query(
             query_str,
@@ -296,6 +306,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             sampling=self.sampling,
             prompt=prompt,
             cache_salt=self.cache_salt,
+            document_order=self.document_order,
         )
         return self._response(query_str, result, source, prompt)
 
@@ -310,12 +321,13 @@ class RAGCacheQueryEngine(CustomQueryEngine):
                 sampling=self.sampling,
                 prompt=prompt,
                 cache_salt=self.cache_salt,
+                document_order=self.document_order,
             )
             first = await anext(chunks)
             nodes = self._nodes_from_search(source)
             metadata: dict[str, Any] = {}
             call = self._stream_call(query_str, source, nodes, prompt)
-            agen = self._async_deltas(first, chunks, metadata, call)
+            agen = self._async_deltas(first, chunks, metadata, call, nodes)
             return AsyncStreamingResponse(agen, source_nodes=nodes, metadata=metadata)
         result = await self.cache.aquery(
             query_str,
@@ -324,6 +336,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             sampling=self.sampling,
             prompt=prompt,
             cache_salt=self.cache_salt,
+            document_order=self.document_order,
         )
         return self._response(query_str, result, source, prompt)
 
@@ -341,7 +354,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         source: RecordingSource,
         prompt: AppPrompt | None,
     ) -> Response:
-        nodes = self._nodes(result.sources, source)
+        nodes = self._nodes(result.sources, source, result.retrieval_ranks)
         self._retrieval_done(query_str, nodes)
         call = self._llm_call(query_str, result.sources, prompt)
         call.start()
@@ -359,7 +372,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
 
     def _nodes_from_search(self, source: RecordingSource) -> list[NodeWithScore]:
         final = source.final
-        return self._nodes(final.documents if final is not None else (), source)
+        return self._nodes(final.documents if final is not None else (), source, ())
 
     def _sync_deltas(
         self,
@@ -367,9 +380,10 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         chunks: Iterator[StreamChunk],
         metadata: dict[str, Any],
         call: LLMCall,
+        nodes: list[NodeWithScore],
     ) -> Generator[str, None, None]:
         for chunk in _chain(first, chunks):
-            if delta := self._take(chunk, metadata, call):
+            if delta := self._take(chunk, metadata, call, nodes):
                 yield delta
 
     async def _async_deltas(
@@ -378,19 +392,30 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         chunks: AsyncIterator[StreamChunk],
         metadata: dict[str, Any],
         call: LLMCall,
+        nodes: list[NodeWithScore],
     ) -> AsyncGenerator[str, None]:
-        if delta := self._take(first, metadata, call):
+        if delta := self._take(first, metadata, call, nodes):
             yield delta
         async for chunk in chunks:
-            if delta := self._take(chunk, metadata, call):
+            if delta := self._take(chunk, metadata, call, nodes):
                 yield delta
 
-    def _take(self, chunk: StreamChunk, metadata: dict[str, Any], call: LLMCall) -> str:
+    def _take(
+        self,
+        chunk: StreamChunk,
+        metadata: dict[str, Any],
+        call: LLMCall,
+        nodes: list[NodeWithScore],
+    ) -> str:
         """The chunk's text (an in-progress LLM event); the last chunk also fills the
-        response's metadata in place and ends the LLM event."""
+        response's metadata in place, puts its source nodes in the served order (they are
+        known before the answer, the order only once it is served) and ends the LLM event."""
         if chunk.delta:
             call.progress(chunk.delta)
         if chunk.result is not None:
+            ranks = chunk.result.retrieval_ranks
+            if len(ranks) == len(nodes):
+                nodes[:] = [nodes[rank] for rank in ranks]
             metadata.update(self._metadata(chunk.result))
             call.end(chunk.result)
         return chunk.delta
@@ -417,10 +442,15 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             logger.warning("the retriever found no documents: answering without context")
 
     def _nodes(
-        self, documents: tuple[Document, ...], source: RecordingSource
+        self, documents: tuple[Document, ...], source: RecordingSource, ranks: tuple[int, ...]
     ) -> list[NodeWithScore]:
+        """The response's source nodes, in the order `documents` were served (`ranks`: their
+        retrieval ranks)."""
         if source.nodes is not None:  # the postprocessors' own nodes and scores
-            return list(source.nodes)
+            nodes = list(source.nodes)
+            if len(ranks) == len(nodes):  # as served (document_order="cache")
+                nodes = [nodes[rank] for rank in ranks]
+            return nodes
         scores = source.scores()
         return [NodeWithScore(node=self._node(d), score=scores.get(d.id)) for d in documents]
 
@@ -434,6 +464,11 @@ class RAGCacheQueryEngine(CustomQueryEngine):
 
     def _metadata(self, result: QueryResult) -> dict[str, Any]:
         return {**result.report(), "can_speculate": self.can_speculate, "ragcache_result": result}
+
+
+def _checked_order(order: str | None) -> str | None:
+    """The engine's `document_order`, checked at construction (`InputError` naming it)."""
+    return None if order is None else check_document_order(order)
 
 
 def _qa_template(
