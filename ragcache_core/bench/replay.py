@@ -197,13 +197,13 @@ def _row(
 def print_rows(rows: list[ReplayRow], out: Any) -> None:
     """One line per system: engine and simulator, token and document-token hit rates."""
     print(
-        f"{'workload':<14} {'system':<20} {'pts':>3}  {'tokens eng/sim':>15}  "
+        f"{'workload':<14} {'system':<22} {'pts':>3}  {'tokens eng/sim':>15}  "
         f"{'doc tokens eng/sim':>19}  {'gap':>6}  {'prompt eng/sim':>15}",
         file=out,
     )
     for r in rows:
         print(
-            f"{r.workload:<14} {r.system:<20} {r.points:>3}  "
+            f"{r.workload:<14} {r.system:<22} {r.points:>3}  "
             f"{r.engine_token_hit_rate:>7.1%}/{r.sim.token_hit_rate:<7.1%}  "
             f"{r.engine_doc_token_hit_rate:>9.1%}/{r.sim.doc_token_hit_rate:<9.1%}  "
             f"{r.gap_points:>+5.1f}p  "
