@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ragcache_core.errors import ConfigError, InputError
-from ragcache_core.sim.blocks import BlockHasher, BlockPool
+from ragcache_core.sim.blocks import BlockHasher, BlockPool, TokenIds
 from ragcache_core.sim.engine import EngineConfig, EngineRequest, EngineSimulator
 from ragcache_core.tree import DocKey, DocSpec
 
@@ -78,6 +78,10 @@ def test_block_names_chain_on_the_prefix() -> None:
     c = hasher.hashes([("other", 2), ("doc", 6)])
     assert len(a) == 2 and b[:2] == a and len(b) == 2  # a partial block has no name
     assert not set(a) & set(c)  # the same document after another root: other blocks
+    # Known ids are named by the ids: two questions after the same fixed text share its block.
+    q1 = hasher.hashes([("doc", 6), (TokenIds((1, 2, 3, 4, 5, 9)), 6)])
+    q2 = hasher.hashes([("doc", 6), (TokenIds((1, 2, 3, 4, 5, 8)), 6)])
+    assert q1[:2] == q2[:2] and q1[2] != q2[2]
 
 
 def _doc(name: str, tokens: int) -> DocSpec:

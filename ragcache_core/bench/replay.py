@@ -33,6 +33,7 @@ from ragcache_core.bench.serve import SYSTEMS, resolved
 from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS, index_source, load_workload
 from ragcache_core.config import CacheConfig
 from ragcache_core.errors import InputError
+from ragcache_core.sim.blocks import TokenIds
 from ragcache_core.sim.engine import EngineConfig, EngineRequest, EngineResult, EngineSimulator
 
 GIB = 1 << 30
@@ -123,8 +124,8 @@ def _stream(settings: dict[str, Any], run: dict[str, Any]) -> list[EngineRequest
             assert source is not None
             documents = final_result(source, request.question, workload.top_k).documents
         built = prompts.build(request.question, documents)
-        rest = built.question_ids
-        requests.append(EngineRequest(len(built.root_ids), built.doc_specs, len(rest), rest))
+        rest = TokenIds(built.question_ids)  # the template's text after the documents, too
+        requests.append(EngineRequest(len(built.root_ids), built.doc_specs, len(rest.ids), rest))
     return requests
 
 

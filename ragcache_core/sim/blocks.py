@@ -20,6 +20,7 @@ compares them. Not thread-safe.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from ragcache_core.errors import ConfigError
 
@@ -168,8 +169,17 @@ class BlockPool:
         self.evictions += 1
 
 
+@dataclass(frozen=True, slots=True)
+class TokenIds:
+    """A run of known token ids: its blocks are named by the ids themselves, so two runs
+    that share leading ids share those blocks (the prompt's fixed text before a question)."""
+
+    ids: tuple[int, ...]
+
+
 Segment = tuple[Hashable, int]
-"""(content, tokens): a run of tokens named by what they are (a document key, the root, ...)."""
+"""(content, tokens): a run of tokens named by what they are (a document key, the root, ...),
+or a `TokenIds` and its length."""
 
 
 class BlockHasher:
@@ -195,7 +205,10 @@ class BlockHasher:
             offset = 0
             while offset < length:
                 take = min(size - filled, length - offset)
-                piece.append((content, offset, offset + take))
+                if isinstance(content, TokenIds):
+                    piece.append((content.ids[offset : offset + take], 0, take))
+                else:
+                    piece.append((content, offset, offset + take))
                 offset += take
                 filled += take
                 if filled == size:

@@ -34,7 +34,7 @@ from ragcache_core.capacity import slots_in_tokens
 from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.engine.connector.window import EvictionWindow
 from ragcache_core.errors import ConfigError
-from ragcache_core.sim.blocks import Block, BlockHasher, BlockPool, Segment
+from ragcache_core.sim.blocks import Block, BlockHasher, BlockPool, Segment, TokenIds
 from ragcache_core.tree import DocSpec, KnowledgeTree, RootKey
 
 ENGINE_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
@@ -82,7 +82,8 @@ class EngineConfig:
 class EngineRequest:
     """One prompt: root (template and system prompt) tokens, documents, question tokens.
     `question` names the question's tokens (the same value: the same tokens, so a repeated
-    request can hit its question and answer blocks in vLLM's cache)."""
+    request can hit its question and answer blocks in vLLM's cache); a `TokenIds` gives the
+    ids themselves (a replay's), so the prompt's fixed text after the documents is shared."""
 
     root_tokens: int
     docs: tuple[DocSpec, ...]
@@ -174,7 +175,10 @@ class EngineSimulator:
             self.window.take_lease(plan.lease)
         segments: list[Segment] = [("root", request.root_tokens)]
         segments += [(spec.key, spec.num_tokens) for spec in request.docs]
-        segments.append((("question", request.question), request.question_tokens))
+        question = request.question
+        if not isinstance(question, TokenIds):
+            question = ("question", question)
+        segments.append((question, request.question_tokens))
         prompt_len = sum(length for _, length in segments)
         total = prompt_len + cfg.max_tokens - 1  # the last answer token is never computed
         hashes = self.hasher.hashes([*segments, (("answer",), cfg.max_tokens - 1)])
