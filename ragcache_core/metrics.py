@@ -79,8 +79,8 @@ class Metrics:
         self.speculation = Counter(
             "ragcache_speculation", "Speculative generations", ["outcome"], registry=r
         )
+        # Host victims only: the engine's GPU tier is vLLM's blocks, which vLLM evicts itself.
         self.evictions = Counter("ragcache_evictions", "Nodes evicted", ["tier"], registry=r)
-        self.swaps = Counter("ragcache_swap_outs", "GPU-to-host copies", registry=r)
         self.ttft = Histogram(
             "ragcache_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -191,17 +191,12 @@ class Metrics:
         self.speculation.labels(outcome).inc()
 
     def record_tree(self, now: TreeCounters) -> None:
-        """Move the eviction and swap-out collectors by what the tree counted since the last
-        call. The tree's counters only grow until its `clear()`: a drop means a clear, after
-        which everything counted is new."""
+        """Move the host eviction collector by what the tree counted since the last call (the
+        engine's tree has no GPU slots: its GPU evictions and swap-outs are always 0, and are
+        not exported). The tree's counters only grow until its `clear()`: a drop means a
+        clear, after which everything counted is new."""
         seen = self._tree_seen
-        if (
-            now.evictions_gpu < seen.evictions_gpu
-            or now.evictions_host < seen.evictions_host
-            or now.swap_outs < seen.swap_outs
-        ):
+        if now.evictions_host < seen.evictions_host:
             seen = TreeCounters()
-        self.evictions.labels("gpu").inc(now.evictions_gpu - seen.evictions_gpu)
         self.evictions.labels("host").inc(now.evictions_host - seen.evictions_host)
-        self.swaps.inc(now.swap_outs - seen.swap_outs)
         self._tree_seen = now

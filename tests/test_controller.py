@@ -549,7 +549,8 @@ def test_every_metric_moves(cache: RAGCache) -> None:
     for name, labels in METRICS:
         assert metric(cache, name, **labels) > before[(name, tuple(labels.items()))], (name, labels)
     tree = stats["tree"]
-    assert tree["evictions_gpu"] == 0 and tree["swap_outs"] == 0 and tree["evictions_host"] > 0
+    assert tree["evictions_host"] > 0
+    assert not {"evictions_gpu", "swap_outs", "gpu_slots", "gpu_used_slots"} & set(tree)
     # TTFT: the counters and the histogram hold what the callers were told, request by request.
     ttfts = [r.ttft_s for r in results]
     assert stats["requests"] == len(results) and min(ttfts) > 0

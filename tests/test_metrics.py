@@ -15,18 +15,26 @@ def _value(metrics: Metrics, name: str, **labels: str) -> float:
 
 def test_tree_counters_arrive_as_deltas_and_survive_a_clear() -> None:
     metrics = Metrics()
-    metrics.record_tree(TreeCounters(evictions_gpu=3, evictions_host=1, swap_outs=2))
-    metrics.record_tree(TreeCounters(evictions_gpu=5, evictions_host=1, swap_outs=2))
-    assert _value(metrics, "ragcache_evictions_total", tier="gpu") == 5
-    assert _value(metrics, "ragcache_evictions_total", tier="host") == 1
-    assert _value(metrics, "ragcache_swap_outs_total") == 2
+    metrics.record_tree(TreeCounters(evictions_host=3))
+    metrics.record_tree(TreeCounters(evictions_host=5))
+    assert _value(metrics, "ragcache_evictions_total", tier="host") == 5
     # The tree was cleared (its counters restart at 0) without `Metrics.reset`: a drop.
-    metrics.record_tree(TreeCounters(evictions_gpu=1, evictions_host=0, swap_outs=4))
-    assert _value(metrics, "ragcache_evictions_total", tier="gpu") == 6
-    assert _value(metrics, "ragcache_swap_outs_total") == 6
+    metrics.record_tree(TreeCounters(evictions_host=1))
+    assert _value(metrics, "ragcache_evictions_total", tier="host") == 6
     metrics.reset()  # RAGCache.clear(): the tree starts again from 0 too
-    metrics.record_tree(TreeCounters(evictions_gpu=2))
-    assert _value(metrics, "ragcache_evictions_total", tier="gpu") == 8
+    metrics.record_tree(TreeCounters(evictions_host=2))
+    assert _value(metrics, "ragcache_evictions_total", tier="host") == 8
+
+
+def test_the_engine_exports_no_gpu_pool_metric() -> None:
+    """The engine's tree has no GPU slots: GPU evictions and swap-outs would always read 0,
+    so there is no such series (a two-pool tree's counters are not exported either)."""
+    metrics = Metrics()
+    metrics.record_tree(TreeCounters(evictions_gpu=4, evictions_host=1, swap_outs=2))
+    names = {s.name for m in metrics.registry.collect() for s in m.samples}
+    assert "ragcache_swap_outs_total" not in names
+    assert _value(metrics, "ragcache_evictions_total", tier="gpu") == 0
+    assert metrics.registry.get_sample_value("ragcache_evictions_total", {"tier": "gpu"}) is None
 
 
 def test_a_request_moves_its_counters_and_collectors() -> None:

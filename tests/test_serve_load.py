@@ -369,7 +369,7 @@ def test_32_clients_1000_requests_nothing_lost(server: ServerProcess, tiny_model
         assert next(iter(tally.answers[prompt])) == _plain_tokens(server, prompt, tiny_model)
     tree = stats["tree"]
     # The tree's GPU tier is vLLM's prefix cache (its own LRU): the tree evicts on host only.
-    assert tree["evictions_gpu"] == 0 and tree["swap_outs"] == 0 and tree["evictions_host"] > 0
+    assert tree["evictions_host"] > 0
     base_rss, base_children = baseline[0]
     growth_mib = (end[0] - base_rss) / 2**20
     engine_growth_mib = {
@@ -382,8 +382,8 @@ def test_32_clients_1000_requests_nothing_lost(server: ServerProcess, tiny_model
         f"({REQUESTS / elapsed:.1f}/s); statuses {dict(tally.status)}; "
         f"429s retried {tally.retried_429}; distinct prompts answered {repeated}; "
         f"docs hit {stats['doc_hit_rate']:.0%} (gpu {stats['docs_hit_gpu']}, host "
-        f"{stats['docs_hit_host']}); evictions gpu {tree['evictions_gpu']} host "
-        f"{tree['evictions_host']}, swap-outs {tree['swap_outs']}; server RSS after warm-up "
+        f"{stats['docs_hit_host']}); host evictions {tree['evictions_host']}; server RSS "
+        f"after warm-up "
         f"{base_rss / 2**20:.0f} MiB, at the end {end[0] / 2**20:.0f} MiB (growth "
         f"{growth_mib:+.1f} MiB, bound {RSS_BOUND_MIB}), peak {peak / 2**20:.0f} MiB; engine "
         f"processes {base_children / 2**20:.0f} -> {end[1] / 2**20:.0f} MiB (growth "

@@ -324,17 +324,13 @@ class RAGCache(RAGCacheAPI):
         counted = self.tree.counters
         data["tree"] = {
             "nodes": tree.nodes,
-            "gpu_slots": tree.gpu_slots,
-            "gpu_used_slots": tree.gpu_used_slots,
             "host_slots": tree.host_slots,
             "host_used_slots": tree.host_used_slots,
             "pinned_nodes": tree.pinned_nodes,
             "open_requests": tree.open_requests,
             "page_size": tree.page_size,
             "roots": tree.roots,
-            "evictions_gpu": counted.evictions_gpu,
             "evictions_host": counted.evictions_host,
-            "swap_outs": counted.swap_outs,
         }
         data["queue_waiting"] = self.admission.waiting
         data["in_prefill"] = self.admission.in_prefill

@@ -13,7 +13,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ragcache_core.engine.connector.window import HostWrite
 from ragcache_core.plan import LoadSpan, StoreSpan
+
+__all__ = ["HostWrite", "RequestOps", "StepOps", "WorkerReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,21 +32,6 @@ class RequestOps:
     store: tuple[StoreSpan, ...] = ()
     fail_load_span: tuple[int, ...] = ()
     """Test hook: indices of load spans whose copy raises (see `config.FAULT_KEY`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class HostWrite:
-    """An eviction-time copy: tokens [token_start, token_start + num_tokens) of the blocks
-    `block_ids` (token t in block `block_ids[t // block_size]`) -> host `slots`. The scheduler
-    side holds the blocks until the step's report. `fail`: test hook, the copy runs and is then
-    reported failed (`config.FAULT_KEY`)."""
-
-    key: int
-    block_ids: tuple[int, ...]
-    token_start: int
-    num_tokens: int
-    slots: tuple[int, ...]
-    fail: bool = False
 
 
 @dataclass

