@@ -9,7 +9,8 @@
 | `vllm-offload`    | prefix caching + vLLM's OffloadingConnector, the host pool's size (CUDA) |
 | `vllm-offload-lazy` | prefix caching + SimpleCPUOffloadConnector, lazy_offload (CUDA)       |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
-| `ragcache-writethrough` | RAGCache with its host tier written as computed, not at eviction  |
+| `ragcache-writethrough` | RAGCache with its host tier written as computed (explicitly)     |
+| `ragcache-evict`  | RAGCache with its host tier written at eviction, blocks back at the head |
 | `ragcache-evict-tail` | RAGCache, copied blocks back at the free queue's tail, not its head |
 | `ragcache-offload-proxy` | RAGCache's plumbing as vLLM's OffloadingConnector: write-through, |
 |                   | LRU, FCFS, no speculation                                               |
@@ -104,6 +105,12 @@ SYSTEMS: dict[str, SystemSpec] = {
             "ragcache",
             "RAGCache, host tier written through (as documents are computed), not at eviction",
             {"host_write": "compute"},
+        ),
+        SystemSpec(
+            "ragcache-evict",
+            "ragcache",
+            "RAGCache, host tier written at eviction, copied blocks back at the queue's head",
+            {"host_write": "eviction", "host_write_return": "head"},
         ),
         SystemSpec(
             "ragcache-evict-tail",
