@@ -437,7 +437,6 @@ class Generator:
                 result,
                 attempt.prompt,
                 progress.cached_tokens,
-                self._lifecycle.tree.block_size,
             )
         else:
             prompt = attempt.prompt

@@ -192,7 +192,6 @@ def served_hits(
     result: ConnectorResult,
     prompt: BuiltPrompt,
     vllm_cached: int,
-    block_size: int,
 ) -> tuple[CacheHits, int]:
     """What the request read: hits per tier and the document tokens they cover.
 
@@ -200,19 +199,10 @@ def served_hits(
     it accepted from the connector is its hit, and a document inside it is a GPU hit whether or not
     the tree holds it; a document of the tree's hit prefix past it was loaded from the host tier.
     A document that ends inside a block shared with what follows it (the question, another
-    document) and that the host tier does not serve is a GPU hit when vLLM's hit covers every
-    block up to that one: only its tail, under `block_size` tokens, was recomputed (with the host
-    tier written at eviction a recent document is in vLLM's blocks alone; docs/design.md 2.2,
-    "Document seams"). Nothing the tree planned counts as read when the plan was refused (by the
-    app or the connector) or a load failed; vLLM's own hit still counts (its blocks are keyed by
-    token ids).
-
-    ```
-    prompt    | root | doc A      | doc B        | question |
-    blocks    |  0   |  1   |  2   |  3   |  4   |  5   |      (block 4: B's tail + question)
-    vLLM hit  [===========================]                   (blocks 0-3)
-    -> A and B are GPU hits; B's tail in block 4 is recomputed
-    ```
+    document) counts as computed unless the host tier served its tail: vLLM's hit ends on a block
+    boundary. Nothing the tree planned counts as read when the plan was refused
+    (by the app or the connector) or a load failed; vLLM's own hit still counts (its blocks are
+    keyed by token ids).
     """
     served = (
         handle.state is not RequestState.ABORTED and not result.rejected and not result.load_failed
@@ -222,15 +212,11 @@ def served_hits(
     gpu = host = covered = 0
     end = len(prompt.root_ids)
     for position, spec in enumerate(prompt.doc_specs):
-        start, end = end, end + spec.num_tokens
+        end += spec.num_tokens
         if spec.num_tokens and end <= on_gpu:
             gpu += 1
         elif position < in_tree:
             host += 1
-        elif start < on_gpu and end - end % block_size <= on_gpu:
-            gpu += 1  # its tail, in the block it shares with what follows, was recomputed
-            covered += on_gpu - start
-            continue
         else:
             continue
         covered += spec.num_tokens
