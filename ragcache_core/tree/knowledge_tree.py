@@ -128,9 +128,7 @@ class KnowledgeTree:
             store_policy=store_policy,
             host_writes=self.host_writes,
         )
-        self.block_size = block_size or page_size
-        """vLLM's block size (the GPU tier's unit; the host page size where none is given)."""
-        self.protected = ProtectedSet(protected_tokens, self.block_size, self.policy)
+        self.protected = ProtectedSet(protected_tokens, block_size or page_size, self.policy)
         """The protected set (read freely; changed only through the methods below)."""
         self._next_request_id = 0
         self._open: dict[int, RequestHandle] = {}
