@@ -375,18 +375,17 @@ class CacheConfig:
     """Which computed documents are stored: "always" (the paper), "second" (only a document
     met before at the same prefix) or "no_evict" (only into free room). See
     docs/control-plane.md for the measurement."""
-    host_write: str = "compute"
-    """When the host tier is written: "compute" (the default: write-through, every document the
-    store policy admits is copied to the host as it is computed, as vLLM's `OffloadingConnector`
-    does) or "eviction" (as a document leaves vLLM's blocks, so the two tiers hold different
-    documents: the connector watches the head of vLLM's free-block queue each step and copies
-    the documents the tree keeps). "eviction" measured ahead at equal memory (docs/benchmarks.md,
-    "Eviction-time host writes: equal memory, 3 rounds"), but it is not the default yet: the
-    tree holds a document only once it is on the host, so the document order that follows the
-    cache, `invalidate`'s counts, the tree's stats and the reordering score do not see a
-    document held only in vLLM's blocks (docs/design.md 2.2). The store policy decides which
-    documents are written either way. With the host tier off (`host_pool_tokens=0`) nothing is
-    written."""
+    host_write: str = "eviction"
+    """When the host tier is written: "eviction" (the default: as a document leaves vLLM's
+    blocks, so the two tiers hold different documents: the connector watches the head of vLLM's
+    free-block queue each step and copies the documents the tree keeps; measured ahead of
+    write-through at equal memory, docs/benchmarks.md "Eviction-time host writes: equal memory,
+    3 rounds") or "compute" (write-through: every document the store policy admits is copied to
+    the host as it is computed, as vLLM's `OffloadingConnector` does). Either way the tree knows
+    both tiers: a document held only in vLLM's blocks is a node (`Node.resident`, docs/design.md
+    2.2), with its hits, its place in the cache's document order and its invalidation. The
+    store policy decides which documents are written either way. With the host tier off
+    (`host_pool_tokens=0`) nothing is written."""
     host_write_window_tokens: int | None = None
     """With `host_write="eviction"`: the window, in tokens of vLLM's free-block queue watched
     from its head each step, and the size of the host lease for the copies (None:
@@ -500,7 +499,8 @@ class CacheConfig:
     @property
     def writes_at_eviction(self) -> bool:
         """Whether the host tier is written as documents leave vLLM's blocks (there is a host
-        tier and `host_write="eviction"`)."""
+        tier and `host_write="eviction"`; without a host tier the engine still follows the
+        documents in vLLM's blocks for the tree, and copies nothing)."""
         return self.host_write == "eviction" and self.host_pool_tokens > 0
 
     def with_(self, **changes: Any) -> CacheConfig:

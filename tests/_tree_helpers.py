@@ -25,8 +25,12 @@ def run(cache: KnowledgeTree, *docs: DocSpec, root: int = 0, question: int = 0) 
 
 
 def cached_paths(cache: KnowledgeTree) -> dict[tuple[str, ...], set[str]]:
-    """Every node as its document-id path -> the tiers holding a copy."""
-    return {node_path(node): {str(t) for t in node.slots} for node in cache.iter_nodes()}
+    """Every node as its document-id path -> the tiers holding a copy ("vllm": vLLM's blocks
+    hold it, `Node.resident`)."""
+    return {
+        node_path(node): {str(t) for t in node.slots} | ({"vllm"} if node.resident else set())
+        for node in cache.iter_nodes()
+    }
 
 
 def node_path(node: Node) -> tuple[str, ...]:

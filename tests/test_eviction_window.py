@@ -59,7 +59,7 @@ def test_this_vllm_has_the_hooks() -> None:
 def test_a_document_at_the_head_is_copied_with_its_parent_held_then_handed_back() -> None:
     pool, ids = _pool_with_request(16, used=4)  # 12 kept tokens + a question block
     window = _window()
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     free_before = pool.get_num_free_blocks()
     assert window.scan(pool) == []  # the freed blocks went to the queue's tail: not leaving
@@ -75,44 +75,49 @@ def test_a_document_at_the_head_is_copied_with_its_parent_held_then_handed_back(
     assert window.held_blocks == 4 and pool.get_num_free_blocks() == 1  # held: not evictable
     window.on_report({7, 8}, pool)
     assert window.held_blocks == 0 and pool.get_num_free_blocks() == 4
-    copied, dropped = window.take_changes()
-    assert [(seq, key) for seq, key, _ in copied] == [(1, 7), (2, 8)] and dropped == ()
-    assert window.take_changes() == ((), ())  # each change once
+    copied, dropped, gone = window.take_changes()
+    assert [(seq, key) for seq, key, _ in copied] == [(1, 7), (2, 8)] and dropped == gone == ()
+    assert window.take_changes() == ((), (), ())  # each change once
     assert window.scan(pool) == []  # copied: let go when it comes back to the head
+    # Its blocks leave vLLM's cache: the copied records are reported gone (the tree then
+    # knows the documents are on the host alone), once.
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    assert window.take_changes() == ((), (), ((7, 1), (8, 1)))
+    assert not window.is_recorded(7) and window.take_changes() == ((), (), ())
 
 
 def test_a_failed_copy_hands_blocks_back_returns_slots_and_drops_the_record() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window()
-    window.record(KEEP, ids, pool, epoch=1, fail=True)
+    window.record(KEEP, ids, pool, epoch=1, version=1, fail=True)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     writes = window.scan(pool)
     assert all(w.fail for w in writes) and window.lease_free == 2
     window.on_report(set(), pool)  # the worker reported neither as run
     assert window.held_blocks == 0 and window.lease_free == 8
-    assert window.take_changes() == ((), (7, 8))
+    assert window.take_changes() == ((), (7, 8), ((7, 1), (8, 1)))
     assert window.scan(pool) == []
 
 
 def test_an_evicted_document_is_dropped_not_copied() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window(window=8)
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # evicts the last two (hashes reset)
     writes = window.scan(pool)
     assert [w.key for w in writes] == [7]  # the root is still whole: copied on its own
     window.on_report({7}, pool)
-    copied, dropped = window.take_changes()
-    assert [key for _, key, _ in copied] == [7] and dropped == (8,)
+    copied, dropped, gone = window.take_changes()
+    assert [key for _, key, _ in copied] == [7] and dropped == (8,) and gone == ((8, 1),)
     assert not window.is_recorded(8)
 
 
 def test_without_lease_room_the_document_is_let_go() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window(lease=5, window=2)  # the chain needs 6 slots
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert window.scan(pool) == [] and window.held_blocks == 0
@@ -122,7 +127,7 @@ def test_without_lease_room_the_document_is_let_go() -> None:
 def test_a_lease_never_hands_out_slots_consumed_but_not_applied() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window(lease=8)
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     writes = window.scan(pool)
@@ -140,29 +145,29 @@ def test_a_lease_never_hands_out_slots_consumed_but_not_applied() -> None:
 def test_a_lease_of_another_tree_forgets_the_previous_trees_records() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window()
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     window.take_lease(HostLease(epoch=2, version=0, applied=0, slots=(20, 21)))
     assert not window.is_recorded(7) and window.lease_free == 2
-    window.record(KEEP, ids, pool, epoch=1)  # a request planned by the old tree
+    window.record(KEEP, ids, pool, epoch=1, version=1)  # a request planned by the old tree
     assert not window.is_recorded(7)
 
 
 def test_blocks_held_without_a_report_are_handed_back_and_counted() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window()
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert window.scan(pool)
     assert window.scan(pool) == []  # no report came for the step: handed back, dropped
     assert window.stranded_blocks == 4 and window.held_blocks == 0
-    assert window.lease_free == 8 and window.take_changes() == ((), (7, 8))
+    assert window.lease_free == 8 and window.take_changes()[:2] == ((), (7, 8))
 
 
 def test_reset_forgets_every_record_and_holds_nothing() -> None:
     pool, ids = _pool_with_request(8, used=4)
     window = _window()
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert window.scan(pool)
@@ -175,8 +180,44 @@ def test_a_partial_block_stops_recording() -> None:
     pool, ids = _pool_with_request(8, used=3)
     pool.blocks[ids[2]].reset_hash()  # the prompt's last block: not full, never cached
     window = _window()
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     assert window.is_recorded(7) and not window.is_recorded(8)
+    # The tree counted both as in vLLM's blocks at the first token: the unrecorded one is gone.
+    assert window.take_changes() == ((), (), ((8, 1),))
+
+
+def test_a_let_go_document_evicted_by_vllm_is_reported_gone() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window(lease=0, window=8)  # no lease room: nothing is copied
+    window.record(KEEP, ids, pool, epoch=1, version=3)
+    _finish(pool, ids)
+    assert window.scan(pool) == [] and window.take_changes() == ((), (), ())  # still cached
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # vLLM evicts the document's blocks
+    assert window.take_changes() == ((), (), ((8, 3),))  # the root's blocks are still cached
+    assert window.is_recorded(7) and not window.is_recorded(8)
+
+
+def test_a_child_is_copied_after_its_copied_parent_left_vllms_blocks() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = EvictionWindow(window_blocks=1, block_size=BLOCK, page_size=PAGE, back_to_head=True)
+    window.take_lease(HostLease(epoch=1, version=0, applied=0, slots=tuple(range(8))))
+    window.record(KEEP, ids, pool, epoch=1, version=1)
+    pool.get_new_blocks(pool.get_num_free_blocks())  # every other block is taken
+    pool.free_blocks([pool.blocks[i] for i in ids])  # freed root first: the root leaves first
+    assert [w.key for w in window.scan(pool)] == [7]  # only the root's first block is watched
+    window.on_report({7}, pool)  # its blocks go back to the head
+    pool.get_new_blocks(1)  # vLLM evicts the root's first block
+    copied, _, gone = window.take_changes()
+    assert [key for _, key, _ in copied] == [7] and gone == ((7, 1),)
+    # The document's blocks are still whole: its copy goes below the root's host copy.
+    assert [w.key for w in window.scan(pool)] == [8]
+
+
+def test_unfollowed_spans_are_reported_gone_for_this_epoch_only() -> None:
+    window = _window()
+    window.unfollowed(KEEP, epoch=1, version=4)
+    window.unfollowed(KEEP, epoch=2, version=5)  # another tree's plan: not this lease's
+    assert window.take_changes() == ((), (), ((7, 4), (8, 4)))
 
 
 @pytest.mark.parametrize("missing", ["iter_blocks_after"])
@@ -276,7 +317,7 @@ def test_copied_blocks_go_back_to_the_tail_or_where_they_were(back_to_head: bool
         window_blocks=3, block_size=BLOCK, page_size=PAGE, back_to_head=back_to_head
     )
     window.take_lease(HostLease(epoch=1, version=0, applied=0, slots=tuple(range(8))))
-    window.record(KEEP, ids, pool, epoch=1)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert _head(pool, 4) == [ids[3], ids[2], ids[1], ids[0]]

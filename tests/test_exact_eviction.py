@@ -103,7 +103,12 @@ def _push_out(rig: Rig, tree: KnowledgeTree, system: list[int], rng: random.Rand
 
 
 def _host_docs(tree: KnowledgeTree) -> set[str]:
-    return {n.key.doc_id for n in tree.iter_nodes() if isinstance(n.key, DocKey)}
+    return {n.key.doc_id for n in tree.iter_nodes() if isinstance(n.key, DocKey) and n.ready}
+
+
+def _vllm_docs(tree: KnowledgeTree) -> set[str]:
+    """The documents the tree counts as held by vLLM's blocks (`Node.resident`)."""
+    return {n.key.doc_id for n in tree.iter_nodes() if isinstance(n.key, DocKey) and n.resident}
 
 
 @dataclass
@@ -147,8 +152,11 @@ def test_a_document_pushed_out_of_vllms_blocks_is_copied_on_its_way_out_and_serv
     # Nothing was written as it was computed, and nothing is on the host yet.
     assert not first.connector.store_scheduled and first.connector.store_copy_s == 0.0
     assert _host_docs(tree) == set()
+    assert _vllm_docs(tree) == {"kept"}  # the tree knows vLLM's blocks hold it
     _push_out(rig, tree, system, rng)
     assert "kept" in _host_docs(tree)  # copied as it reached the head of vLLM's free queue
+    # The engine reported its blocks gone from vLLM's cache after the copy.
+    assert "kept" not in _vllm_docs(tree)
     assert tree.host_writes is not None and tree.host_writes.copies >= 2  # root, then it
     # Its blocks went back to the head of vLLM's free queue after the copy: the next request
     # took them, so vLLM no longer holds it.

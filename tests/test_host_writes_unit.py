@@ -57,7 +57,8 @@ def test_a_plan_keeps_the_path_and_lends_a_lease_instead_of_storing() -> None:
     assert plan.keep[1].parent == plan.keep[0].key and plan.keep[2].parent == plan.keep[1].key
     assert plan_problems(plan, prompt_len=22, page_size=PAGE, host_slots=32) == []
     tree.confirm(handle)
-    assert cached_paths(tree) == {}  # nothing on the host until the engine copies it
+    # Nothing on the host until the engine copies it; vLLM's blocks hold the path now.
+    assert cached_paths(tree) == {(): {"vllm"}, ("a",): {"vllm"}, ("a", "b"): {"vllm"}}
     tree.check_integrity()  # the lease is counted: owned + leased + free == capacity
     # The same path in a later plan has the same keys (the engine's records are per key).
     again = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3)
@@ -73,7 +74,7 @@ def test_copies_become_host_hits_root_first_and_each_is_applied_once() -> None:
     root_span, a_span = handle.plan.keep
     _copy(tree, handle.plan, 1, root_span)
     _copy(tree, handle.plan, 2, a_span)
-    assert cached_paths(tree) == {(): {"host"}, ("a",): {"host"}}
+    assert cached_paths(tree) == {(): {"host", "vllm"}, ("a",): {"host", "vllm"}}
     tree.apply_host_writes([(2, a_span.key, (30, 31))], [])  # seen already: ignored
     tree.check_integrity()
     nxt = tree.begin_request(5, [doc("a", 8), doc("b", 4)], 3)
@@ -91,7 +92,7 @@ def test_a_copy_whose_parent_is_not_on_the_host_frees_its_slots() -> None:
     tree.confirm(handle)
     free = tree._placement.tiers[Tier.HOST].allocator.num_free
     _copy(tree, handle.plan, 1, handle.plan.keep[1])  # the document without its root
-    assert cached_paths(tree) == {}
+    assert cached_paths(tree) == {(): {"vllm"}, ("a",): {"vllm"}}
     assert tree._placement.tiers[Tier.HOST].allocator.num_free == free + 2
     assert tree.host_writes is not None and tree.host_writes.wasted == 1
     tree.check_integrity()
@@ -105,7 +106,7 @@ def test_clear_and_invalidate_make_later_copies_land_nowhere() -> None:
     tree.invalidate("a")
     _copy(tree, handle.plan, 1, root_span)
     _copy(tree, handle.plan, 2, a_span)
-    assert cached_paths(tree) == {(): {"host"}}  # the invalidated document never lands
+    assert cached_paths(tree) == {(): {"host", "vllm"}}  # the invalidated one never lands
     tree.check_integrity()
     other = tree.begin_request(5, [doc("c", 8)], 3)
     tree.confirm(other)
@@ -121,11 +122,12 @@ def test_a_lost_engine_numbers_copies_from_one_again() -> None:
     tree.confirm(handle)
     _copy(tree, handle.plan, 1, handle.plan.keep[0])
     tree.drop_tier(Tier.GPU)
+    assert cached_paths(tree) == {(): {"host"}}  # vLLM's blocks went with the engine
     second = tree.begin_request(5, [doc("a", 8)], 3)
     assert second.plan.lease is not None and second.plan.lease.applied == 0
     tree.confirm(second)
     _copy(tree, second.plan, 1, second.plan.keep[0])  # the new engine's first copy
-    assert cached_paths(tree) == {(): {"host"}, ("a",): {"host"}}
+    assert cached_paths(tree) == {(): {"host"}, ("a",): {"host", "vllm"}}
     tree.check_integrity()
 
 
@@ -135,12 +137,13 @@ def test_the_lease_is_made_by_evicting_host_leaves_by_the_policy() -> None:
     tree.confirm(handle)
     for seq, span in enumerate(handle.plan.keep, start=1):
         _copy(tree, handle.plan, seq, span)
-    assert cached_paths(tree) == {(): {"host"}, ("a",): {"host"}}
-    # 3 slots owned, 5 still leased, 2 free: topping the lease up to 8 evicts the leaf "a".
+    assert cached_paths(tree) == {(): {"host", "vllm"}, ("a",): {"host", "vllm"}}
+    # 3 slots owned, 5 still leased, 2 free: topping the lease up to 8 evicts the leaf "a"
+    # from the host; vLLM's blocks still hold it, so it stays a node.
     nxt = tree.begin_request(4, [doc("b", 8)], 3)
     tree.confirm(nxt)
     assert nxt.plan.lease is not None and len(nxt.plan.lease.slots) == 8
-    assert cached_paths(tree) == {(): {"host"}}
+    assert cached_paths(tree) == {(): {"host", "vllm"}, ("a",): {"vllm"}, ("b",): {"vllm"}}
     tree.check_integrity()
 
 
@@ -164,3 +167,63 @@ def test_keep_spans_are_checked_by_the_connector() -> None:
     assert any("not an earlier keep span" in p for p in problems)
     assert any("repeat a key" in p for p in problems)
     assert any("keep[1]" in p for p in problems)
+
+
+# ---------------------------------------------------------------------- both tiers
+
+
+def test_a_path_in_vllms_blocks_alone_is_a_node_hit_ordered_and_invalidated() -> None:
+    tree = _tree()
+    first = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3)
+    tree.confirm(first)
+    match = tree.match([doc("a", 8), doc("b", 6)])
+    assert match.hits == () and match.in_flight == 0  # nothing to load, nothing blocks
+    assert match.vllm_tokens == 5 + 8 + 6
+    assert tree.cached_tokens([doc("a", 8), doc("b", 6)]) == 19
+    assert tree.cache_order(["b", "a"]) == (1, 0)  # follows the path vLLM's blocks hold
+    again = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3)
+    assert again.cached_tokens == 19 and again.plan.load == ()  # vLLM serves it by itself
+    assert [k.key for k in again.plan.keep] == [k.key for k in first.plan.keep]
+    tree.confirm(again)
+    assert tree.stats().nodes == 3
+    assert tree.invalidate("a") == 2  # the document and the one computed after it
+    assert cached_paths(tree) == {(): {"vllm"}}
+    tree.check_integrity()
+
+
+def test_one_access_is_counted_once_on_a_node_and_its_shadow() -> None:
+    tree = _tree()
+    tree.confirm(tree.begin_request(5, [doc("a", 8)], 3))
+    node = next(n for n in tree.iter_nodes() if n.parent is not None)
+    before = (node.stats.frequency, node.stats.accesses, node.stats.num_computed)
+    assert before == (1, 1, 1)
+    tree.confirm(tree.begin_request(5, [doc("a", 8)], 3))
+    # One more retrieval, and a hit (vLLM's blocks served it): no cost sample.
+    assert (node.stats.frequency, node.stats.accesses, node.stats.num_computed) == (2, 2, 1)
+    assert tree.host_writes is not None
+    shadow = tree.host_writes.shadow(ROOT, (doc("a", 8).key,), 8, node.stats)
+    assert shadow.stats is node.stats
+
+
+def test_a_path_gone_from_vllms_blocks_leaves_unless_the_host_holds_it() -> None:
+    tree = _tree()
+    handle = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3)
+    tree.confirm(handle)
+    assert handle.plan.lease is not None
+    version = handle.plan.lease.version
+    root_span, a_span, b_span = handle.plan.keep
+    _copy(tree, handle.plan, 1, root_span)
+    tree.apply_host_writes([], [], gone=[(a_span.key, version - 1)])  # an older recording
+    assert ("a",) in cached_paths(tree)
+    tree.apply_host_writes([], [], gone=[(root_span.key, version), (a_span.key, version)])
+    # The root keeps its host copy; "a" had none: it leaves with "b" below it.
+    assert cached_paths(tree) == {(): {"host"}}
+    tree.check_integrity()
+    later = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3)
+    assert later.cached_tokens == 5 and [k.key for k in later.plan.keep] == [
+        a_span.key,
+        b_span.key,
+    ]
+    tree.abort(later)
+    assert cached_paths(tree) == {(): {"host"}}  # an aborted request computed nothing
+    tree.check_integrity()

@@ -17,6 +17,7 @@ from ragcache_core.storage.pool_layout import PoolLayout
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RequestState, RootKey
 
 PAGE = 4
+BLOCK = 8  # vLLM's block size in these tests
 ROOT = RootKey("model", "tokenizer", "template", "float32")
 
 
@@ -65,7 +66,7 @@ def test_a_request_confirmed_at_its_first_token_serves_the_next() -> None:
     result = ConnectorResult(loaded_tokens=16, external_tokens=16, host_tokens=16)
     life.first_token(again)
     assert life.settle(again, result)
-    hits, doc_tokens = served_hits(again, result, _prompt("a"), 16)
+    hits, doc_tokens = served_hits(again, result, _prompt("a"), 16, BLOCK)
     assert (hits.gpu_docs, hits.host_docs, hits.computed_docs) == (0, 1, 0)
     assert (hits.cached_tokens, hits.computed_tokens, doc_tokens) == (16, 3, 10)
     assert hits.root_cached
@@ -84,7 +85,7 @@ def test_a_plan_the_connector_would_refuse_is_never_sent(
     assert tree.stats().pinned_nodes == 0
     # Nothing went out, so an empty report settles nothing and counts nothing as read.
     assert not life.settle(handle, ConnectorResult())
-    hits, _ = served_hits(handle, ConnectorResult(), _prompt("a"), 0)
+    hits, _ = served_hits(handle, ConnectorResult(), _prompt("a"), 0, BLOCK)
     assert (hits.hit_docs, hits.computed_docs, hits.computed_tokens) == (0, 1, 19)
     assert not hits.root_cached
     tree.check_integrity()
@@ -152,17 +153,17 @@ def test_served_hits_counts_docs_inside_vllms_hit_as_gpu_and_the_rest_as_host() 
     result = ConnectorResult(loaded_tokens=10, external_tokens=10, gpu_tokens=16, host_tokens=10)
     life.first_token(handle)
     assert life.settle(handle, result)
-    hits, doc_tokens = served_hits(handle, result, prompt, 26)
+    hits, doc_tokens = served_hits(handle, result, prompt, 26, BLOCK)
     assert (hits.gpu_docs, hits.host_docs, hits.computed_docs) == (1, 1, 0)
     assert (hits.cached_tokens, hits.computed_tokens, doc_tokens) == (26, 3, 20)
     assert hits.root_cached
     # Everything in vLLM's cache: both GPU hits, nothing loaded.
     full = ConnectorResult(gpu_tokens=26)
-    hits, doc_tokens = served_hits(handle, full, prompt, 26)
+    hits, doc_tokens = served_hits(handle, full, prompt, 26, BLOCK)
     assert (hits.gpu_docs, hits.host_docs, hits.cached_tokens, doc_tokens) == (2, 0, 26, 20)
     # vLLM's hit ends inside a (block aligned at 8): a and b both came from the host pool.
     part = ConnectorResult(loaded_tokens=18, external_tokens=18, gpu_tokens=8, host_tokens=18)
-    hits, doc_tokens = served_hits(handle, part, prompt, 26)
+    hits, doc_tokens = served_hits(handle, part, prompt, 26, BLOCK)
     assert (hits.gpu_docs, hits.host_docs, hits.cached_tokens, doc_tokens) == (0, 2, 26, 20)
     life.tree.check_integrity()
 
@@ -175,7 +176,7 @@ def test_served_hits_keeps_vllms_own_hit_when_the_tree_served_nothing() -> None:
     assert plan is not None
     refused = ConnectorResult(rejected=("bad slot",), gpu_tokens=16)
     assert not life.settle(handle, refused)
-    hits, doc_tokens = served_hits(handle, refused, prompt, 16)
+    hits, doc_tokens = served_hits(handle, refused, prompt, 16, BLOCK)
     assert (hits.gpu_docs, hits.host_docs, hits.computed_docs) == (1, 0, 1)
     assert (hits.cached_tokens, hits.computed_tokens, doc_tokens) == (16, 13, 10)
     # vLLM held 0..8; the connector took 8..26 and span 2 (b, from 16) failed: 8..16 came from
@@ -186,7 +187,7 @@ def test_served_hits_keeps_vllms_own_hit_when_the_tree_served_nothing() -> None:
         loaded_tokens=8, external_tokens=18, gpu_tokens=8, host_tokens=8, failed_load_spans=(2,)
     )
     life.settle(handle, failed)
-    hits, doc_tokens = served_hits(handle, failed, prompt, 26)
+    hits, doc_tokens = served_hits(handle, failed, prompt, 26, BLOCK)
     assert (hits.gpu_docs, hits.host_docs, hits.computed_docs) == (0, 0, 2)
     assert (hits.cached_tokens, hits.computed_tokens, doc_tokens) == (16, 13, 0)
     assert hits.root_cached
@@ -200,8 +201,27 @@ def test_served_hits_counts_a_doc_vllm_holds_that_the_tree_does_not() -> None:
     prompt = _prompt("a")
     handle, plan = life.open(prompt, final=True)  # nothing in the tree: compute and store
     assert plan is not None and plan.num_loaded_tokens == 0
-    hits, doc_tokens = served_hits(handle, ConnectorResult(gpu_tokens=16), prompt, 16)
+    hits, doc_tokens = served_hits(handle, ConnectorResult(gpu_tokens=16), prompt, 16, BLOCK)
     assert (hits.gpu_docs, hits.host_docs, hits.cached_tokens, doc_tokens) == (1, 0, 16, 10)
+    life.abort(handle)
+    life.tree.check_integrity()
+
+
+def test_served_hits_counts_a_doc_whose_tail_block_was_recomputed_as_a_gpu_hit() -> None:
+    """Prompt: root 0..6, a 6..16, b 16..26, question 26..29, blocks of 8. vLLM held 0..24:
+    b's last block (24..32) is shared with the question, so a new question misses it. With
+    nothing on the host tier (written at eviction, b still in vLLM's blocks) b's tail, 24..26,
+    is recomputed: b is a GPU hit covering 8 tokens, not a computed document."""
+    life = _lifecycle()
+    prompt = _prompt("a", "b")
+    handle, plan = life.open(prompt, final=True)  # nothing in the tree
+    assert plan is not None and plan.num_loaded_tokens == 0
+    hits, doc_tokens = served_hits(handle, ConnectorResult(gpu_tokens=24), prompt, 24, BLOCK)
+    assert (hits.gpu_docs, hits.host_docs, hits.computed_docs) == (2, 0, 0)
+    assert (hits.cached_tokens, hits.computed_tokens, doc_tokens) == (24, 5, 18)
+    # vLLM held 0..16 only: b's full block 16..24 was computed, so b is computed.
+    hits, doc_tokens = served_hits(handle, ConnectorResult(gpu_tokens=16), prompt, 16, BLOCK)
+    assert (hits.gpu_docs, hits.computed_docs, doc_tokens) == (1, 1, 10)
     life.abort(handle)
     life.tree.check_integrity()
 

@@ -137,8 +137,13 @@ def test_an_invalidation_through_the_router_misses_on_every_replica(cluster: Clu
     )
     assert answer.status_code == 200, answer.text
     assert answer.json()["removed"] >= 2 and len(answer.json()["replicas"]) == 2
+    edited = Document(doc.id, doc.text + " It changed.")
     for url in cluster.replicas.values():
-        assert _hit_docs(_ask(url, [doc])) == 0  # recomputed: nothing stale was served
+        # The changed text is computed (nothing stale is served); the old text would still
+        # hit vLLM's blocks, keyed by its token ids (exact), but never the tree's host copy.
+        assert _hit_docs(_ask(url, [edited])) == 0
+        hits = _ask(url, [doc]).json()["cache_hits"]
+        assert hits["host_docs"] == 0
 
 
 def test_a_killed_replica_is_routed_around_and_the_survivor_keeps_its_hits(

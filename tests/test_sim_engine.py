@@ -111,7 +111,13 @@ def test_a_repeat_hits_vllms_blocks_up_to_its_last_full_block() -> None:
     assert first.cached_tokens == 0
     # root 40 + doc 300 = 340 tokens: 10 full blocks of 32 are the same tokens
     assert second.gpu_tokens == 320 and second.loaded_tokens == 0
-    assert second.cached_doc_tokens == 280 and second.gpu_docs == 0
+    # A GPU hit as `served_hits` counts it: only its tail, in the block it shares with the
+    # question, was recomputed.
+    assert second.cached_doc_tokens == 280 and second.gpu_docs == 1
+    # A document inside one block with the question is no hit at all.
+    short = _doc("s", 10)
+    sim.serve(_request(short, 2))
+    assert sim.serve(_request(short, 3)).gpu_docs == 0
 
 
 def test_write_through_copies_every_computed_document_and_serves_it_back() -> None:

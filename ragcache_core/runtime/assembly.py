@@ -47,7 +47,9 @@ def open_pools(model: str, config: CacheConfig) -> Pools:
         layout=layout,
         host_slots=host_slots,
         host_pool_name=name,
-        host_write="eviction" if config.writes_at_eviction else "compute",
+        # With no host tier the window copies nothing, but still follows the documents in
+        # vLLM's blocks, so that the tree knows them (`Node.resident`).
+        host_write=config.host_write,
         window_blocks=window_blocks(config) if config.writes_at_eviction else 0,
         back_to_head=config.writes_at_eviction and config.host_write_return == "head",
     )
@@ -111,7 +113,7 @@ def build_tree(
         store_policy=config.store_policy,
         protected_tokens=protected_budget(config, connector, settings),
         block_size=settings.block_size,
-        host_write="eviction" if config.writes_at_eviction else "compute",
+        host_write=config.host_write,
         host_lease_slots=-(-window_tokens(config) // config.page_size)
         if config.writes_at_eviction
         else 0,

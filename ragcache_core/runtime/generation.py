@@ -437,6 +437,7 @@ class Generator:
                 result,
                 attempt.prompt,
                 progress.cached_tokens,
+                self._lifecycle.tree.block_size,
             )
         else:
             prompt = attempt.prompt

@@ -54,7 +54,8 @@ class Lifecycle:
 
     def score(self, prompt: BuiltPrompt) -> tuple[int, int]:
         """(cached tokens, tokens to compute): the admission queue's view of a prompt."""
-        cached = self.tree.match(prompt.doc_specs, prompt.root_key).cached_tokens
+        match = self.tree.match(prompt.doc_specs, prompt.root_key)
+        cached = match.cached_tokens + match.vllm_tokens
         return cached, prompt.num_tokens - cached
 
     def score_ordered(self, prompt: BuiltPrompt) -> tuple[int, int]:
@@ -121,7 +122,9 @@ class Lifecycle:
         tree = self.tree
         if result.reported:
             tree.settle_protection(handle, result.protected, result.released)
-            tree.apply_host_writes(result.host_copied, result.host_dropped, result.stranded_blocks)
+            tree.apply_host_writes(
+                result.host_copied, result.host_dropped, result.stranded_blocks, result.host_gone
+            )
         else:  # the engine may hold its protect entries: the next plan releases them
             tree.abandon_protection(handle)
         if handle.state is RequestState.ABORTED:
@@ -192,6 +195,7 @@ def served_hits(
     result: ConnectorResult,
     prompt: BuiltPrompt,
     vllm_cached: int,
+    block_size: int,
 ) -> tuple[CacheHits, int]:
     """What the request read: hits per tier and the document tokens they cover.
 
@@ -199,10 +203,20 @@ def served_hits(
     it accepted from the connector is its hit, and a document inside it is a GPU hit whether or not
     the tree holds it; a document of the tree's hit prefix past it was loaded from the host tier.
     A document that ends inside a block shared with what follows it (the question, another
-    document) counts as computed unless the host tier served its tail: vLLM's hit ends on a block
-    boundary. Nothing the tree planned counts as read when the plan was refused
-    (by the app or the connector) or a load failed; vLLM's own hit still counts (its blocks are
-    keyed by token ids).
+    document) and that the host tier does not serve is a GPU hit when vLLM's hit covers every
+    block up to that one: only its tail, under `block_size` tokens, was recomputed (with the host
+    tier written at eviction a recent document is in vLLM's blocks alone; docs/design.md 2.2,
+    "Document seams"). Nothing the tree planned counts as read when the plan was refused (by the
+    app or the connector) or a load failed; vLLM's own hit still counts (its blocks are keyed by
+    token ids: an invalidated document's unchanged text still hits there, exactly; a changed one
+    never does).
+
+    ```
+    prompt    | root | doc A      | doc B        | question |
+    blocks    |  0   |  1   |  2   |  3   |  4   |  5   |      (block 4: B's tail + question)
+    vLLM hit  [===========================]                   (blocks 0-3)
+    -> A and B are GPU hits; B's tail in block 4 is recomputed
+    ```
     """
     served = (
         handle.state is not RequestState.ABORTED and not result.rejected and not result.load_failed
@@ -212,11 +226,15 @@ def served_hits(
     gpu = host = covered = 0
     end = len(prompt.root_ids)
     for position, spec in enumerate(prompt.doc_specs):
-        end += spec.num_tokens
+        start, end = end, end + spec.num_tokens
         if spec.num_tokens and end <= on_gpu:
             gpu += 1
         elif position < in_tree:
             host += 1
+        elif start < on_gpu and end - end % block_size <= on_gpu:
+            gpu += 1  # its tail, in the block it shares with what follows, was recomputed
+            covered += on_gpu - start
+            continue
         else:
             continue
         covered += spec.num_tokens

@@ -110,7 +110,7 @@ def run_request(
         lifecycle.abort(handle)
         raise
     confirmed = lifecycle.settle(handle, run.connector)
-    hits, _ = served_hits(handle, run.connector, prompt, run.num_cached_tokens)
+    hits, _ = served_hits(handle, run.connector, prompt, run.num_cached_tokens, cache.block_size)
     return RequestResult(
         token_ids=run.token_ids,
         logprobs=run.logprobs,

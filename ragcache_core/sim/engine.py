@@ -203,17 +203,23 @@ class EngineSimulator:
             if computed >= total:
                 break
             self._report(writes)
-        changes: tuple[Any, Any] = ((), ())
+        changes: tuple[Any, Any, Any] = ((), (), ())
         if self.window is not None and plan.lease is not None:
             if plan.keep:
                 block_ids = [b.block_id for b in blocks]
-                self.window.record(plan.keep, block_ids, pool, epoch=plan.lease.epoch)
+                lease = plan.lease
+                self.window.record(
+                    plan.keep, block_ids, pool, epoch=lease.epoch, version=lease.version
+                )
             changes = self.window.take_changes()
         pool.free_blocks(reversed(blocks))
         self._report(writes)
         self.tree.confirm(handle)
-        self.tree.apply_host_writes(*changes)
-        return self._served(request, handle.hits.doc_hits, prompt_len, gpu_tokens, loaded)
+        copied, dropped, gone = changes
+        self.tree.apply_host_writes(copied, dropped, gone=gone)
+        return _served(
+            request, handle.hits.doc_hits, prompt_len, gpu_tokens, loaded, cfg.block_size
+        )
 
     def run(self, requests: Sequence[EngineRequest], *, skip: int = 0) -> EngineResult:
         """Serve `requests` in order; totals over all but the first `skip` (a warm-up)."""
@@ -248,32 +254,40 @@ class EngineSimulator:
         if self.window is not None:
             self.window.on_report({w.key for w in writes}, self.pool)
 
-    @staticmethod
-    def _served(
-        request: EngineRequest, doc_hits: Sequence[Any], prompt_len: int, gpu: int, loaded: int
-    ) -> Served:
-        """Per document as `runtime.lifecycle.served_hits` counts: on GPU when vLLM's hit
-        covers it, from the host when it is in the tree's hit prefix, else computed."""
-        cached = gpu + loaded
-        end = request.root_tokens
-        gpu_docs = host_docs = cached_doc_tokens = 0
-        for position, spec in enumerate(request.docs):
-            start, end = end, end + spec.num_tokens
-            cached_doc_tokens += max(0, min(end, cached) - start)
-            if spec.num_tokens and end <= gpu:
-                gpu_docs += 1
-            elif position < len(doc_hits):
-                host_docs += 1
-        return Served(
-            prompt_tokens=prompt_len,
-            gpu_tokens=gpu,
-            loaded_tokens=loaded,
-            doc_tokens=sum(spec.num_tokens for spec in request.docs),
-            cached_doc_tokens=cached_doc_tokens,
-            docs=len(request.docs),
-            gpu_docs=gpu_docs,
-            host_docs=host_docs,
-        )
+
+def _served(
+    request: EngineRequest,
+    doc_hits: Sequence[Any],
+    prompt_len: int,
+    gpu: int,
+    loaded: int,
+    block_size: int,
+) -> Served:
+    """Per document as `runtime.lifecycle.served_hits` counts: on GPU when vLLM's hit covers
+    it (or every block of it up to the one it shares with what follows), from the host when it
+    is in the tree's hit prefix, else computed."""
+    cached = gpu + loaded
+    end = request.root_tokens
+    gpu_docs = host_docs = cached_doc_tokens = 0
+    for position, spec in enumerate(request.docs):
+        start, end = end, end + spec.num_tokens
+        cached_doc_tokens += max(0, min(end, cached) - start)
+        if spec.num_tokens and end <= gpu:
+            gpu_docs += 1
+        elif position < len(doc_hits):
+            host_docs += 1
+        elif start < gpu and end - end % block_size <= gpu:
+            gpu_docs += 1
+    return Served(
+        prompt_tokens=prompt_len,
+        gpu_tokens=gpu,
+        loaded_tokens=loaded,
+        doc_tokens=sum(spec.num_tokens for spec in request.docs),
+        cached_doc_tokens=cached_doc_tokens,
+        docs=len(request.docs),
+        gpu_docs=gpu_docs,
+        host_docs=host_docs,
+    )
 
 
 def _ratio(num: float, den: float) -> float:

@@ -7,9 +7,14 @@ engine's window copies and reports; the tree then holds the copies:
     plan(handle, ...)   keep spans for the request's path past the host-readable prefix (a key
                         per path, stable across requests), and the lease topped up to its size
                         (host leaves evicted by the policy to make room), stated whole
-    apply(report)       each copy reported done, once (by sequence number): the node is
-                        attached with a ready host copy on its leased slots if its parent holds
-                        one (else the slots are freed); the lease shrinks by those slots
+    settle(handle)      the request confirmed (its first token: its prompt is in vLLM's
+                        blocks): its kept paths are nodes held by vLLM's blocks
+                        (`Node.resident`), attached if absent, so the tree knows both tiers
+    apply(report)       each copy reported done, once (by sequence number): the node gets a
+                        ready host copy on its leased slots (attached if absent) if its parent
+                        holds one (else the slots are freed); the lease shrinks by those slots.
+                        Each path reported gone from vLLM's blocks stops being resident: a node
+                        without a host copy leaves the tree with its subtree
     engine_lost()       a new engine starts with no lease and numbers copies from 1 again
 
 A path not yet in the tree keeps its access statistics here (a *shadow*), so the node it becomes
@@ -29,6 +34,7 @@ from ragcache_core.plan import HostLease, Tier
 from ragcache_core.policy import NodeStats
 from ragcache_core.tree.integrity import fail
 from ragcache_core.tree.keys import DocKey, RootKey
+from ragcache_core.tree.node import Node
 from ragcache_core.tree.placement import Placement
 from ragcache_core.tree.prefix import PrefixTree
 from ragcache_core.tree.request import RequestHandle
@@ -109,13 +115,38 @@ class HostWrites:
         self._version += 1
         return HostLease(self.epoch, self._version, self.applied, tuple(sorted(lease)))
 
+    def settle(self, handle: RequestHandle) -> None:
+        """`handle` confirmed: vLLM's blocks hold the paths its plan kept (root first). Each
+        becomes a resident node, attached below its parent if absent; a path whose parent
+        left the tree meanwhile (invalidated, cleared) and those after it are skipped."""
+        lease = handle.plan.lease
+        version = lease.version if lease is not None else 0
+        prefixes = self._prefixes
+        for shadow in handle.ledger.keeps:
+            if shadow.key not in self._shadows:  # forgotten (invalidated, cleared)
+                return
+            node = self._node_of(shadow)
+            if node is None:
+                if shadow.docs:
+                    path = prefixes.walk(list(shadow.docs[:-1]), shadow.root_key)
+                    if len(path) != len(shadow.docs):
+                        return
+                    node = prefixes.attach(
+                        shadow.docs[-1], path[-1], shadow.num_tokens, shadow.stats
+                    )
+                else:
+                    node = prefixes.attach(shadow.root_key, None, shadow.num_tokens, shadow.stats)
+            self._placement.set_resident(node, True, version)
+
     def apply(
         self,
         copied: tuple[tuple[int, int, tuple[int, ...]], ...],
         dropped: tuple[int, ...],
         stranded_blocks: int,
+        gone: tuple[tuple[int, int], ...] = (),
     ) -> None:
-        """One report's host writes (any request's; each copy once, by sequence number)."""
+        """One report's host writes (any request's; each copy once, by sequence number), then
+        the paths it reports gone from vLLM's blocks (`gone`: key and plan version)."""
         self.stranded_blocks = max(self.stranded_blocks, stranded_blocks)
         self.dropped += len(dropped)
         placement = self._placement
@@ -129,6 +160,11 @@ class HostWrites:
             if shadow is None or not self._attach(shadow, slots):
                 placement.tiers[Tier.HOST].allocator.free(slots)
                 self.wasted += 1
+        for key, version in gone:
+            shadow = self._shadows.get(key)
+            node = self._node_of(shadow) if shadow is not None else None
+            if node is not None:
+                placement.set_resident(node, False, version)
 
     def forget(self, doc_id: str | None = None) -> None:
         """Forget the shadows of paths through `doc_id` (None: all, at `clear()`): a copy
@@ -151,19 +187,36 @@ class HostWrites:
                 "copy in flight"
             )
 
+    def _node_of(self, shadow: Shadow) -> Node | None:
+        """The attached node of `shadow`'s path, if any."""
+        if not shadow.docs:
+            return self._prefixes.roots.get(shadow.root_key)
+        path = self._prefixes.walk(list(shadow.docs), shadow.root_key)
+        return path[-1] if len(path) == len(shadow.docs) + 1 else None
+
     def _attach(self, shadow: Shadow, slots: tuple[int, ...]) -> bool:
-        """Attach `shadow`'s node with a ready host copy on `slots`, if its parent holds a
-        ready host copy (a root needs none) and the node is not in the tree already."""
+        """Give `shadow`'s node a ready host copy on `slots` (attached if absent), if its
+        parent holds a ready host copy (a root needs none) and the node holds none yet."""
         if len(slots) != slots_for_tokens(shadow.num_tokens, self._placement.page_size):
             return False
-        path = self._prefixes.walk(list(shadow.docs), shadow.root_key)
-        if len(path) != len(shadow.docs):  # the node is there already, or its parent is not
-            return False
-        parent = path[-1] if path else None
+        node = self._node_of(shadow)
+        parent: Node | None
+        if node is not None:
+            if Tier.HOST in node.slots or node.num_tokens != shadow.num_tokens:
+                return False
+            parent = node.parent
+        elif shadow.docs:
+            path = self._prefixes.walk(list(shadow.docs[:-1]), shadow.root_key)
+            if len(path) != len(shadow.docs):  # its parent is not in the tree
+                return False
+            parent = path[-1]
+        else:
+            parent = None
         if parent is not None and Tier.HOST not in parent.ready:
             return False
-        key: DocKey | RootKey = shadow.docs[-1] if shadow.docs else shadow.root_key
-        node = self._prefixes.attach(key, parent, shadow.num_tokens, shadow.stats)
+        if node is None:
+            key: DocKey | RootKey = shadow.docs[-1] if shadow.docs else shadow.root_key
+            node = self._prefixes.attach(key, parent, shadow.num_tokens, shadow.stats)
         self._placement.adopt_copy(node, Tier.HOST, slots)
         self.copies += 1
         return True

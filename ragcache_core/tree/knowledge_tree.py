@@ -128,7 +128,9 @@ class KnowledgeTree:
             store_policy=store_policy,
             host_writes=self.host_writes,
         )
-        self.protected = ProtectedSet(protected_tokens, block_size or page_size, self.policy)
+        self.block_size = block_size or page_size
+        """vLLM's block size (the GPU tier's unit; the host page size where none is given)."""
+        self.protected = ProtectedSet(protected_tokens, self.block_size, self.policy)
         """The protected set (read freely; changed only through the methods below)."""
         self._next_request_id = 0
         self._open: dict[int, RequestHandle] = {}
@@ -189,7 +191,7 @@ class KnowledgeTree:
         queue's hot path). Does not modify the cache. O(h)."""
         total = 0
         for node in self._prefixes.walk([spec.key for spec in docs], root_key):
-            if not node.ready:  # in flight: nothing below it is readable either
+            if not node.cached:  # in flight: nothing below it is readable either
                 break
             total += node.num_tokens
         return total
@@ -289,6 +291,8 @@ class KnowledgeTree:
         slots. Raises `RAGCacheError` if the handle is not open."""
         self._check_open(handle)
         self._placement.publish(handle)
+        if self.host_writes is not None:
+            self.host_writes.settle(handle)
         self._finish(handle, RequestState.CONFIRMED)
 
     def abort(self, handle: RequestHandle) -> None:
@@ -317,12 +321,14 @@ class KnowledgeTree:
         copied: Sequence[tuple[int, int, tuple[int, ...]]],
         dropped: Sequence[int],
         stranded_blocks: int = 0,
+        gone: Sequence[tuple[int, int]] = (),
     ) -> None:
         """The engine's report of eviction-time host writes (any request's report carries the
         changes since the previous one; each copy is applied once): copies become ready host
-        copies (`HostWrites.apply`). No-op when the host tier is written at compute."""
+        copies, and the paths `gone` from vLLM's blocks stop being held there
+        (`HostWrites.apply`). No-op when the host tier is written at compute."""
         if self.host_writes is not None:
-            self.host_writes.apply(tuple(copied), tuple(dropped), stranded_blocks)
+            self.host_writes.apply(tuple(copied), tuple(dropped), stranded_blocks, tuple(gone))
 
     def mark_final(self, handle: RequestHandle) -> None:
         """A speculative request turned out to use the final documents: count its retrievals

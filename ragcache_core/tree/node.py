@@ -17,6 +17,12 @@ class Node:
     - `pins`: in-flight requests that read or write this node; a pinned node is never evicted.
     - `attached`: False once removed from the tree (invalidated, cleared, freed); a detached
       node that is still pinned keeps its slots until its last pin is released.
+    - `resident`: vLLM's own blocks hold the node's KV, as far as the tree last heard (the
+      engine with eviction-time host writes, docs/design.md 2.2): a request that computed it
+      confirmed, and the engine has not reported its blocks gone. No slots of the tree's: vLLM's
+      prefix cache serves it by itself, so it is never loaded; a node stays in the tree while a
+      copy or this holds it. `resident_version` is the plan (lease version) that last said so:
+      a report about an older recording of the same path does not undo it.
     """
 
     __slots__ = (
@@ -30,6 +36,8 @@ class Node:
         "pins",
         "priority",
         "ready",
+        "resident",
+        "resident_version",
         "slots",
         "stats",
         "tier_children",
@@ -55,6 +63,18 @@ class Node:
         self.priority: dict[Tier, Priority] = {}
         self.heap_seq: dict[Tier, int] = {}
         self.attached = True
+        self.resident = False
+        self.resident_version = 0
+
+    @property
+    def has_copy(self) -> bool:
+        """Something holds the node: a copy in a tier (ready or in flight), or vLLM's blocks."""
+        return bool(self.slots) or self.resident
+
+    @property
+    def cached(self) -> bool:
+        """A request would find it cached now: a ready copy, or vLLM's blocks (resident)."""
+        return bool(self.ready) or self.resident
 
     def readable_tier(self) -> Tier | None:
         """The tier a reader should load from (GPU preferred), or None while in flight."""
@@ -86,4 +106,6 @@ class Node:
     def __repr__(self) -> str:
         name = self.key.doc_id if isinstance(self.key, DocKey) else "<root>"
         tiers = ",".join(f"{t}{'' if t in self.ready else '?'}" for t in self.slots)
+        if self.resident:
+            tiers = f"{tiers},vllm" if tiers else "vllm"
         return f"Node({name}, depth={self.depth}, tokens={self.num_tokens}, [{tiers}])"

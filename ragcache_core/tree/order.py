@@ -6,7 +6,8 @@ order of its documents that walks the cached path as far as it goes, as a pure f
 document set and the tree state when the prompt is built:
 
 - start at the request's root (never another root: ordering never crosses a tenant or template);
-- at each step take the remaining document whose node continues the readable cached path,
+- at each step take the remaining document whose node continues the cached path (a ready copy,
+  or vLLM's blocks: `Node.cached`),
   preferring the most cached tokens along the path it opens, ties by retrieval rank;
 - when none does (or `max_depth` documents are placed: nothing is cached deeper), the rest keep
   retrieval order.
@@ -58,7 +59,7 @@ def ordered_hits(
     reordering queue scores a `document_order="cache"` request by. Does not modify the tree."""
     root = prefixes.roots.get(root_key or prefixes.root_key)
     # Only a readable node is a hit (an in-flight one is not, and nothing is stored below it).
-    if root is None or not root.ready:
+    if root is None or not root.cached:
         return tuple(range(len(docs))), 0
     limit = len(docs) if max_depth is None else min(len(docs), max_depth)
     tokens, path = _best_path(prefixes, root, docs, tuple(range(len(docs))), limit)
@@ -72,8 +73,8 @@ def _child(prefixes: PrefixTree, node: Node, doc: DocSpec | str) -> Node | None:
     lowest content hash, so the choice is deterministic), or None."""
     if isinstance(doc, DocSpec):
         child = node.children.get(doc.key)
-        return child if child is not None and child.ready else None
-    found = [n for n in prefixes.nodes_of(doc) if n.parent is node and n.ready]
+        return child if child is not None and child.cached else None
+    found = [n for n in prefixes.nodes_of(doc) if n.parent is node and n.cached]
     if not found:
         return None
     return min(found, key=lambda n: (-n.num_tokens, n.key.content_hash))  # type: ignore[union-attr]

@@ -173,7 +173,7 @@ class Placement:
             if tier not in node.slots:
                 continue
             self.drop_copy(node, tier)
-            if node.attached and not node.slots:
+            if node.attached and not node.has_copy:
                 self.remove(node)
 
     def release(self, handle: RequestHandle) -> None:
@@ -223,7 +223,7 @@ class Placement:
         if tier is Tier.HOST or Tier.HOST in node.slots:
             # Host eviction, or a GPU eviction of a node already on host (zero copy).
             self.drop_copy(node, tier, evicted=True)
-            if not node.slots:
+            if not node.has_copy:
                 self.remove(node)
             return
         gpu_slots = node.slots[Tier.GPU]
@@ -263,17 +263,34 @@ class Placement:
             tier_slots.clear_heap()
 
     def drop_tier(self, tier: Tier) -> None:
-        """Every copy in `tier` is gone: drop them; nodes left without a copy leave the tree
-        with their subtrees. The caller aborts the requests that wrote or read them first."""
+        """Every copy in `tier` is gone (GPU: vLLM's blocks too, `Node.resident`): drop them;
+        nodes left without a copy leave the tree with their subtrees. The caller aborts the
+        requests that wrote or read them first."""
         stack = list(self._prefixes.roots.values())
         while stack:
             node = stack.pop()
             if tier in node.slots:
                 self.drop_copy(node, tier)
-            if node.slots:
+            if tier is Tier.GPU:
+                node.resident = False
+            if node.has_copy:
                 stack.extend(node.children.values())
             else:
                 self.remove(node)
+
+    def set_resident(self, node: Node, resident: bool, version: int) -> None:
+        """vLLM's blocks hold `node` (`resident`) or let it go, as plan `version` or a report on
+        its recording says; a report older than the plan that last made it resident changes
+        nothing. A node left without a copy leaves the tree with its subtree (nothing below it
+        can be read without it)."""
+        if resident:
+            node.resident, node.resident_version = True, max(node.resident_version, version)
+            return
+        if not node.resident or version < node.resident_version:
+            return
+        node.resident = False
+        if node.attached and not node.slots:
+            self.remove(node)
 
     def reset_counters(self) -> None:
         self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
@@ -372,11 +389,11 @@ class Placement:
         """The copy rules of one attached node (GPU parent rule, readiness, pins)."""
         parent = node.parent
         if parent is None:
-            if not node.slots:
+            if not node.has_copy:
                 fail(f"root {node!r} is in the forest without any copy")
-        elif not node.slots:
+        elif not node.has_copy:
             fail(f"{node!r} is in the tree without any copy")
-        elif not parent.slots:
+        elif not parent.has_copy:
             fail(f"{node!r} holds a copy below a freed parent")
         elif Tier.GPU in node.slots and Tier.GPU not in parent.slots:
             fail(f"{node!r} is on GPU but its parent {parent!r} is not")

@@ -106,10 +106,14 @@ class Planner:
         handle = RequestHandle(request_id, final=final, page_size=self.page_size)
         starts = _prompt_starts(root_tokens, docs)
         hits = readable_prefix(path)
-        alpha = sum(node.num_tokens for node, _ in hits)
+        num_cached = len(hits)
+        if self.host_writes is not None:  # then vLLM's blocks hold what follows, as last heard
+            while num_cached < len(path) and path[num_cached].resident:
+                num_cached += 1
+        alpha = sum(node.num_tokens for node in path[:num_cached])
         beta = starts[-1] + question_tokens - alpha
         cost_per_new = self.cost_model.prefill_time(alpha, beta) / beta if beta > 0 else 0.0
-        self._record_access(path, len(hits), cost_per_new, handle)
+        self._record_access(path, len(hits), num_cached, cost_per_new, handle)
 
         promote, load = self._plan_hits(hits, starts, handle)
         if self.backup_root:
@@ -118,10 +122,10 @@ class Planner:
         keep: list[KeepSpan] = []
         lease: HostLease | None = None
         if self.host_writes is not None:
-            if len(hits) == len(path):
-                keep = self._plan_keeps(
-                    path, root_key, root_tokens, cached_docs, starts, cost_per_new, handle
-                )
+            # Every node past the host's copies is vLLM's alone (nothing is in flight here).
+            keep = self._plan_keeps(
+                path, len(hits), root_key, root_tokens, cached_docs, starts, cost_per_new, handle
+            )
             lease = self.host_writes.lease_for(handle, may_evict=self.store_policy != "no_evict")
         elif len(hits) == len(path):  # an in-flight node blocks storing below it
             store = self._plan_stores(
@@ -193,15 +197,22 @@ class Planner:
         return cached_docs, path
 
     def _record_access(
-        self, path: list[Node], num_hits: int, cost_per_new: float, handle: RequestHandle
+        self,
+        path: list[Node],
+        num_hits: int,
+        num_cached: int,
+        cost_per_new: float,
+        handle: RequestHandle,
     ) -> None:
-        """Pin the hits; touch every node on the path; the nodes after the hits are in flight
-        and this request recomputes them, so they get a cost sample."""
+        """Pin the hits; touch every node on the path; the nodes past the first `num_cached`
+        (the hits and the nodes vLLM's blocks hold after them) are in flight and this request
+        recomputes them, so they get a cost sample."""
         placement = self._placement
         for node in path[:num_hits]:
             placement.pin(node, handle)
+        for node in path[:num_cached]:
             self._touch(node, handle.final)
-        for node in path[num_hits:]:
+        for node in path[num_cached:]:
             node.stats.record_computed(cost_per_new)
             self._touch(node, handle.final)
         handle.ledger.path = list(path)
@@ -291,6 +302,7 @@ class Planner:
     def _plan_keeps(
         self,
         path: list[Node],
+        num_hits: int,
         root_key: RootKey,
         root_tokens: int,
         cached_docs: Sequence[DocSpec],
@@ -298,21 +310,24 @@ class Planner:
         cost_per_new: float,
         handle: RequestHandle,
     ) -> list[KeepSpan]:
-        """Keep spans (eviction-time host writes) for the path past the host-readable prefix,
-        root first if absent, while the store policy admits them; each one's shadow records
-        this access. A root of no tokens needs no copy: it is attached now."""
+        """Keep spans (eviction-time host writes) for the path past the host-readable prefix
+        (its first `num_hits` nodes), root first if it has no host copy, while the store policy
+        admits them. Each is a shadow (`HostWrites.shadow`): a node on the path lends it its
+        statistics (this access is recorded on them already); past the path the shadow records
+        it. The shadows go on the handle: at its first token vLLM's blocks hold them
+        (`HostWrites.settle`). A root of no tokens needs no copy: it is attached now."""
         assert self.host_writes is not None
         parent: int | None = None
-        first = max(len(path) - 1, 0)
-        wanted: list[tuple[tuple[DocKey, ...] | None, int, int]] = []
-        if not path:
-            wanted.append((None, root_tokens, 0))
+        first = max(num_hits - 1, 0)
+        wanted: list[tuple[int, tuple[DocKey, ...] | None, int, int]] = []
+        if not num_hits:
+            wanted.append((0, None, root_tokens, 0))
         prefix = tuple(spec.key for spec in cached_docs[:first])
         for i in range(first, len(cached_docs)):
             prefix = (*prefix, cached_docs[i].key)
-            wanted.append((prefix, cached_docs[i].num_tokens, starts[i + 1]))
+            wanted.append((i + 1, prefix, cached_docs[i].num_tokens, starts[i + 1]))
         keep: list[KeepSpan] = []
-        for docs, num_tokens, start in wanted:
+        for position, docs, num_tokens, start in wanted:
             if docs is None and num_tokens == 0:
                 root = self._prefixes.attach(root_key, None, 0, NodeStats(0, 0.0, self.now))
                 self._placement.adopt_copy(root, Tier.HOST, ())
@@ -321,14 +336,21 @@ class Planner:
                 docs, slots_for_tokens(num_tokens, self.page_size), handle
             ):
                 break
-            standalone = (
-                self.cost_model.prefill_time(0, num_tokens) / num_tokens if num_tokens else 0.0
-            )
-            shadow = self.host_writes.shadow(
-                root_key, docs or (), num_tokens, NodeStats(num_tokens, standalone, self.now)
-            )
-            shadow.stats.record_computed(cost_per_new)
-            shadow.stats.touch(self.now, count=handle.final, window=self._window())
+            node = path[position] if position < len(path) else None
+            if node is not None:
+                stats = node.stats
+            else:
+                standalone = (
+                    self.cost_model.prefill_time(0, num_tokens) / num_tokens if num_tokens else 0.0
+                )
+                stats = NodeStats(num_tokens, standalone, self.now)
+            shadow = self.host_writes.shadow(root_key, docs or (), num_tokens, stats)
+            if node is not None:
+                shadow.stats = node.stats  # one record of the path's statistics
+            else:
+                shadow.stats.record_computed(cost_per_new)
+                shadow.stats.touch(self.now, count=handle.final, window=self._window())
+            handle.ledger.keeps.append(shadow)
             if num_tokens:
                 keep.append(KeepSpan(shadow.key, parent, start, num_tokens))
                 parent = shadow.key

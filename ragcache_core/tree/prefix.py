@@ -33,8 +33,19 @@ def match_result(path: Sequence[Node], hits: Sequence[tuple[Node, Tier]]) -> Mat
     """The typed view of a walked `path` and its readable prefix `hits` (`readable_prefix`)."""
     return MatchResult(
         hits=tuple(TierHit(node.key, node.num_tokens, tier) for node, tier in hits),
-        in_flight=len(path) - len(hits),
+        in_flight=sum(1 for node in path[len(hits) :] if not node.resident),
+        vllm_tokens=_resident_tokens(path[len(hits) :]),
     )
+
+
+def _resident_tokens(rest: Sequence[Node]) -> int:
+    """Tokens of the leading nodes of `rest` that vLLM's blocks hold (`Node.resident`)."""
+    total = 0
+    for node in rest:
+        if not node.resident:
+            break
+        total += node.num_tokens
+    return total
 
 
 class PrefixTree:
@@ -62,7 +73,7 @@ class PrefixTree:
         first absent one; empty when that root is absent or holds no copy). Does not modify
         the tree. O(h)."""
         node = self.roots.get(root_key or self.root_key)
-        if node is None or not node.slots:
+        if node is None or not node.has_copy:
             return []
         path = [node]
         children = node.children
@@ -94,8 +105,8 @@ class PrefixTree:
         return list(self._doc_index.get(doc_id, ()))
 
     def iter_nodes(self) -> Iterator[Node]:
-        """Every attached node that holds a copy, parents before children."""
-        stack = [node for node in self.roots.values() if node.slots]
+        """Every attached node that holds a copy (or vLLM's blocks do), parents before children."""
+        stack = [node for node in self.roots.values() if node.has_copy]
         while stack:
             node = stack.pop()
             yield node

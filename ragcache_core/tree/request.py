@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from ragcache_core.plan import Plan, SlotCopy, Tier
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.results import MatchResult
+
+if TYPE_CHECKING:
+    from ragcache_core.tree.host_writes import Shadow
 
 
 class RequestState(StrEnum):
@@ -29,7 +33,9 @@ class RequestLedger:
       write them first);
     - `swap_out`: the swap-out copies of its plan, in eviction order;
     - `protecting`: the protected-set entries its plan asks the engine to hold, until the
-      connector's report says which it holds (`ProtectedSet.settle`) or it ends without one.
+      connector's report says which it holds (`ProtectedSet.settle`) or it ends without one;
+    - `keeps`: the paths its plan keeps (eviction-time host writes), root first: vLLM's blocks
+      hold them once it confirms (`HostWrites.settle`).
     """
 
     path: list[Node] = field(default_factory=list)
@@ -38,6 +44,7 @@ class RequestLedger:
     held_gpu_slots: list[int] = field(default_factory=list)
     swap_out: list[SlotCopy] = field(default_factory=list)
     protecting: tuple[int, ...] = ()
+    keeps: list[Shadow] = field(default_factory=list)
 
 
 class RequestHandle:

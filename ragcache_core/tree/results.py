@@ -24,10 +24,13 @@ class TierHit:
 @dataclass(frozen=True, slots=True)
 class MatchResult:
     """The readable prefix of a document sequence (root first, if cached), and how many
-    nodes right after it exist but are still in flight (being written; not loadable)."""
+    nodes right after it exist but are still in flight (being written; not loadable).
+    `vllm_tokens`: the tokens of the nodes right after the readable prefix that vLLM's own
+    blocks hold (`Node.resident`; eviction-time host writes): cached, but never loaded."""
 
     hits: tuple[TierHit, ...]
     in_flight: int
+    vllm_tokens: int = 0
 
     @property
     def root_cached(self) -> bool:

@@ -35,7 +35,10 @@ class ConnectorResult:
     (this plan's `release`, or `reset_cache`), whichever request's plan named them.
     `host_copied`: eviction-time copies done since the previous report, whichever request's
     plan kept them: (sequence number, keep key, host slots), in order; `host_dropped`: keep
-    keys the engine let go of without a copy since then (evicted, a failed copy, a reset).
+    keys the engine let go of without a copy since then (evicted, a failed copy, a reset);
+    `host_gone`: (keep key, plan version) of the kept documents whose blocks left vLLM's cache
+    since then, or that the engine stopped following (a dropped key, a span it could not
+    record): the tree stops counting them as held in vLLM's blocks (`Node.resident`).
     `stranded_blocks`: blocks the engine found held with no copy in flight, since it started
     (0 unless there is a bug; `check_integrity()` fails on it).
     `reported`: the result came from the connector's report (False: no report came, as for
@@ -56,6 +59,7 @@ class ConnectorResult:
     released: tuple[int, ...] = ()
     host_copied: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     host_dropped: tuple[int, ...] = ()
+    host_gone: tuple[tuple[int, int], ...] = ()
     stranded_blocks: int = 0
     reported: bool = field(default=False, compare=False)
 
@@ -79,6 +83,7 @@ class ConnectorResult:
             "released": list(self.released),
             "host_copied": [[seq, key, list(slots)] for seq, key, slots in self.host_copied],
             "host_dropped": list(self.host_dropped),
+            "host_gone": [[key, version] for key, version in self.host_gone],
             "stranded_blocks": self.stranded_blocks,
         }
 
@@ -102,6 +107,7 @@ class ConnectorResult:
                 for seq, key, slots in data.get("host_copied", ())
             ),
             host_dropped=tuple(int(k) for k in data.get("host_dropped", ())),
+            host_gone=tuple((int(k), int(v)) for k, v in data.get("host_gone", ())),
             stranded_blocks=int(data.get("stranded_blocks", 0)),
             reported=True,
         )

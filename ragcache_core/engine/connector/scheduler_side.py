@@ -25,8 +25,8 @@ blocks, which vLLM holds while the request runs (its in-flight pin).
 
 Eviction-time host writes (`host_write="eviction"`, docs/design.md 2.2) are the
 `EvictionWindow`'s (window.py): a finished request's keep spans are recorded, the window is
-scanned every step, its copies ride in the step's metadata, and what it copied or let go rides
-on the next report of any request.
+scanned every step, its copies ride in the step's metadata, and what it copied or let go, and
+which recorded documents left vLLM's blocks, ride on the next report of any request.
 
 It decides nothing about what is cached: the plan says which slots and which entries, the app
 owns them. Pure Python over vLLM's scheduler objects; no tensors.
@@ -288,30 +288,29 @@ class SchedulerSide:
         protected = () if aborted or not tracked.store_sent else self._protect(tracked)
         window = self.window
         lease = tracked.plan.lease
-        if (
-            window is not None
-            and lease
-            and tracked.plan.keep
-            and tracked.store_sent
-            and not aborted
-        ):
-            window.record(
-                tracked.plan.keep,
-                tracked.block_ids,
-                self.block_pool,
-                epoch=lease.epoch,
-                fail=tracked.fail_host_write,
-            )
+        if window is not None and lease and tracked.plan.keep:
+            if tracked.store_sent and not aborted:
+                window.record(
+                    tracked.plan.keep,
+                    tracked.block_ids,
+                    self.block_pool,
+                    epoch=lease.epoch,
+                    version=lease.version,
+                    fail=tracked.fail_host_write,
+                )
+            else:
+                window.unfollowed(tracked.plan.keep, epoch=lease.epoch, version=lease.version)
         released: tuple[int, ...] = ()
         result = _result(tracked, protected, released)
         if not aborted:  # vLLM drops an aborted request's report: keep them for the next
             released, self._released = tuple(sorted(self._released)), set()
-            copied, dropped = window.take_changes() if window is not None else ((), ())
+            copied, dropped, gone = window.take_changes() if window is not None else ((), (), ())
             result = dataclasses.replace(
                 result,
                 released=released,
                 host_copied=copied,
                 host_dropped=dropped,
+                host_gone=gone,
                 stranded_blocks=window.stranded_blocks if window is not None else 0,
             )
         return {RESULT_KEY: result.to_json()}

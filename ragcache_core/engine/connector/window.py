@@ -14,7 +14,11 @@ vLLM's `SimpleCPUOffloadConnector` with `lazy_offload` (`_prepare_lazy_store_spe
     on_report()      the step's worker report: held blocks go back (`free_blocks`), copies
                      that ran are numbered and queued for the tree, failed ones give their
                      slots back to the lease and are dropped
-    take_changes()   what the next report of any request carries to the tree, once each
+    take_changes()   what the next report of any request carries to the tree, once each:
+                     copies done, keys dropped, and the recorded documents whose blocks left
+                     vLLM's cache (or that it stopped following) since the last call; a
+                     record lives, copied or not, until its blocks leave vLLM's cache, so the
+                     tree knows which documents vLLM's blocks hold (`Node.resident`)
 
 Blocks are held only between `scan` and the same step's `on_report`; a block found still held
 at the next `scan` (no report came) is handed back and counted (`stranded_blocks`). Pure Python
@@ -26,6 +30,7 @@ block pool (`sim.blocks`).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +38,8 @@ from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.plan import HostLease, KeepSpan
 
 logger = logging.getLogger(__name__)
+
+HOST_HELD_LIMIT = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,8 @@ class _Record:
     token_start: int
     num_tokens: int
     fail: bool
+    version: int
+    """The plan (lease version) that recorded it: named in its gone report."""
     copied: bool = False
 
     def intact(self) -> bool:
@@ -101,6 +110,10 @@ class EvictionWindow:
         """Copies in flight (this step): key -> (record, slots); their blocks are held."""
         self._copied: list[tuple[int, int, tuple[int, ...]]] = []
         self._dropped: list[int] = []
+        self._gone: list[tuple[int, int]] = []
+        self._host_held: OrderedDict[int, None] = OrderedDict()
+        """Keys copied whose records left (their blocks left vLLM's cache): a child's copy may
+        still follow them (their host copy is there); bounded by `HOST_HELD_LIMIT`."""
         self.stranded_blocks = 0
         """Blocks found held with no copy in flight (handed back), since start."""
 
@@ -128,7 +141,8 @@ class EvictionWindow:
         if lease.epoch != self._epoch:
             self._epoch, self._lease_version = lease.epoch, -1
             self._records, self._by_block, self._consumed = {}, {}, {}
-            self._copied, self._dropped, self._seq = [], [], 0
+            self._copied, self._dropped, self._gone, self._seq = [], [], [], 0
+            self._host_held = OrderedDict()
         if lease.version <= self._lease_version:
             return
         self._lease_version = lease.version
@@ -146,21 +160,26 @@ class EvictionWindow:
         block_pool: Any,
         *,
         epoch: int,
+        version: int,
         fail: bool = False,
     ) -> None:
         """A request finished with its prompt computed: record its keep spans' blocks, in
         prompt order, until one is not wholly in vLLM's prefix cache (its children could not be
-        copied below it). A record being copied now is left alone; a plan of another epoch
-        than the lease's (an earlier tree's) records nothing."""
+        copied below it; those spans are reported gone). A record being copied now is left
+        alone; a plan of another epoch than the lease's (an earlier tree's) records nothing.
+        `version`: the plan's lease version."""
         if epoch != self._epoch:
             return
         size = self.block_size
-        for span in keep:
+        for index, span in enumerate(keep):
             first, end = span.token_start // size, -(-(span.token_start + span.num_tokens) // size)
-            if end > len(block_ids):
-                return
-            blocks = [block_pool.blocks[block_ids[i]] for i in range(first, end)]
-            if any(block.block_hash is None for block in blocks):
+            blocks = (
+                [block_pool.blocks[block_ids[i]] for i in range(first, end)]
+                if end <= len(block_ids)
+                else []
+            )
+            if not blocks or any(block.block_hash is None for block in blocks):
+                self.unfollowed(keep[index:], epoch=epoch, version=version)
                 return
             if span.key in self._copying:
                 continue
@@ -173,6 +192,7 @@ class EvictionWindow:
                 token_start=span.token_start - first * size,
                 num_tokens=span.num_tokens,
                 fail=fail,
+                version=version,
             )
             self._records[span.key] = record
             for block in blocks:
@@ -249,11 +269,25 @@ class EvictionWindow:
 
             requeue_at_head(block_pool, requeue)
 
-    def take_changes(self) -> tuple[tuple[tuple[int, int, tuple[int, ...]], ...], tuple[int, ...]]:
-        """Copies done and keys dropped since the last call (for one report)."""
+    def unfollowed(self, keep: tuple[KeepSpan, ...], *, epoch: int, version: int) -> None:
+        """A finished request's keep spans that are not recorded (it was aborted, or its blocks
+        are not all in vLLM's prefix cache): reported gone, so the tree that counted them as in
+        vLLM's blocks at its first token stops (a recording by a later plan stands)."""
+        if epoch == self._epoch:
+            self._gone.extend((span.key, version) for span in keep)
+
+    def take_changes(
+        self,
+    ) -> tuple[
+        tuple[tuple[int, int, tuple[int, ...]], ...], tuple[int, ...], tuple[tuple[int, int], ...]
+    ]:
+        """Copies done, keys dropped and records gone since the last call (for one report).
+        Records whose blocks left vLLM's cache are found here (`_sweep`)."""
+        self._sweep()
         copied, self._copied = tuple(self._copied), []
         dropped, self._dropped = tuple(self._dropped), []
-        return copied, dropped
+        gone, self._gone = tuple(self._gone), []
+        return copied, dropped, gone
 
     def reset(self, block_pool: Any) -> None:
         """vLLM's prefix cache was reset (`clear()`): forget every record; blocks held (none
@@ -261,6 +295,7 @@ class EvictionWindow:
         self.on_report(set(), block_pool)
         for key in sorted(self._records):
             self._drop(key)
+        self._host_held.clear()
 
     # ------------------------------------------------------------------ internals
 
@@ -278,6 +313,8 @@ class EvictionWindow:
                 break
             current = self._records.get(parent)
             if current is None:
+                if parent in self._host_held:
+                    break  # copied, then its blocks left vLLM's cache: its host copy stays
                 return None
             if current.copied or parent in taken:
                 break
@@ -292,16 +329,32 @@ class EvictionWindow:
         self.stranded_blocks += held
         self.on_report(set(), block_pool)
 
-    def _drop(self, key: int) -> None:
-        if self._forget(key):
-            self._dropped.append(key)
+    def _sweep(self) -> None:
+        """Every record (none being copied) whose blocks left vLLM's cache is gone: forgotten
+        and reported; a copied one is remembered as held on the host for its children's
+        copies. O(recorded blocks): about vLLM's cached blocks of kept documents."""
+        for key, record in list(self._records.items()):
+            if key in self._copying or record.intact():
+                continue
+            self._forget(key)
+            self._gone.append((key, record.version))
+            if record.copied:
+                self._host_held[key] = None
+                if len(self._host_held) > HOST_HELD_LIMIT:
+                    self._host_held.popitem(last=False)
 
-    def _forget(self, key: int) -> bool:
+    def _drop(self, key: int) -> None:
+        record = self._forget(key)
+        if record is not None:
+            self._dropped.append(key)
+            self._gone.append((key, record.version))
+
+    def _forget(self, key: int) -> _Record | None:
         record = self._records.pop(key, None)
         if record is None:
-            return False
+            return None
         self._unindex(record)
-        return True
+        return record
 
     def _unindex(self, record: _Record) -> None:
         for block in record.blocks:
