@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
-from ragcache_core.runtime.admission import Admission, Ticket
+from ragcache_core.config import SamplingConfig
+from ragcache_core.runtime.admission import Admission
+from ragcache_core.runtime.attempt import Attempt
+from ragcache_core.runtime.prompt import BuiltPrompt
+
+
+def request(
+    score: Callable[[], tuple[int, int]], blocked: Callable[[], bool] = lambda: False
+) -> Attempt:
+    """A request as admission sees it: its score and whether it is blocked (no prompt)."""
+    return Attempt(BuiltPrompt((), (), (), ()), SamplingConfig(), score=score, blocked=blocked)
+
+
+async def admit(admission: Admission, attempt: Attempt) -> Attempt:
+    """`attempt`, once admission let it in."""
+    await admission.acquire(attempt)
+    return attempt
 
 
 def test_capacity_is_respected_and_fcfs_order() -> None:
@@ -14,15 +31,15 @@ def test_capacity_is_respected_and_fcfs_order() -> None:
         admission = Admission(capacity=1, queue="fcfs", window=0)
         order: list[int] = []
 
-        async def request(i: int) -> None:
-            ticket = Ticket(score=lambda: (0, 1))
-            await admission.acquire(ticket)
+        async def run(i: int) -> None:
+            attempt = request(lambda: (0, 1))
+            await admission.acquire(attempt)
             assert admission.in_prefill <= 1
             order.append(i)
             await asyncio.sleep(0)
-            admission.release()
+            admission.release(attempt)
 
-        await asyncio.gather(*(request(i) for i in range(5)))
+        await asyncio.gather(*(run(i) for i in range(5)))
         assert admission.in_prefill == 0
         return order
 
@@ -33,21 +50,22 @@ def test_cache_aware_prefers_cached_requests() -> None:
     async def main() -> list[str]:
         admission = Admission(capacity=1, queue="cache_aware", window=10)
         order: list[str] = []
-        blocker = Ticket(score=lambda: (0, 1))
+        blocker = request(lambda: (0, 1))
         await admission.acquire(blocker)  # holds the only slot while the others queue
 
-        async def request(name: str, cached: int, compute: int) -> None:
-            await admission.acquire(Ticket(score=lambda: (cached, compute)))
+        async def run(name: str, cached: int, compute: int) -> None:
+            attempt = request(lambda: (cached, compute))
+            await admission.acquire(attempt)
             order.append(name)
-            admission.release()
+            admission.release(attempt)
 
         tasks = [
-            asyncio.ensure_future(request("cold", 0, 500)),
-            asyncio.ensure_future(request("warm", 400, 100)),
-            asyncio.ensure_future(request("hot", 490, 10)),
+            asyncio.ensure_future(run("cold", 0, 500)),
+            asyncio.ensure_future(run("warm", 400, 100)),
+            asyncio.ensure_future(run("hot", 490, 10)),
         ]
         await asyncio.sleep(0)
-        admission.release()
+        admission.release(blocker)
         await asyncio.gather(*tasks)
         return order
 
@@ -62,21 +80,22 @@ def test_hostile_stream_never_starves_beyond_window(window: int) -> None:
     async def main() -> int:
         admission = Admission(capacity=1, queue="cache_aware", window=window)
         served: list[str] = []
-        holder = Ticket(score=lambda: (0, 1))
+        holder = request(lambda: (0, 1))
         await admission.acquire(holder)
 
-        async def request(name: str, cached: int) -> None:
-            await admission.acquire(Ticket(score=lambda: (cached, 10)))
+        async def run(name: str, cached: int) -> None:
+            attempt = request(lambda: (cached, 10))
+            await admission.acquire(attempt)
             served.append(name)
-            admission.release()
+            admission.release(attempt)
 
-        cold = asyncio.ensure_future(request("cold", 0))
+        cold = asyncio.ensure_future(run("cold", 0))
         await asyncio.sleep(0)
         hot = []
         for i in range(20):  # hot requests keep arriving while the slot is busy
-            hot.append(asyncio.ensure_future(request(f"hot{i}", 1000)))
+            hot.append(asyncio.ensure_future(run(f"hot{i}", 1000)))
         await asyncio.sleep(0)
-        admission.release()
+        admission.release(holder)
         await asyncio.gather(cold, *hot)
         return served.index("cold")
 
@@ -86,13 +105,13 @@ def test_hostile_stream_never_starves_beyond_window(window: int) -> None:
 def test_cancelled_waiter_gives_its_place_back() -> None:
     async def main() -> int:
         admission = Admission(capacity=1, queue="fcfs", window=0)
-        holder = Ticket(score=lambda: (0, 1))
+        holder = request(lambda: (0, 1))
         await admission.acquire(holder)
-        waiter = asyncio.ensure_future(admission.acquire(Ticket(score=lambda: (0, 1))))
+        waiter = asyncio.ensure_future(admission.acquire(request(lambda: (0, 1))))
         await asyncio.sleep(0)
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
-        admission.release()
+        admission.release(holder)
         return admission.in_prefill
 
     assert asyncio.run(main()) == 0
@@ -102,24 +121,23 @@ def test_token_budget_admits_what_fits_and_a_large_request_alone() -> None:
     async def main() -> list[tuple[str, int, int]]:
         admission = Admission(capacity=8, queue="fcfs", window=0, token_budget=1000)
         seen: list[tuple[str, int, int]] = []
-        big = await admission.acquire(Ticket(score=lambda: (0, 5000)))  # alone: admitted
+        big = request(lambda: (0, 5000))
+        await admission.acquire(big)  # alone: admitted
         seen.append(("big", admission.in_prefill, admission.prefill_tokens))
-        assert admission.try_acquire(10) is None  # nothing else fits beside it
-        waiters = [
-            asyncio.ensure_future(admission.acquire(Ticket(score=lambda: (0, 400))))
-            for _ in range(3)
-        ]
+        assert not admission.try_acquire(request(lambda: (0, 10)))  # nothing fits beside it
+        attempts = [request(lambda: (0, 400)) for _ in range(3)]
+        waiters = [asyncio.ensure_future(admission.acquire(a)) for a in attempts]
         await asyncio.sleep(0)
         assert admission.waiting == 3
-        big.release()  # two of the three 400-token requests fit in 1,000
+        admission.release(big)  # two of the three 400-token requests fit in 1,000
         await asyncio.sleep(0)
         seen.append(("after", admission.in_prefill, admission.prefill_tokens))
-        slots = [w.result() for w in waiters if w.done()]
-        for slot in slots:
-            slot.release()
+        admitted = [a for a, w in zip(attempts, waiters, strict=True) if w.done()]
+        for attempt in admitted:
+            admission.release(attempt)
         await asyncio.gather(*waiters)
-        for w in waiters:
-            w.result().release()
+        for attempt in attempts:
+            admission.release(attempt)  # a second release of the first two changes nothing
         seen.append(("end", admission.in_prefill, admission.prefill_tokens))
         return seen
 
@@ -135,27 +153,28 @@ def test_a_request_waiting_on_a_document_in_flight_is_deferred_then_queued() -> 
         admission = Admission(capacity=4, queue="cache_aware", window=4)
         in_flight = {"doc": True}
         events: list[str] = []
-        writer = await admission.acquire(Ticket(score=lambda: (0, 100)))
+        writer = await admit(admission, request(score=lambda: (0, 100)))
         reader = asyncio.ensure_future(
-            admission.acquire(
-                Ticket(
+            admit(
+                admission,
+                request(
                     score=lambda: (100 if not in_flight["doc"] else 0, 10),
                     blocked=lambda: in_flight["doc"],
-                )
+                ),
             )
         )
-        other = asyncio.ensure_future(admission.acquire(Ticket(score=lambda: (0, 50))))
+        other = asyncio.ensure_future(admit(admission, request(score=lambda: (0, 50))))
         await asyncio.sleep(0)
         events.append(f"deferred={admission.deferrals} waiting={admission.waiting}")
         assert not reader.done() and other.done()  # the unblocked one is not held back
-        other.result().release()
+        admission.release(other.result())
         await asyncio.sleep(0)
         assert not reader.done()  # still blocked: the writer has not confirmed yet
         in_flight["doc"] = False  # the writer's first token: its document is readable
-        writer.release()
+        admission.release(writer)
         await asyncio.sleep(0)
         events.append(f"reader admitted={reader.done()} in_prefill={admission.in_prefill}")
-        reader.result().release()
+        admission.release(reader.result())
         events.append(f"end in_prefill={admission.in_prefill} waiting={admission.waiting}")
         return events
 
@@ -172,16 +191,16 @@ def test_a_deferred_request_never_waits_on_an_empty_prefill() -> None:
 
     async def main() -> tuple[bool, bool, int]:
         admission = Admission(capacity=4, queue="fcfs", window=0)
-        alone = await admission.acquire(Ticket(score=lambda: (0, 1), blocked=lambda: True))
+        alone = await admit(admission, request(score=lambda: (0, 1), blocked=lambda: True))
         deferred = asyncio.ensure_future(
-            admission.acquire(Ticket(score=lambda: (0, 1), blocked=lambda: True))
+            admit(admission, request(score=lambda: (0, 1), blocked=lambda: True))
         )
         await asyncio.sleep(0)
         was_deferred = not deferred.done()
-        alone.release()  # prefill empties: the deferred one must go
+        admission.release(alone)  # prefill empties: the deferred one must go
         await asyncio.sleep(0)
         admitted = deferred.done()
-        deferred.result().release()
+        admission.release(deferred.result())
         return was_deferred, admitted, admission.in_prefill
 
     assert asyncio.run(main()) == (True, True, 0)
@@ -190,14 +209,14 @@ def test_a_deferred_request_never_waits_on_an_empty_prefill() -> None:
 def test_a_cancelled_deferred_request_leaves_nothing_behind() -> None:
     async def main() -> tuple[int, int]:
         admission = Admission(capacity=2, queue="fcfs", window=0)
-        holder = await admission.acquire(Ticket(score=lambda: (0, 1)))
+        holder = await admit(admission, request(score=lambda: (0, 1)))
         waiter = asyncio.ensure_future(
-            admission.acquire(Ticket(score=lambda: (0, 1), blocked=lambda: True))
+            admit(admission, request(score=lambda: (0, 1), blocked=lambda: True))
         )
         await asyncio.sleep(0)
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
-        holder.release()
+        admission.release(holder)
         return admission.in_prefill, admission.waiting
 
     assert asyncio.run(main()) == (0, 0)
@@ -210,19 +229,19 @@ def test_a_writer_that_fails_unblocks_its_deferred_readers() -> None:
     async def main() -> tuple[bool, bool, int]:
         admission = Admission(capacity=4, queue="fcfs", window=0)
         node = {"in_flight": True}
-        writer = await admission.acquire(Ticket(score=lambda: (0, 100)))
-        other = await admission.acquire(Ticket(score=lambda: (0, 100)))  # keeps prefill busy
+        writer = await admit(admission, request(score=lambda: (0, 100)))
+        other = await admit(admission, request(score=lambda: (0, 100)))  # keeps prefill busy
         reader = asyncio.ensure_future(
-            admission.acquire(Ticket(score=lambda: (0, 100), blocked=lambda: node["in_flight"]))
+            admit(admission, request(score=lambda: (0, 100), blocked=lambda: node["in_flight"]))
         )
         await asyncio.sleep(0)
         deferred = not reader.done()
         node["in_flight"] = False  # the writer's abort removed the node ...
-        writer.release()  # ... before it released its room (runtime/generation.py's order)
+        admission.release(writer)  # ... before it released its room (runtime/generation.py's order)
         await asyncio.sleep(0)
         admitted = reader.done()
-        reader.result().release()
-        other.release()
+        admission.release(reader.result())
+        admission.release(other)
         return deferred, admitted, admission.in_prefill
 
     assert asyncio.run(main()) == (True, True, 0)
@@ -236,19 +255,19 @@ def test_a_release_before_the_confirm_would_leave_the_reader_waiting() -> None:
     async def main() -> bool:
         admission = Admission(capacity=4, queue="fcfs", window=0)
         node = {"in_flight": True}
-        writer = await admission.acquire(Ticket(score=lambda: (0, 100)))
-        other = await admission.acquire(Ticket(score=lambda: (0, 100)))
+        writer = await admit(admission, request(score=lambda: (0, 100)))
+        other = await admit(admission, request(score=lambda: (0, 100)))
         reader = asyncio.ensure_future(
-            admission.acquire(Ticket(score=lambda: (0, 100), blocked=lambda: node["in_flight"]))
+            admit(admission, request(score=lambda: (0, 100), blocked=lambda: node["in_flight"]))
         )
         await asyncio.sleep(0)
-        writer.release()  # the wrong order: released first ...
+        admission.release(writer)  # the wrong order: released first ...
         node["in_flight"] = False  # ... confirmed after
         await asyncio.sleep(0)
         stuck = not reader.done()
-        other.release()  # the next release (or an empty prefill) finally admits it
+        admission.release(other)  # the next release (or an empty prefill) finally admits it
         await asyncio.sleep(0)
-        reader.result().release()
+        admission.release(reader.result())
         return stuck
 
     assert asyncio.run(main()) is True
@@ -257,19 +276,19 @@ def test_a_release_before_the_confirm_would_leave_the_reader_waiting() -> None:
 def test_speculation_takes_no_room_while_a_request_is_deferred() -> None:
     async def main() -> tuple[bool, bool]:
         admission = Admission(capacity=4, queue="fcfs", window=0)
-        holder = await admission.acquire(Ticket(score=lambda: (0, 10)))
-        free_before = admission.try_acquire(10)
-        assert free_before is not None
-        free_before.release()
+        holder = await admit(admission, request(score=lambda: (0, 10)))
+        free_before = request(lambda: (0, 10))
+        assert admission.try_acquire(free_before)
+        admission.release(free_before)
         reader = asyncio.ensure_future(
-            admission.acquire(Ticket(score=lambda: (0, 10), blocked=lambda: True))
+            admit(admission, request(score=lambda: (0, 10), blocked=lambda: True))
         )
         await asyncio.sleep(0)
-        refused = admission.try_acquire(10) is None
-        holder.release()  # prefill empties: the deferred one is admitted
+        refused = not admission.try_acquire(request(lambda: (0, 10)))
+        admission.release(holder)  # prefill empties: the deferred one is admitted
         await asyncio.sleep(0)
         admitted = reader.done()
-        reader.result().release()
+        admission.release(reader.result())
         return refused, admitted
 
     assert asyncio.run(main()) == (True, True)

@@ -18,53 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from ragcache_core.runtime.attempt import Attempt
 from ragcache_core.runtime.reorder import RequestQueue, make_queue
-
-
-@dataclass
-class Ticket:
-    """A request waiting for (or holding) a place in prefill (a `PrefillLease`)."""
-
-    score: Callable[[], tuple[int, int]]
-    """(cached tokens, tokens to compute) as of now."""
-    blocked: Callable[[], bool] = lambda: False
-    """Whether a document the request could read is being written by a request in prefill
-    right now (it becomes readable at that request's first token)."""
-    tokens: int = 0
-    """Tokens to compute, as of admission (what the request takes from the budget)."""
-    future: asyncio.Future[None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    admitted_at: float = 0.0
-
-    @property
-    def wait_s(self) -> float:
-        return max(0.0, self.admitted_at - self.enqueued_at)
-
-
-class PrefillLease:
-    """A held place in prefill (`tokens` of the budget). `release()` is idempotent, so every
-    path that may end a request (first token, failure, cancellation, even a task cancelled
-    before it ever ran) can call it."""
-
-    def __init__(self, admission: Admission, tokens: int = 0) -> None:
-        self._admission = admission
-        self.tokens = tokens
-        self.held = True
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self._admission.release(self.tokens)
 
 
 class Admission:
     """`capacity`: requests in prefill at most; `token_budget`: tokens to compute in prefill
-    at most (None: no token limit)."""
+    at most (None: no token limit). The requests are `Attempt`s: admission reads their
+    `score` and `blocked` and keeps their place in prefill on them (`in_prefill`,
+    `prefill_tokens`)."""
 
     def __init__(
         self, capacity: int, queue: str, window: int, token_budget: int | None = None
@@ -75,10 +38,10 @@ class Admission:
         self.prefill_tokens = 0
         self.deferrals = 0
         """Requests deferred so far (each waited for a document another request computed)."""
-        self._queue: RequestQueue[Ticket] = make_queue(
-            queue, score=lambda t: t.score(), window=window
+        self._queue: RequestQueue[Attempt] = make_queue(
+            queue, score=lambda a: a.score(), window=window
         )
-        self._deferred: list[Ticket] = []
+        self._deferred: list[Attempt] = []
 
     @property
     def waiting(self) -> int:
@@ -98,71 +61,80 @@ class Admission:
         before it and it fits (deferred requests wait for a document, not for room)."""
         return not self._queue and self.fits(tokens)
 
-    def try_acquire(self, tokens: int = 0) -> PrefillLease | None:
-        """Take room for `tokens` only if it is free now and nobody waits, not even a
-        deferred request (speculation only uses capacity the final requests leave idle)."""
+    def try_acquire(self, attempt: Attempt) -> bool:
+        """Admit `attempt` only if room for its tokens is free now and nobody waits, not
+        even a deferred request (speculation only uses capacity the final requests leave
+        idle). Returns whether it was admitted."""
+        tokens = attempt.score()[1]
         if self.waiting or not self.fits(tokens):
-            return None
-        return self._admit(tokens)
+            return False
+        self._enter(attempt, tokens)
+        return True
 
-    async def acquire(self, ticket: Ticket) -> PrefillLease:
-        """Wait for room in prefill. Cancelling the wait leaves the queue consistent."""
-        if self.in_prefill and ticket.blocked():
+    async def acquire(self, attempt: Attempt) -> None:
+        """Wait for room in prefill; `attempt` holds it on return. Cancelling the wait leaves
+        the queue consistent."""
+        if self.in_prefill and attempt.blocked():
             self.deferrals += 1
-            self._deferred.append(ticket)
+            self._deferred.append(attempt)
         else:
-            ticket.tokens = ticket.score()[1]
-            if self.has_room(ticket.tokens):
-                ticket.admitted_at = time.perf_counter()
-                return self._admit(ticket.tokens)
-            self._queue.push(ticket)
+            tokens = attempt.score()[1]
+            if self.has_room(tokens):
+                attempt.admitted_at = time.perf_counter()
+                self._enter(attempt, tokens)
+                return
+            attempt.prefill_tokens = tokens
+            self._queue.push(attempt)
         try:
-            await ticket.future
+            await attempt.wake
         except asyncio.CancelledError:
-            if ticket.future.done() and not ticket.future.cancelled():
-                self.release(ticket.tokens)  # admitted just as we were cancelled: give it back
-            ticket.future.cancel()
+            self.release(attempt)  # if admitted just as we were cancelled: give it back
+            attempt.wake.cancel()
             raise
-        return PrefillLease(self, ticket.tokens)
 
-    def release(self, tokens: int = 0) -> None:
-        """A request left prefill (first token, failure or abort): queue the deferred
-        requests it unblocked, then admit the best waiters while they fit. Call it through
-        `PrefillLease.release`, which makes it idempotent, and only after the request's copies were
+    def release(self, attempt: Attempt) -> None:
+        """`attempt` left prefill (first token, failure or abort): queue the deferred
+        requests it unblocked, then admit the best waiters while they fit. Idempotent (every
+        path that may end a request calls it, even a task cancelled before it ever ran), and
+        a no-op for an attempt never admitted. Call it only after the request's copies were
         confirmed or aborted in the tree (so the deferred see what it wrote)."""
+        if not attempt.in_prefill:
+            return
+        attempt.in_prefill = False
         self.in_prefill -= 1
-        self.prefill_tokens -= tokens
+        self.prefill_tokens -= attempt.prefill_tokens
         self._undefer()
         while self._queue:
-            ticket = self._queue.peek()
-            if ticket.future.done():  # cancelled while waiting
+            waiter = self._queue.peek()
+            if waiter.wake.done():  # cancelled while waiting
                 self._queue.pop()
                 continue
-            ticket.tokens = ticket.score()[1]  # the tree may have cached more since it queued
-            if not self.fits(ticket.tokens):
+            tokens = waiter.score()[1]  # the tree may have cached more since it queued
+            waiter.prefill_tokens = tokens
+            if not self.fits(tokens):
                 break
             self._queue.pop()
-            self.in_prefill += 1
-            self.prefill_tokens += ticket.tokens
-            ticket.admitted_at = time.perf_counter()
-            ticket.future.set_result(None)
+            self._enter(waiter, tokens)
+            waiter.admitted_at = time.perf_counter()
+            waiter.wake.set_result(None)
 
     def _undefer(self) -> None:
         """Move deferred requests that are no longer blocked to the queue (all of them when
         nothing is in prefill: nobody is left to unblock them)."""
         if not self._deferred:
             return
-        still: list[Ticket] = []
-        for ticket in self._deferred:
-            if ticket.future.done():  # cancelled while deferred
+        still: list[Attempt] = []
+        for attempt in self._deferred:
+            if attempt.wake.done():  # cancelled while deferred
                 continue
-            if self.in_prefill and ticket.blocked():
-                still.append(ticket)
+            if self.in_prefill and attempt.blocked():
+                still.append(attempt)
             else:
-                self._queue.push(ticket)
+                self._queue.push(attempt)
         self._deferred = still
 
-    def _admit(self, tokens: int) -> PrefillLease:
+    def _enter(self, attempt: Attempt, tokens: int) -> None:
         self.in_prefill += 1
         self.prefill_tokens += tokens
-        return PrefillLease(self, tokens)
+        attempt.in_prefill = True
+        attempt.prefill_tokens = tokens

@@ -1,18 +1,29 @@
-"""`Attempt`: one try at one generation, the single object the request path carries.
+"""`Attempt`: one try at one generation, the one object a request carries from the admission
+queue to its `QueryResult` (as mini-sglang's `Req`).
 
-    prompt, sampling, final      what to generate (`final`: not a speculation)
-    request_id, epoch            its vLLM request and the engine epoch it was admitted on
-    ticket, lease                its wait for prefill and the place it holds there
-    handle, plan                 what the knowledge tree planned for it (`Lifecycle.open`)
-    progress, timings            what the engine streamed, and how long each step took
-    streamed                     whether text reached the caller (then it cannot be retried)
+    prompt, sampling, final       what to generate (`final`: not a speculation)
+    request_id, epoch, retries    its vLLM request, the engine epoch it was admitted on, and
+                                  how many tries came before it
+    score, blocked                admission's view of it, asked again at each pick (the tree
+                                  moves while it waits)
+    in_prefill, prefill_tokens    its place in prefill (`Admission`): taken at admission,
+                                  given back at its first token or when it ends
+    handle, plan                  what the knowledge tree planned for it (`Lifecycle.open`)
+    text, token_ids, ...          what the engine streamed (`generation.follow`)
+    hits, doc_hit_tokens          what the cache served (`Generator._settle`)
+    timings, streamed             how long each step took; whether text reached the caller
 
 A generation makes a new `Attempt` for each try (`Generator.generate` retries on a timeout or
-an engine death); the steps that move it along are `Generator`'s (`generation.py`).
+an engine death); the steps that move it along are `Admission`'s (admission.py) and
+`Generator`'s (generation.py), which builds the caller's `QueryResult` once, from the last
+try (`Generator.finish`). An uncached request (uncached.py) is an attempt with no documents
+and no plan.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,16 +31,58 @@ from typing import Any
 from ragcache_core.config import SamplingConfig
 from ragcache_core.loop import Emit
 from ragcache_core.plan import Plan
-from ragcache_core.results import StreamChunk, TokenLogprobs
-from ragcache_core.runtime.admission import PrefillLease, Ticket
+from ragcache_core.results import CacheHits, StreamChunk, TokenLogprobs
 from ragcache_core.runtime.prompt import BuiltPrompt
 from ragcache_core.tree import RequestHandle
 
 
-@dataclass
-class Progress:
-    """What the engine has streamed for one request so far."""
+def _never_blocked() -> bool:
+    return False
 
+
+def _future() -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One try at one generation (see the module docstring). Created and used on RAGCache's
+    loop only; compared by identity."""
+
+    prompt: BuiltPrompt
+    """As built; a `document_order="cache"` request's is built again when it opens."""
+    sampling: SamplingConfig
+    score: Callable[[], tuple[int, int]]
+    """(cached tokens, tokens to compute) as of now: the reordering queue's priority."""
+    final: bool = True
+    blocked: Callable[[], bool] = _never_blocked
+    """Whether a document the request could read is being written by a request in prefill
+    right now (it becomes readable at that request's first token): admission defers it."""
+    caller: Emit | None = None
+    """Where the answer's text deltas go (None: nobody streams them)."""
+    reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None
+    """A `document_order="cache"` request: its prompt in the order that follows the cached
+    path when it opens (`Generator.reordering`); None keeps `prompt` as built."""
+    retries: int = 0
+    request_id: str = ""
+    """Its vLLM request, named when the try starts."""
+    epoch: int = 0
+
+    # Admission (admission.py): waiting for prefill, then holding `prefill_tokens` of its budget.
+    prefill_tokens: int = 0
+    """Tokens to compute, as of admission (what the request takes from the budget)."""
+    in_prefill: bool = False
+    """Whether it holds its place (given back once: `Admission.release` is idempotent)."""
+    wake: asyncio.Future[None] = field(default_factory=_future)
+    """Set when a waiting request is admitted (cancelled when its wait is)."""
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float = 0.0
+
+    # The knowledge tree (`Lifecycle.open`).
+    handle: RequestHandle | None = None
+    plan: Plan | None = None
+
+    # What the engine streamed (`generation.follow`).
     text: str = ""
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
@@ -42,28 +95,16 @@ class Progress:
     """vLLM's `num_cached_tokens`: prompt tokens its prefix cache served plus those the
     connector loaded."""
 
-
-@dataclass
-class Attempt:
-    """One try at one generation (see the module docstring). Used from RAGCache's loop only."""
-
-    prompt: BuiltPrompt
-    sampling: SamplingConfig
-    final: bool
-    request_id: str
-    ticket: Ticket
-    caller: Emit | None = None
-    """Where the answer's text deltas go (None: nobody streams them)."""
-    reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None
-    """A `document_order="cache"` request: its prompt in the order that follows the cached
-    path when it opens (`Generator.reordering`); None keeps `prompt` as built."""
-    epoch: int = 0
-    lease: PrefillLease | None = None
-    handle: RequestHandle | None = None
-    plan: Plan | None = None
-    progress: Progress = field(default_factory=Progress)
+    # What the cache served (`Generator._settle`), and where the time went.
+    hits: CacheHits = field(default_factory=CacheHits)
+    doc_hit_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     streamed: bool = False
+
+    @property
+    def wait_s(self) -> float:
+        """How long it waited for prefill."""
+        return max(0.0, self.admitted_at - self.enqueued_at)
 
     def emit(self, chunk: StreamChunk) -> None:
         """Send a text delta to the caller (and note that text was shown: it cannot be taken

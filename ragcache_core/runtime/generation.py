@@ -1,19 +1,19 @@
 """One generation on vLLM's async engine: attempts through admission and the lifecycle, retries.
 
-    generate ─► Attempt ─► admit   a place in prefill (speculation brings its own lease)
+    generate ─► Attempt ─► admit   a place in prefill (a speculation comes holding one)
         ▲                ├► open    Lifecycle.open: the plan in the tree, checked as the
         │                │          connector will check it
         │                ├► stream  engine.stream(prompt, plan); at the first token
-        │                │          Lifecycle.first_token (confirm), then the lease goes back
+        │                │          Lifecycle.first_token (confirm), then the place goes back
         │                └► settle  Lifecycle.settle + served_hits on the connector's report
         └── on a timeout or an engine death (engine restarted once): a new attempt, unless text
             reached the caller already (it cannot be taken back) or `max_retries` is spent
             (`check_retry`, the rule uncached requests follow too: a whole answer shows
             nothing before it ends, so it is retried like a stream before its first token)
 
-Whatever happens to an attempt, its lease is released and a handle left open is aborted
-(`_release`). `Generator.finish` turns a `Generation` into the caller's `QueryResult` and
-records it in the metrics. Runs on RAGCache's loop only.
+Whatever happens to an attempt, its place in prefill is given back and a handle left open is
+aborted (`_release`). `Generator.finish` builds the caller's `QueryResult` from the last
+attempt, once, and records it in the metrics. Runs on RAGCache's loop only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import CacheConfig, SamplingConfig
@@ -36,73 +36,54 @@ from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError, check
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk, TokenLogprobs
-from ragcache_core.runtime.admission import Admission, PrefillLease, Ticket
-from ragcache_core.runtime.attempt import Attempt, Progress
+from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.runtime.admission import Admission
+from ragcache_core.runtime.attempt import Attempt
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
 from ragcache_core.runtime.prompt import BuiltPrompt, PromptBuilder
 from ragcache_core.runtime.supervisor import EngineSupervisor
-from ragcache_core.tree import RequestHandle
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One finished generation (final or speculative)."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    first_token_at: float
-    queue_wait_s: float
-    hits: CacheHits
-    prompt: BuiltPrompt
-    finish_reason: str | None
-    handle: RequestHandle
-    doc_hit_tokens: int
-    retries: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 async def follow(
     events: AsyncGenerator[StreamEvent, None],
     timeout_s: float,
-    emit: Emit | None,
+    attempt: Attempt,
     on_first_token: Callable[[float], None],
     interval: int = 1,
-) -> Progress:
-    """Follow one request's engine stream to its end (closing it on every path): text deltas
-    (with their tokens and logprobs) to `emit`, the first at once, then one per `interval`
-    tokens at most (`SamplingConfig.stream_interval`, as vLLM's streams), and the rest at the
-    end; `on_first_token(time)` once, at the first token. `timeout_s` bounds the wait for each
+) -> None:
+    """Follow one request's engine stream to its end (closing it on every path), writing what
+    it streamed into `attempt`: text deltas (with their tokens and logprobs) to its caller
+    (`Attempt.sink`), the first at once, then one per `interval` tokens at most
+    (`SamplingConfig.stream_interval`, as vLLM's streams), and the rest at the end;
+    `on_first_token(time)` once, at the first token. `timeout_s` bounds the wait for each
     event (the first token, then each next one), so a long healthy answer never times out; a
     stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
-    progress = Progress()
+    emit = attempt.sink
     loop = asyncio.get_running_loop()
     shown_tokens = shown_text = 0  # what was sent with a chunk
     async with contextlib.aclosing(events), asyncio.timeout(timeout_s) as deadline:
         async for event in events:
             deadline.reschedule(loop.time() + timeout_s)
-            if event.token_ids and not progress.first_token_at:
-                progress.first_token_at = time.perf_counter()
-                on_first_token(progress.first_token_at)
-            progress.logprobs += event.new_logprobs
+            if event.token_ids and not attempt.first_token_at:
+                attempt.first_token_at = time.perf_counter()
+                on_first_token(attempt.first_token_at)
+            attempt.logprobs += event.new_logprobs
             new_tokens = len(event.token_ids) - shown_tokens
             due = not shown_tokens or event.finished or new_tokens >= interval
             if emit is not None and len(event.text) > shown_text and due:
                 tokens = event.token_ids[shown_tokens:]
-                lps = progress.logprobs[shown_tokens:] if progress.logprobs else ()
+                lps = attempt.logprobs[shown_tokens:] if attempt.logprobs else ()
                 emit(StreamChunk(event.text[shown_text:], None, tokens, lps))
                 shown_tokens, shown_text = len(event.token_ids), len(event.text)
-            progress.text, progress.token_ids = event.text, event.token_ids
-            progress.finish_reason = event.finish_reason
-            progress.cached_tokens = max(progress.cached_tokens, event.num_cached_tokens)
+            attempt.text, attempt.token_ids = event.text, event.token_ids
+            attempt.finish_reason = event.finish_reason
+            attempt.cached_tokens = max(attempt.cached_tokens, event.num_cached_tokens)
             if event.finished:
-                progress.report = event.kv_transfer_params
+                attempt.report = event.kv_transfer_params
     # No token at all: finishing is the first.
-    progress.first_token_at = progress.first_token_at or time.perf_counter()
-    return progress
+    attempt.first_token_at = attempt.first_token_at or time.perf_counter()
 
 
 def check_retry(exc: BaseException, retries: int, max_retries: int, *, shown: bool) -> None:
@@ -243,118 +224,131 @@ class Generator:
         self.check_sampling(sampling)
         prompt = self.build(question, documents, sampling, framing)
         reorder = self.reordering(question, documents, sampling, framing)
-        generation = await self.generate(prompt, sampling, emit, final=True, reorder=reorder)
-        return self.finish(generation, documents, started=started, search_done=started)
+        attempt = await self.generate(self.attempt(prompt, sampling, emit, reorder=reorder))
+        return self.finish(attempt, question, documents, framing, started, search_done=started)
 
     def finish(
         self,
-        generation: Generation,
+        attempt: Attempt,
+        question: str,
         documents: tuple[Document, ...],
-        *,
+        framing: Framing,
         started: float,
+        *,
         search_done: float,
-        retrieval_s: float = 0.0,
+        scores: tuple[float, ...] = (),
         speculative: bool = False,
         order: tuple[int, ...] | None = None,
+        search_hidden_s: float = 0.0,
     ) -> QueryResult:
-        """The caller's result (TTFT from the call, counting a first token that came before
-        the search ended as shown at its end); recorded in the metrics. `documents` are in
-        retrieval order; the sources list them as served (`order`, else the prompt's)."""
-        ttft = max(generation.first_token_at, search_done) - started
-        prompt = generation.prompt
+        """The caller's result, built once from the generation's last attempt (TTFT from the
+        call, counting a first token that came before the search ended as shown at its end;
+        the prompt's text when `framing` asks for it); recorded in the metrics. `documents`
+        (and their search `scores`) are in retrieval order; the sources list them as served
+        (`order`, else the prompt's)."""
+        ttft = max(attempt.first_token_at, search_done) - started
+        prompt = attempt.prompt
         ranks = order or prompt.order or tuple(range(len(documents)))
         self._metrics.record_request(
-            generation.hits,
+            attempt.hits,
             num_docs=len(prompt.doc_specs),
             doc_tokens=sum(s.num_tokens for s in prompt.doc_specs),
-            doc_hit_tokens=generation.doc_hit_tokens,
-            queue_wait_s=generation.queue_wait_s,
+            doc_hit_tokens=attempt.doc_hit_tokens,
+            queue_wait_s=attempt.wait_s,
             ttft_s=ttft,
+        )
+        sources = tuple(documents[rank] for rank in ranks)
+        # The prompt as the model saw it, rendered again from the same question, documents
+        # and prompt (the text the ids came from): a chat-template pass, so only when asked.
+        shown = (
+            self._prompts.render(question, sources, framing.prompt)
+            if framing.return_prompt
+            else None
         )
         return QueryResult(
-            answer=generation.text,
-            token_ids=generation.token_ids,
-            sources=tuple(documents[rank] for rank in ranks),
+            answer=attempt.text,
+            token_ids=attempt.token_ids,
+            sources=sources,
             retrieval_ranks=ranks,
             ttft_s=ttft,
-            retrieval_s=retrieval_s,
-            queue_wait_s=generation.queue_wait_s,
-            hits=generation.hits,
+            retrieval_s=search_done - started,
+            search_hidden_s=search_hidden_s,
+            queue_wait_s=attempt.wait_s,
+            hits=attempt.hits,
             prompt_tokens=prompt.num_tokens,
-            finish_reason=generation.finish_reason,
+            finish_reason=attempt.finish_reason,
             speculative=speculative,
-            retries=generation.retries,
-            timings=generation.timings,
-            logprobs=generation.logprobs,
+            retries=attempt.retries,
+            scores=scores and tuple(scores[rank] for rank in ranks),
+            timings=attempt.timings,
+            logprobs=attempt.logprobs,
+            prompt_text=shown,
         )
 
-    async def generate(
+    def attempt(
         self,
         prompt: BuiltPrompt,
         sampling: SamplingConfig,
         emit: Emit | None,
         *,
-        final: bool,
-        lease: PrefillLease | None = None,
+        final: bool = True,
         reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None,
-    ) -> Generation:
-        """Run one generation, a new `Attempt` per try (retried on a timeout or an engine
-        death). `lease`: a place in prefill the caller already holds (speculation), used by
-        the first attempt and released on every path. `reorder` (`reordering`): a
-        cache-ordered request, built again in the order of the tree when it opens. An attempt
-        that already streamed text is not retried (the text cannot be taken back)."""
-        retries = 0
+        retries: int = 0,
+    ) -> Attempt:
+        """A new try at generating for `prompt` (`emit`: where its text goes; `final`: not a
+        speculation). `reorder` (`reordering`): a cache-ordered request, scored in the order
+        of the tree at each pick and built again in it when it opens."""
+        lifecycle = self._lifecycle
+        score = lifecycle.score if reorder is None else lifecycle.score_ordered
+        return Attempt(
+            prompt=prompt,
+            sampling=sampling,
+            score=functools.partial(score, prompt),
+            final=final,
+            blocked=functools.partial(lifecycle.blocked, prompt),
+            caller=emit,
+            reorder=reorder,
+            retries=retries,
+        )
+
+    async def generate(self, attempt: Attempt) -> Attempt:
+        """Run one generation from its first `attempt` (`attempt()`), a new one per try
+        (retried on a timeout or an engine death); returns the try that finished. The first
+        may come holding its place in prefill (speculation: `Admission.try_acquire`), which
+        is given back on every path. An attempt that already streamed text is not retried
+        (the text cannot be taken back)."""
+        prompt = attempt.prompt  # as built: each try opens from it again
         while True:
-            attempt = self._attempt(prompt, sampling, emit, final, lease, reorder)
-            lease = None
+            attempt.request_id = f"ragcache-{next(self._ids)}"
+            attempt.epoch = self._engines.epoch
             try:
-                generation = await self._run(attempt)
-                return replace(generation, retries=retries)
+                await self._run(attempt)
+                return attempt
             except (TimeoutError, EngineDied) as exc:
                 self._metrics.record_failure()
                 if isinstance(exc, EngineDied):
                     await self._engines.restart(attempt.epoch)
-                check_retry(exc, retries, self._config.max_retries, shown=attempt.streamed)
-                retries += 1
+                check_retry(exc, attempt.retries, self._config.max_retries, shown=attempt.streamed)
                 self._metrics.record_retry()
+                attempt = self.attempt(
+                    prompt,
+                    attempt.sampling,
+                    attempt.caller,
+                    final=attempt.final,
+                    reorder=attempt.reorder,
+                    retries=attempt.retries + 1,
+                )
 
     # ------------------------------------------------------------------ one attempt
 
-    def _attempt(
-        self,
-        prompt: BuiltPrompt,
-        sampling: SamplingConfig,
-        emit: Emit | None,
-        final: bool,
-        lease: PrefillLease | None,
-        reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None,
-    ) -> Attempt:
-        lifecycle = self._lifecycle
-        score = lifecycle.score if reorder is None else lifecycle.score_ordered
-        ticket = Ticket(
-            score=functools.partial(score, prompt),
-            blocked=functools.partial(lifecycle.blocked, prompt),
-        )
-        return Attempt(
-            prompt=prompt,
-            sampling=sampling,
-            final=final,
-            request_id=f"ragcache-{next(self._ids)}",
-            ticket=ticket,
-            caller=emit,
-            epoch=self._engines.epoch,
-            lease=lease,
-            reorder=reorder,
-        )
-
-    async def _run(self, attempt: Attempt) -> Generation:
-        """One attempt, step by step (module docstring). Whatever happens, the lease is
-        released and a handle left open is aborted (its copies dropped)."""
+    async def _run(self, attempt: Attempt) -> None:
+        """One attempt, step by step (module docstring). Whatever happens, its place in
+        prefill is given back and a handle left open is aborted (its copies dropped)."""
         await self._admit(attempt)
         try:
             self._open(attempt)
             await self._stream(attempt)
-            return self._settle(attempt)
+            self._settle(attempt)
         except BaseException:
             await self._abort_in_engine(attempt)
             raise
@@ -365,11 +359,10 @@ class Generator:
         """Wait for a restart under way, then for a place in prefill (unless the attempt
         came with one)."""
         await self._engines.wait_running()
-        ticket = attempt.ticket
-        if attempt.lease is None:
-            attempt.lease = await self._admission.acquire(ticket)
+        if attempt.in_prefill:
+            attempt.admitted_at = attempt.enqueued_at
         else:
-            ticket.admitted_at = ticket.enqueued_at
+            await self._admission.acquire(attempt)
         attempt.epoch = self._engines.epoch
 
     def _open(self, attempt: Attempt) -> None:
@@ -388,9 +381,9 @@ class Generator:
         The request's copies are confirmed at its first token: the connector stores
         synchronously in the step that completes the prompt (before that step's token is
         sampled) and the plan was checked before it was sent, so the first token proves the
-        stores ran. Pins and the lease are released then, not at the end."""
-        handle, lease = attempt.handle, attempt.lease
-        assert handle is not None and lease is not None  # set by _admit and _open
+        stores ran. Pins and the place in prefill go then, not at the end."""
+        handle = attempt.handle
+        assert handle is not None  # set by _open
         submitted = time.perf_counter()
 
         def confirm(first_token_at: float) -> None:
@@ -398,7 +391,7 @@ class Generator:
             # Confirm before releasing: the requests admission wakes (deferred on this
             # request's documents) must see them readable.
             self._lifecycle.first_token(handle)
-            lease.release()
+            self._admission.release(attempt)
 
         plan = attempt.plan
         params = {PLAN_KEY: plan.to_json()} if plan is not None else None
@@ -410,16 +403,14 @@ class Generator:
             cache_salt=attempt.prompt.root_key.salt if attempt.prompt.root_key else "",
         )
         interval = attempt.sampling.stream_interval or 1
-        attempt.progress = await follow(
-            stream, self._config.request_timeout_s, attempt.sink, confirm, interval
-        )
+        await follow(stream, self._config.request_timeout_s, attempt, confirm, interval)
 
-    def _settle(self, attempt: Attempt) -> Generation:
+    def _settle(self, attempt: Attempt) -> None:
         """Apply the connector's final report (`Lifecycle.settle`) and read what was served."""
-        handle, progress, timings = attempt.handle, attempt.progress, attempt.timings
+        handle, timings = attempt.handle, attempt.timings
         assert handle is not None  # set by _open
         started = time.perf_counter()
-        report = dict(progress.report) if progress.report else None
+        report = dict(attempt.report) if attempt.report else None
         result = ConnectorResult.from_transfer_params(report)
         timings["load_copy"] = result.load_copy_s
         timings["store_copy"] = result.store_copy_s
@@ -432,31 +423,19 @@ class Generator:
         else:  # confirmed at its first token; what it protected is unknown: released
             self._lifecycle.abort(handle)
         if report is not None or attempt.plan is None:
-            hits, doc_hit_tokens = served_hits(
+            attempt.hits, attempt.doc_hit_tokens = served_hits(
                 handle,
                 result,
                 attempt.prompt,
-                progress.cached_tokens,
+                attempt.cached_tokens,
                 self._lifecycle.tree.block_size,
             )
         else:
             prompt = attempt.prompt
-            hits = CacheHits(computed_docs=len(prompt.doc_specs), computed_tokens=prompt.num_tokens)
-            doc_hit_tokens = 0
+            attempt.hits = CacheHits(
+                computed_docs=len(prompt.doc_specs), computed_tokens=prompt.num_tokens
+            )
         timings["settle"] = time.perf_counter() - started
-        return Generation(
-            token_ids=progress.token_ids,
-            text=progress.text,
-            first_token_at=progress.first_token_at,
-            queue_wait_s=attempt.ticket.wait_s,
-            hits=hits,
-            prompt=attempt.prompt,
-            finish_reason=progress.finish_reason,
-            handle=handle,
-            doc_hit_tokens=doc_hit_tokens,
-            timings=timings,
-            logprobs=progress.logprobs,
-        )
 
     async def _abort_in_engine(self, attempt: Attempt) -> None:
         """Abort the request in vLLM if its engine still runs (never hiding the error that
@@ -466,12 +445,11 @@ class Generator:
                 await asyncio.shield(self._engines.engine.abort(attempt.request_id))
 
     def _release(self, attempt: Attempt) -> None:
-        """Abort a handle left open, then release the lease: the requests admission wakes
-        must see the tree without this request's copies. The lease goes back even if the
-        abort raises."""
+        """Abort a handle left open, then give back the place in prefill: the requests
+        admission wakes must see the tree without this request's copies. The place goes back
+        even if the abort raises."""
         try:
             if attempt.handle is not None:
                 self._lifecycle.abort(attempt.handle)
         finally:
-            if attempt.lease is not None:
-                attempt.lease.release()
+            self._admission.release(attempt)

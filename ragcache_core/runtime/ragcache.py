@@ -293,10 +293,9 @@ class RAGCache(RAGCacheAPI):
         emit: Emit | None,
         framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        result = await self._queries.run(
+        return await self._queries.run(
             question, search or self.search, top_k, sampling, emit, framing
         )
-        return self._shown(result, question, framing)
 
     async def _answer(
         self,
@@ -306,16 +305,7 @@ class RAGCache(RAGCacheAPI):
         emit: Emit | None,
         framing: Framing = NO_FRAMING,
     ) -> QueryResult:
-        result = await self._generator.answer(question, tuple(documents), sampling, emit, framing)
-        return self._shown(result, question, framing)
-
-    def _shown(self, result: QueryResult, question: str, framing: Framing) -> QueryResult:
-        """`result` with the prompt as the model saw it, when the call asked for it (rendered
-        again from the same question, documents and prompt: the text the ids came from)."""
-        if not framing.return_prompt:
-            return result
-        text = self.prompts.render(question, result.sources, framing.prompt)
-        return replace(result, prompt_text=text)
+        return await self._generator.answer(question, tuple(documents), sampling, emit, framing)
 
     async def _stats(self) -> dict[str, Any]:
         self.metrics.record_tree(self.tree.counters)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import weakref
@@ -32,7 +31,8 @@ from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.runtime.admission import Admission
-from ragcache_core.runtime.generation import Generation, Generator
+from ragcache_core.runtime.attempt import Attempt
+from ragcache_core.runtime.generation import Generator
 from ragcache_core.runtime.lifecycle import Lifecycle
 from ragcache_core.search import SearchSource, StageResult, astages
 
@@ -76,9 +76,9 @@ class SearchClock:
         return threshold_s <= 0 or mean is None or mean >= threshold_s
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Run:
-    """One speculative generation in flight on the engine."""
+    """One speculative generation in flight on the engine (its `Attempt` runs in `task`)."""
 
     documents: tuple[Document, ...]
     """As retrieved at the stage it speculated on."""
@@ -86,7 +86,7 @@ class _Run:
     """The documents' ids in the order its prompt serves them."""
     any_order: bool
     """`document_order="cache"`: final documents in another retrieval order may reuse it."""
-    task: asyncio.Task[Generation]
+    task: asyncio.Task[Attempt]
     started_at: float
     chunks: asyncio.Queue[StreamChunk]
     """Text of the generation, held back until it is adopted."""
@@ -134,29 +134,31 @@ class SpeculativeQuery:
         final, spec = await self._search(question, source, k, sampling, framing)
         search_done = time.perf_counter()
         self.clock.observe(source, search_done - started)
-        generation = await self._use(spec, final, emit, search_done)
-        speculative = generation is not None
+        attempt = await self._use(spec, final, emit, search_done)
+        speculative = attempt is not None
         order = served_order(spec, final.documents) if spec and speculative else None
         hidden = (
             max(0.0, search_done - max(started, spec.started_at)) if spec and speculative else 0.0
         )
-        if generation is None:
-            prompt = self._generator.build(question, final.documents, sampling, framing)
-            reorder = self._generator.reordering(question, final.documents, sampling, framing)
-            generation = await self._generator.generate(
-                prompt, sampling, emit, final=True, reorder=reorder
+        if attempt is None:
+            generator = self._generator
+            prompt = generator.build(question, final.documents, sampling, framing)
+            reorder = generator.reordering(question, final.documents, sampling, framing)
+            attempt = await generator.generate(
+                generator.attempt(prompt, sampling, emit, reorder=reorder)
             )
-        result = self._generator.finish(
-            generation,
+        return self._generator.finish(
+            attempt,
+            question,
             final.documents,
-            started=started,
+            framing,
+            started,
             search_done=search_done,
-            retrieval_s=search_done - started,
+            scores=final.scores,
             speculative=speculative,
             order=order,
+            search_hidden_s=hidden,
         )
-        scores = final.scores and tuple(final.scores[r] for r in result.retrieval_ranks)
-        return dataclasses.replace(result, scores=scores, search_hidden_s=hidden)
 
     async def _search(
         self,
@@ -209,15 +211,14 @@ class SpeculativeQuery:
             return None  # e.g. an intermediate top-k too long for the context: wait for the final
         if self._lifecycle.blocked(prompt):
             return None  # another request is computing these documents: never twice
-        lease = self._admission.try_acquire(self._lifecycle.score(prompt)[1])
-        if lease is None:
-            return None
         chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
-        task = asyncio.ensure_future(
-            self._generator.generate(prompt, sampling, chunks.put_nowait, final=False, lease=lease)
-        )
-        # A task cancelled before its first step never runs its cleanup: free the lease here.
-        task.add_done_callback(lambda _: lease.release())
+        attempt = self._generator.attempt(prompt, sampling, chunks.put_nowait, final=False)
+        if not self._admission.try_acquire(attempt):
+            return None
+        task = asyncio.ensure_future(self._generator.generate(attempt))
+        # A task cancelled before its first step never runs its cleanup: give the place back
+        # here (a no-op when the attempt did).
+        task.add_done_callback(lambda _: self._admission.release(attempt))
         self._metrics.record_speculation("started")
         ranks = prompt.order or range(len(documents))
         served = tuple(documents[rank].id for rank in ranks)
@@ -226,8 +227,8 @@ class SpeculativeQuery:
 
     async def _use(
         self, spec: _Run | None, final: StageResult, emit: Emit | None, search_done: float
-    ) -> Generation | None:
-        """The speculation's generation when its documents are the final ones and it
+    ) -> Attempt | None:
+        """The speculation's finished attempt when its documents are the final ones and it
         succeeded; otherwise it is aborted and None returned (run the final generation)."""
         if spec is None:
             return None
@@ -235,7 +236,7 @@ class SpeculativeQuery:
             await self._abort(spec)
             return None
         try:
-            generation = await relay(spec.task, spec.chunks, emit or _discard)
+            attempt = await relay(spec.task, spec.chunks, emit or _discard)
         except asyncio.CancelledError:
             if not spec.task.cancelled():  # the query itself was cancelled
                 await _cancel(spec)
@@ -249,8 +250,9 @@ class SpeculativeQuery:
             "used", search_hidden_s=max(0.0, search_done - spec.started_at)
         )
         # A used speculation counts toward PGDSF frequency like a final request.
-        self._lifecycle.adopt(generation.handle)
-        return generation
+        assert attempt.handle is not None  # a finished attempt opened in the tree
+        self._lifecycle.adopt(attempt.handle)
+        return attempt
 
     async def _abort(self, run: _Run) -> None:
         await _cancel(run)
@@ -288,9 +290,7 @@ def _discard(chunk: StreamChunk) -> None:
     """The sink of a non-streamed request's text."""
 
 
-async def relay(
-    task: asyncio.Task[Generation], chunks: asyncio.Queue[StreamChunk], emit: Emit
-) -> Generation:
+async def relay(task: asyncio.Task[T], chunks: asyncio.Queue[StreamChunk], emit: Emit) -> T:
     """Forward `chunks` to `emit` as they arrive until `task` ends, then the rest; return the
     task's result (raising its error). Used to adopt a speculative generation mid-answer."""
     while not task.done():

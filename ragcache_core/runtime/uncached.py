@@ -26,10 +26,11 @@ from ragcache_core.engine.async_engine import EngineDied
 from ragcache_core.errors import InputError, check_fits_context
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
-from ragcache_core.runtime.admission import Admission, Ticket
-from ragcache_core.runtime.attempt import Progress
+from ragcache_core.results import CacheHits, QueryResult
+from ragcache_core.runtime.admission import Admission
+from ragcache_core.runtime.attempt import Attempt
 from ragcache_core.runtime.generation import check_retry, follow
+from ragcache_core.runtime.prompt import BuiltPrompt
 from ragcache_core.runtime.supervisor import EngineSupervisor
 
 
@@ -59,56 +60,61 @@ class UncachedRunner:
         ids = _checked_ids(prompt_ids, sampling, self._config.max_model_len)
         self._engines.engine.checker.check(sampling)
         started = time.perf_counter()
-        retries = 0
+        # No documents and no plan: the whole prompt is the rest, all of it computed.
+        prompt = BuiltPrompt(root_ids=(), doc_ids=(), question_ids=tuple(ids), doc_specs=())
+        attempt = Attempt(prompt, sampling, score=lambda: (0, len(ids)), caller=emit)
         while True:
-            shown: list[bool] = []  # whether text of this try reached the caller
-            sink = None if emit is None else _noting(emit, shown)
             try:
-                progress, wait_s = await self._attempt(ids, sampling, sink)
+                await self._attempt(attempt)
                 break
             except (TimeoutError, EngineDied) as exc:
                 self._metrics.record_failure()
-                check_retry(exc, retries, self._config.max_retries, shown=bool(shown))
-                retries += 1
+                check_retry(exc, attempt.retries, self._config.max_retries, shown=attempt.streamed)
                 self._metrics.record_retry()
+                attempt = Attempt(
+                    prompt, sampling, attempt.score, caller=emit, retries=attempt.retries + 1
+                )
         return QueryResult(
-            answer=progress.text,
-            token_ids=progress.token_ids,
+            answer=attempt.text,
+            token_ids=attempt.token_ids,
             sources=(),
-            ttft_s=progress.first_token_at - started,
+            ttft_s=attempt.first_token_at - started,
             retrieval_s=0.0,
-            queue_wait_s=wait_s,
+            queue_wait_s=attempt.wait_s,
             hits=CacheHits(computed_tokens=len(ids)),
             prompt_tokens=len(ids),
-            finish_reason=progress.finish_reason,
-            retries=retries,
-            logprobs=progress.logprobs,
+            finish_reason=attempt.finish_reason,
+            retries=attempt.retries,
+            logprobs=attempt.logprobs,
         )
 
-    async def _attempt(
-        self, ids: list[int], sampling: SamplingConfig, emit: Emit | None
-    ) -> tuple[Progress, float]:
-        """One try: the engine's stream and the wait for prefill room. A dead engine is
+    async def _attempt(self, attempt: Attempt) -> None:
+        """One try: the wait for prefill room and the engine's stream. A dead engine is
         restarted (once per death) before the error goes up."""
         await self._engines.wait_running()
-        ticket = Ticket(score=lambda: (0, len(ids)))
-        lease = await self._admission.acquire(ticket)
-        request_id = f"uncached-{next(self._ids)}"
-        epoch = self._engines.epoch
+        attempt.enqueued_at = time.perf_counter()  # its wait for prefill starts now
+        await self._admission.acquire(attempt)
+        attempt.request_id = f"uncached-{next(self._ids)}"
+        attempt.epoch = self._engines.epoch
+        release = self._admission.release
         try:
-            stream = self._engines.engine.stream(request_id, ids, sampling, read_prefix_cache=False)
+            stream = self._engines.engine.stream(
+                attempt.request_id,
+                attempt.prompt.token_ids,
+                attempt.sampling,
+                read_prefix_cache=False,
+            )
             timeout = self._config.request_timeout_s
-            interval = sampling.stream_interval or 1
-            progress = await follow(stream, timeout, emit, lambda _: lease.release(), interval)
+            interval = attempt.sampling.stream_interval or 1
+            await follow(stream, timeout, attempt, lambda _: release(attempt), interval)
         except EngineDied:
-            await self._engines.restart(epoch)
+            await self._engines.restart(attempt.epoch)
             raise
         except BaseException:
-            await self._abort(request_id, epoch)
+            await self._abort(attempt.request_id, attempt.epoch)
             raise
         finally:
-            lease.release()
-        return progress, ticket.wait_s
+            release(attempt)
 
     async def _abort(self, request_id: str, epoch: int) -> None:
         """Abort the request in vLLM (if its engine still runs); never hides the caller's
@@ -116,16 +122,6 @@ class UncachedRunner:
         if epoch == self._engines.epoch and not self._engines.engine.is_dead:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._engines.engine.abort(request_id))
-
-
-def _noting(emit: Emit, shown: list[bool]) -> Emit:
-    """`emit`, noting in `shown` that text reached the caller."""
-
-    def sink(chunk: StreamChunk) -> None:
-        shown.append(True)
-        emit(chunk)
-
-    return sink
 
 
 def _checked_ids(prompt_ids: Sequence[int], sampling: SamplingConfig, max_len: int) -> list[int]:
