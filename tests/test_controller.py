@@ -358,9 +358,12 @@ def test_invalidate_drops_the_document(cache: RAGCache) -> None:
     docs = [DOCS[0], DOCS[1]]
     cache.generate("q one?", docs)
     assert cache.invalidate(DOCS[1].id) >= 1
-    again = cache.generate("q two?", docs)
-    assert again.hits.gpu_docs == 1  # D0 still cached, D1 recomputed
-    assert again.token_ids == reference(cache, "q two?", docs)
+    # D1 changed under its id: D0 still cached, D1 recomputed (its unchanged text would still
+    # hit vLLM's blocks, keyed by its token ids: exact, but never the tree's host copy).
+    edited = [DOCS[0], Document(DOCS[1].id, "Revised. " + DOCS[1].text)]
+    again = cache.generate("q two?", edited)
+    assert again.hits.gpu_docs == 1 and again.hits.host_docs == 0
+    assert again.token_ids == reference(cache, "q two?", edited)
 
 
 def test_bad_input(cache: RAGCache) -> None:
