@@ -36,8 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ragcache_core.cli import CliError
-from ragcache_core.errors import ConfigError
+from ragcache_core.errors import CliError, ConfigError
 from ragcache_core.serve.listen import bind_socket, bound_port
 
 ROUTER_ENV = "RAGCACHE_VLLM_ROUTER"

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragcache_core.cli import CliError
 from ragcache_core.cli.output import add_removed_option
+from ragcache_core.errors import CliError
 
 if TYPE_CHECKING:
     from ragcache_core.serve.state import ServeSettings
