@@ -167,7 +167,7 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
     import dataclasses
 
     from ragcache_core.config import CacheConfig
-    from ragcache_core.serve.keys import read_key_file
+    from ragcache_core.serve.auth import read_key_file
     from ragcache_core.serve.state import DEFAULT_MAX_WAITING, ServeSettings
 
     config = CacheConfig()
