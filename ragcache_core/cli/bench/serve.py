@@ -160,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document, indent=1))
     elif mode.workloads == (HEAVY,):
-        from ragcache_core.bench.search_heavy import print_search_heavy
+        from ragcache_core.bench.search_heavy_report import print_search_heavy
 
         print_search_heavy(document, sys.stdout)
     else:
