@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from ragcache_core.bench.copies import PAGE_SIZES, measure
+from ragcache_core.cli.model import bench_model
 from ragcache_core.errors import CliError
 
 
@@ -44,15 +45,7 @@ def register(bench_subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.tokens < 1 or args.span < 1 or min(args.page_sizes) < 1:
         raise CliError("--repeats, --tokens, --span and --page-sizes must be positive")
-    model = args.model
-    if model is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(size="bench", attention="mha"))
-    else:
-        from ragcache_core.engine.settings import check_model_folder
-
-        model = str(check_model_folder(model))
+    model = bench_model(args.model)
     report = measure(
         model,
         tokens=args.tokens,

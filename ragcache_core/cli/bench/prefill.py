@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from ragcache_core.bench.prefill import DOC_TOKENS, PrefillResult, measure, result_line
+from ragcache_core.cli.model import bench_model
 from ragcache_core.cli.output import stdout_to_stderr
 from ragcache_core.errors import CliError
 
@@ -33,15 +34,7 @@ def register(bench_subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or any(n < 1 for n in args.doc_tokens):
         raise CliError("--repeats and --doc-tokens must be positive")
-    model = args.model
-    if model is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(size="bench", attention="mha"))
-    else:
-        from ragcache_core.engine.settings import check_model_folder
-
-        model = str(check_model_folder(model))
+    model = bench_model(args.model)
     if args.json:
         # vLLM's processes log to stdout: keep stdout for the JSON document alone.
         with stdout_to_stderr():
