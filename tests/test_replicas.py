@@ -24,10 +24,10 @@ import httpx
 import pytest
 from _serve_helpers import REPO
 
-from ragcache_core.cli import CliError
 from ragcache_core.cli.replicas import find_router
 from ragcache_core.client.affinity import affinity_key
 from ragcache_core.documents import Document
+from ragcache_core.errors import CliError
 
 pytestmark = pytest.mark.vllm
 

@@ -20,12 +20,11 @@ import pytest
 from ragcache_core.bench.cores import BIND_ENV, CoreSplit
 from ragcache_core.bench.search_heavy import (
     HEAVY_MODES,
-    compare_key,
     exact_answers,
     index_home,
     load_heavy_workload,
-    search_stats,
 )
+from ragcache_core.bench.search_heavy_report import compare_key, search_stats
 from ragcache_core.bench.workloads import Request
 from ragcache_core.config import CacheConfig
 from ragcache_core.errors import ConfigError, InputError

@@ -48,6 +48,7 @@ from ragcache_core.errors import ConfigError, InputError, SamplingError
 from ragcache_core.metrics import Metrics
 from ragcache_core.results import CacheHits, Candidate, QueryResult, StreamChunk, TokenLogprobs
 from ragcache_core.serve.app import create_app, sole_owner
+from ragcache_core.serve.auth import read_key_file
 from ragcache_core.serve.errors import ServeError
 from ragcache_core.serve.jobs import (
     COMPLETION_MAX_TOKENS,
@@ -59,9 +60,8 @@ from ragcache_core.serve.jobs import (
     completion_job,
     sampling_for,
 )
-from ragcache_core.serve.keys import read_key_file
+from ragcache_core.serve.limits import BoundedQueue, Place, Refusal
 from ragcache_core.serve.listen import adopt_socket, bind_socket
-from ragcache_core.serve.queue import BoundedQueue, Place, Refusal
 from ragcache_core.serve.schemas import ChatRequest, CompletionRequest
 from ragcache_core.serve.state import ServeSettings
 from ragcache_core.storage.host_pool import shm_folder
@@ -744,7 +744,7 @@ def test_reclaim_removes_what_processes_that_are_gone_left(tmp_path: Path) -> No
 def test_reclaim_locks_removes_only_locks_nobody_holds(tmp_path: Path) -> None:
     import fcntl
 
-    from ragcache_core.serve.owner import lock_path, reclaim_locks
+    from ragcache_core.serve.watchdog import lock_path, reclaim_locks
 
     stale, held = lock_path(1, tmp_path), lock_path(2, tmp_path)
     stale.write_text(str(_dead_pid()))
@@ -800,8 +800,7 @@ def test_the_watchdog_stops_a_killed_servers_children_and_removes_its_pool() -> 
 
 
 def test_the_keys_guard_the_routes_by_role() -> None:
-    from ragcache_core.serve.auth import KeyMiddleware
-    from ragcache_core.serve.keys import ApiKey
+    from ragcache_core.serve.auth import ApiKey, KeyMiddleware
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("not called")

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ragcache_core.errors import CliError
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -112,8 +114,6 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ragcache_core.cli import CliError
-
     if args.replay is not None:
         return _run_replay(args)
     if args.trace is None:
@@ -188,7 +188,6 @@ def _run_cluster(args: argparse.Namespace, config: Any, cost: Any) -> int:
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from ragcache_core.cli import CliError
     from ragcache_core.sim import (
         EngineConfig,
         EngineRequest,

@@ -23,6 +23,7 @@ from typing import Any
 from ragcache_core.bench.systems import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
 from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS
 from ragcache_core.cli.output import add_removed_option
+from ragcache_core.errors import CliError
 
 HEAVY = "search-heavy"
 """`bench.search_heavy.NAME` (not imported here: `--help` stays light)."""
@@ -94,8 +95,6 @@ def register(bench_subparsers: Any) -> None:
 def _names(
     text: str | None, default: tuple[str, ...], allowed: tuple[str, ...], what: str
 ) -> tuple[str, ...]:
-    from ragcache_core.cli import CliError
-
     if text is None:
         return default
     if text.strip() == "none":
@@ -113,7 +112,6 @@ def resolve_mode(args: argparse.Namespace) -> Any:
     from dataclasses import replace
 
     from ragcache_core.bench.sweep import MODES
-    from ragcache_core.cli import CliError
 
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     for name in ("requests", "warmup", "repeats", "max_points", "top_k", "rate"):
@@ -140,7 +138,6 @@ def resolve_mode(args: argparse.Namespace) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     from ragcache_core.bench.workloads import DATA_DIR, SHARED_WORKLOADS
-    from ragcache_core.cli import CliError
     from ragcache_core.engine.settings import check_model_folder
 
     mode = resolve_mode(args)
@@ -163,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document, indent=1))
     elif mode.workloads == (HEAVY,):
-        from ragcache_core.bench.search_heavy import print_search_heavy
+        from ragcache_core.bench.search_heavy_report import print_search_heavy
 
         print_search_heavy(document, sys.stdout)
     else:
