@@ -358,11 +358,12 @@ def test_invalidate_drops_the_document(cache: RAGCache) -> None:
     docs = [DOCS[0], DOCS[1]]
     cache.generate("q one?", docs)
     assert cache.invalidate(DOCS[1].id) >= 1
-    # D1 changed under its id: D0 still cached, D1 recomputed (its unchanged text would still
-    # hit vLLM's blocks, keyed by its token ids: exact, but never the tree's host copy).
+    # D1 changed under its id: D0 still cached (its tail, in the block it shares with D1, from
+    # the host), D1 recomputed (its unchanged text would still hit vLLM's blocks, keyed by its
+    # token ids: exact).
     edited = [DOCS[0], Document(DOCS[1].id, "Revised. " + DOCS[1].text)]
     again = cache.generate("q two?", edited)
-    assert again.hits.gpu_docs == 1 and again.hits.host_docs == 0
+    assert again.hits.hit_docs == 1 and again.hits.computed_docs == 1
     assert again.token_ids == reference(cache, "q two?", edited)
 
 
