@@ -8,12 +8,10 @@ stand-in embedder; and a callback handler that keeps RAGCache's report of each c
 from __future__ import annotations
 
 import warnings
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
+from sample_ivf import ivf_index, sample_file
 
 with warnings.catch_warnings():  # langchain-community's sunset notice (its FAISS store works)
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -28,29 +26,12 @@ from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_integrations.langchain import EVENT_NAME, OfflineEmbeddings
 
 
-def sample_file(name: str) -> Path:
-    return Path(str(resources.files("ragcache_core") / "data" / name))
-
-
-def ivf_lists(n: int) -> int:
-    """IVF lists for `n` vectors: Faiss trains each list's centroid on at least 39 of them
-    (fewer train noisy centroids, and Faiss warns), so 300 documents get 7 lists."""
-    return max(1, n // 39)
-
-
 def build_store() -> FAISS:
     """A LangChain FAISS store over the shipped sample, on a Faiss IVF index."""
     corpus = load_corpus([sample_file("demo_corpus.jsonl")])
     texts = [d.text for d in corpus]
     embeddings = OfflineEmbeddings(TfidfSvdEmbedder.fit(texts))  # offline stand-in embedder
-    vectors = np.asarray(embeddings.embed_documents(texts), dtype=np.float32)
-    dim = vectors.shape[1]
-    # IVF: RAGCache searches it a few clusters at a time and starts generating on the
-    # intermediate top-k (speculative pipelining); a flat index is searched in one step.
-    lists = ivf_lists(len(texts))
-    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, lists, faiss.METRIC_INNER_PRODUCT)
-    ivf.train(vectors)
-    ivf.nprobe = min(4, ivf.nlist)
+    ivf = ivf_index(np.asarray(embeddings.embed_documents(texts), dtype=np.float32))
     store = FAISS(
         embeddings,
         ivf,

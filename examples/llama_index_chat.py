@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-from llama_index_sample import build_index, sample_file
+from llama_index_sample import build_index
+from sample_ivf import sample_file
 
 from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, SamplingConfig
