@@ -19,9 +19,9 @@ In the engine the GPU tier is vLLM's own block pool with its prefix caching on (
 3.1): vLLM matches its cached blocks first, and the connector loads from the host pool only
 the tokens past vLLM's hit (none on a full GPU hit: no byte moves). The engine's plans
 therefore load the host tier and either store it (write-through) or keep documents for the
-eviction window with a lease of host slots (`keep`, `lease`: the default). The GPU-pool parts below (swap_out, promote,
-GPU loads and stores) are the tree's two-pool model, used by the simulator; the engine's
-connector refuses them (`engine.connector.spans.plan_problems`).
+eviction window with a lease of host slots (`keep`, `lease`: the default). The GPU-pool
+parts below (swap_out, promote, GPU loads and stores) are the tree's two-pool model, used by
+the simulator; the engine's connector refuses them (`engine.connector.spans.plan_problems`).
 
 Execution order in the worker (docs/design.md 3.2):
   1. swap_out: GPU slots -> host slots (first eviction of a node from the GPU pool),

@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from ragcache_core.bench.workloads import index_source, load_workload
+from ragcache_core.bench.data_dir import DATA_HELP, script_data_dir
+from ragcache_core.bench.workloads import index_source, load_workload, workload_files
 from ragcache_core.cli.replicas import (
     Layout,
     find_router,
@@ -159,7 +160,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--no-kill", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=DATA_HELP,
+    )
     args = parser.parse_args()
+    script_data_dir(args.data_dir, workload_files(args.workload))
     args.out.mkdir(parents=True, exist_ok=True)
 
     def on_term(signum: int, frame: object) -> None:
@@ -171,7 +179,9 @@ def main() -> None:
 
         args.model = build_tiny_model(size="tiny")
     count = tokenizer_counter(str(args.model))
-    workload, source = index_source(load_workload(args.workload, count), progress=False)
+    workload, source = index_source(
+        load_workload(args.workload, count, data_dir=args.data_dir), progress=False
+    )
     assert source is not None, "the workload's requests must retrieve"
     questions = [r.question for r in workload.stream(args.requests)]
     docs = retrieved(questions, source, workload.top_k)

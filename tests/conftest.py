@@ -8,15 +8,17 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """`../shared/data` (real benchmark data); tests that need it skip when it is absent."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"benchmark data folder {SHARED_DATA} is absent")
-    return SHARED_DATA
+    """The real benchmark data (`$RAGCACHE_DATA_DIR`, else `../shared/data`: bench.data_dir);
+    tests that need it skip when it is absent."""
+    from ragcache_core.bench.data_dir import resolve_data_dir
+
+    folder = resolve_data_dir()
+    if not folder.is_dir():
+        pytest.skip(f"benchmark data folder {folder} is absent (set RAGCACHE_DATA_DIR)")
+    return folder
 
 
 @pytest.fixture(scope="session")

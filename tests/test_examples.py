@@ -2,7 +2,9 @@
 questions or two two-turn conversations) and show the repeated question's documents served from
 the cache; quietly: vLLM's own lines go to the log
 file they name, Faiss has enough points per IVF list, and nothing is printed at exit. The
-notebooks run with the command `examples/README.md` gives (`jupyter execute`).
+notebooks run with the command `examples/README.md` gives (`jupyter execute`). The two
+quickstart scripts are the README's quickstarts, as written: a fast test checks that the
+README's blocks are those files, so the run of the file is the run of the README's snippet.
 
 The runs are separate processes with nothing shared but the built model, so the module starts
 them two at a time (most of a run is starting Python, vLLM and its engine processes, which use
@@ -10,6 +12,8 @@ one core each) and each test checks its own run's outcome."""
 
 from __future__ import annotations
 
+import ast
+import itertools
 import os
 import re
 import shutil
@@ -121,6 +125,46 @@ def runs(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _hits(name: str, stdout: str) -> list[tuple[int, int]]:
+    """Each request's documents hit (GPU, host), in order, from what the example printed."""
+    if name == "llama_index_quickstart":  # each response's metadata["cache_hits"]
+        found = re.findall(r"'gpu_docs': (\d+), 'host_docs': (\d+)", stdout)
+        return [(int(g), int(h)) for g, h in found]
+    if name == "langchain_quickstart":  # cache.stats() after each call: hits since start
+        found = re.findall(r"'docs_hit_gpu': (\d+), 'docs_hit_host': (\d+)", stdout)
+        totals = [(0, 0)] + [(int(g), int(h)) for g, h in found]
+        return [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(totals)]
+    found = re.findall(r"cache hits: (\d+) GPU \+ (\d+) host", stdout)
+    return [(int(g), int(h)) for g, h in found]
+
+
+def _readme_blocks() -> dict[str, str]:
+    """The README's quickstart blocks, by the example file each names in its marker."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    pattern = r"<!-- quickstart: examples/(\w+)\.py -->\n```python\n(.*?)\n```"
+    return {name: block for name, block in re.findall(pattern, text, flags=re.DOTALL)}
+
+
+def _after_docstring(path: Path) -> str:
+    source = path.read_text(encoding="utf-8")
+    end = ast.parse(source).body[0].end_lineno
+    assert end is not None
+    return "\n".join(source.splitlines()[end:]).strip("\n")
+
+
+def test_readme_quickstarts_are_the_quickstart_scripts() -> None:
+    """The README's two quickstarts are the two quickstart files below their docstring, so
+    test_example_script's run of each file runs the README's snippet as written."""
+    blocks = _readme_blocks()
+    assert sorted(blocks) == sorted(NAMES)
+    for name, block in blocks.items():
+        assert block == _after_docstring(EXAMPLES / f"{name}.py"), name
+        changed = [
+            line for line in block.splitlines() if "<- the one line RAGCache changes" in line
+        ]
+        assert len(changed) == 1, name  # the one changed line is marked
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMES + CHATS)
 def test_example_script(name: str, runs: dict[str, Future[Run]]) -> None:
@@ -128,10 +172,7 @@ def test_example_script(name: str, runs: dict[str, Future[Run]]) -> None:
     done, log = run.done, run.log
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_quiet(done.stdout + done.stderr, log)
-    hits = [
-        (int(m[1]), int(m[2]))
-        for m in re.finditer(r"cache hits: (\d+) GPU \+ (\d+) host", done.stdout)
-    ]
+    hits = _hits(name, done.stdout)
     assert len(hits) >= 3  # two questions (or turns) and the repeat
     assert hits[0] == (0, 0)  # cold
     # The repeat of question 1 (or conversation 1) hits both documents: the first in vLLM's
@@ -139,8 +180,9 @@ def test_example_script(name: str, runs: dict[str, Future[Run]]) -> None:
     # whose tail comes from the host tier.
     gpu, host = hits[2]
     assert gpu + host == 2 and gpu >= 1, hits
-    assert "prompt tokens saved" in done.stdout
-    if name in CHATS:  # turn 2 carries turn 1, and conversation 2 starts afresh
+    if name in CHATS:
+        assert "prompt tokens saved" in done.stdout
+        # Turn 2 carries turn 1, and conversation 2 starts afresh.
         history = [line for line in done.stdout.splitlines() if "history of " in line]
         assert [("history of 2 messages" in line) for line in history] == [False, True] * 2
 

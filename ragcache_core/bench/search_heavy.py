@@ -324,10 +324,15 @@ def _ratio(bench: Bench, ratio: float, rate: float | None) -> dict[str, Any]:
 
 
 def load_heavy_workload(
-    heavy: HeavyMode, count_tokens: Any, seed: int, top_k: int | None
+    heavy: HeavyMode,
+    count_tokens: Any,
+    seed: int,
+    top_k: int | None,
+    data_dir: Path | None = None,
 ) -> Workload:
-    """The documents and questions of `heavy.documents`, named and described as this one."""
-    base = load_workload(heavy.documents, count_tokens, seed=seed, top_k=top_k)
+    """The documents and questions of `heavy.documents`, named and described as this one
+    (`data_dir`: the benchmark data folder, as `load_workload` takes it)."""
+    base = load_workload(heavy.documents, count_tokens, seed=seed, top_k=top_k, data_dir=data_dir)
     return replace(
         base,
         name=NAME,
@@ -374,7 +379,9 @@ def run_search_heavy(
     from ragcache_core.retrieval.trace import tokenizer_counter
 
     heavy = resolve(mode_name, args)
-    workload = load_heavy_workload(heavy, tokenizer_counter(str(model)), args.seed, args.top_k)
+    workload = load_heavy_workload(
+        heavy, tokenizer_counter(str(model)), args.seed, args.top_k, args.data_dir
+    )
     split = CoreSplit.halves() if args.core_split else None
     started = time.perf_counter()
     kb, built = PaddedIndex.cached(workload.documents, heavy.index, index_home())

@@ -67,6 +67,13 @@ def register(bench_subparsers: Any) -> None:
     add_removed_option(p, "--gpu-pool-tokens", "--vllm-kv-gib")
     p.add_argument("--host-pool-tokens", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="the benchmark data folder of the shared-data workloads (default: "
+        "$RAGCACHE_DATA_DIR, else ../shared/data; docs/benchmarks.md, 'Benchmark data')",
+    )
     heavy = p.add_argument_group("search-heavy (speculation's ablation)")
     heavy.add_argument(
         "--search-ratios", default=None, help="shares of the IVF lists probed, e.g. 0.125,0.25,1"
@@ -137,7 +144,8 @@ def resolve_mode(args: argparse.Namespace) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ragcache_core.bench.workloads import DATA_DIR, SHARED_WORKLOADS
+    from ragcache_core.bench.data_dir import require_data, resolve_data_dir
+    from ragcache_core.bench.workloads import workload_files
     from ragcache_core.engine.settings import check_model_folder
 
     mode = resolve_mode(args)
@@ -147,10 +155,11 @@ def _run(args: argparse.Namespace) -> int:
 
         if not detect_device().is_cuda:
             raise CliError(str(refused[0]))
-    if set(mode.workloads) & SHARED_WORKLOADS and not DATA_DIR.is_dir():
-        raise CliError(
-            f"workloads {sorted(set(mode.workloads) & SHARED_WORKLOADS)} need {DATA_DIR}"
-        )
+    # Before any engine starts: a missing data file names the flag and the variable. (The
+    # search-heavy workload's data is checked as it loads, through `load_workload`.)
+    needed = sorted({f for n in mode.workloads if n != HEAVY for f in workload_files(n)})
+    if needed:
+        require_data(resolve_data_dir(args.data_dir), needed)
     model = check_model_folder(args.model) if args.model else None
     from ragcache_core.bench.report import run_bench
     from ragcache_core.cli.output import stdout_to_stderr
