@@ -44,16 +44,20 @@ class _DerivedIn(BaseModel):
             value = getattr(self, attr)
             if value is None and skip_none:
                 continue
-            if isinstance(value, _DerivedIn):
-                value = value.to_config()
-            elif isinstance(value, list):
-                value = tuple(value)
-            out[name] = value
+            out[name] = config_value(value)
         return out
 
     def to_config(self) -> Any:
         """The dataclass (its own checks raise `SamplingError` naming the field)."""
         return type(self).SOURCE(**self.given(skip_none=False))
+
+
+def config_value(value: Any) -> Any:
+    """A wire value as the dataclasses take it: a list as a tuple, a nested model as its
+    dataclass (whose checks raise `SamplingError`)."""
+    if isinstance(value, _DerivedIn):
+        return value.to_config()
+    return tuple(value) if isinstance(value, list) else value
 
 
 class _SamplingBase(_DerivedIn):
