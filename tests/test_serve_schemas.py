@@ -11,6 +11,7 @@ a deliberate change of the wire, rewrite it with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -118,10 +119,56 @@ def test_the_wire_schema_and_its_errors_are_the_pinned_ones() -> None:
 
 def test_sampling_in_has_every_sampling_config_field() -> None:
     """The derivation, independently: SamplingConfig's fields in order, each optional."""
-    import dataclasses
-
     names = [f.name for f in dataclasses.fields(SamplingConfig)]
     assert list(SamplingIn.model_fields) == names
     assert all(not f.is_required() for f in SamplingIn.model_fields.values())
     empty = SamplingIn.model_validate({})
     assert empty.over(SamplingConfig(max_tokens=5, seed=3)) == SamplingConfig(max_tokens=5, seed=3)
+
+
+def test_every_sampling_field_reaches_vllm_under_its_name() -> None:
+    """The engine's mapping (engine/sampling.py), derived from the same fields: each field
+    set away from its default arrives in vLLM's `SamplingParams` (no engine needed)."""
+    from ragcache_core.config import RepetitionDetection, StructuredOutputs
+    from ragcache_core.engine.sampling import sampling_params
+
+    config = SamplingConfig(
+        max_tokens=9,
+        temperature=0.5,
+        top_p=0.5,
+        stop=("s",),
+        seed=4,
+        ignore_eos=True,
+        top_k=3,
+        min_p=0.1,
+        presence_penalty=0.2,
+        frequency_penalty=0.3,
+        repetition_penalty=1.1,
+        logit_bias={7: 1.0},
+        min_tokens=2,
+        stop_token_ids=(5,),
+        include_stop_str_in_output=True,
+        bad_words=("b",),
+        allowed_token_ids=(1, 2),
+        logprobs=2,
+        logprob_token_ids=(3,),
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        structured_outputs=StructuredOutputs(choice=("x", "y")),
+        repetition_detection=RepetitionDetection(4, 2, 3),
+        stream_interval=2,
+    )
+    params = sampling_params(config)
+    for f in dataclasses.fields(SamplingConfig):
+        value = getattr(config, f.name)
+        assert value != f.default, f.name  # the test sets every field
+        sent = getattr(params, f.name)
+        if isinstance(value, StructuredOutputs | RepetitionDetection):
+            for inner in dataclasses.fields(value):
+                expected = getattr(value, inner.name)
+                expected = list(expected) if isinstance(expected, tuple) else expected
+                assert getattr(sent, inner.name) == expected, (f.name, inner.name)
+        elif isinstance(value, tuple):
+            assert list(sent) == list(value), f.name
+        else:
+            assert sent == value, f.name
