@@ -87,7 +87,7 @@ def _wire_type(hint: Any, meta: Mapping[str, Any], nested: Mapping[type, type]) 
     if hint in nested:
         return nested[hint]
     if dataclasses.is_dataclass(hint):
-        raise TypeError(f"no wire model given for {hint.__name__} (pass it in `nested`)")
+        raise TypeError(f"no wire model given for {hint!r} (pass it in `nested`)")
     bounds = {key: meta[key] for key in ("ge", "le") if key in meta}
     return Annotated[hint, Field(**bounds)] if bounds else hint
 
