@@ -16,7 +16,8 @@
                   with the server)
     state.py      ServeSettings, ServeState, the server's collectors
     errors.py     OpenAI-shaped errors; schemas.py: the request bodies; fields.py: what the
-                  server does with each of their fields
+                  server does with each of their fields; sampling_in.py: the sampling
+                  bodies, derived from `SamplingConfig`
 
 The client is `ragcache_core.client.RAGCacheClient` (it needs only httpx; re-exported here);
 the server needs the `serve` extra (FastAPI, uvicorn).

@@ -14,7 +14,7 @@ own `documents` (string values, e.g. title/text), passed to the model's chat tem
 `vllm serve` does and served uncached (`template_documents`). A mix is a 400.
 
 RAGCache's own `/v1/rag/query` (`RagQueryRequest`, whose `sampling` is `SamplingConfig`
-field for field) and `/v1/cache/invalidate`.
+field for field, derived from it in `sampling_in.py`) and `/v1/cache/invalidate`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from ragcache_core.config import (
-    SEED_MAX,
-    SEED_MIN,
-    RepetitionDetection,
-    SamplingConfig,
-    StructuredOutputs,
-)
+from ragcache_core.config import SEED_MAX, SEED_MIN, StructuredOutputs
 from ragcache_core.documents import Document
 from ragcache_core.serve.fields import (
     CHAT_FIELDS,
@@ -49,6 +43,7 @@ from ragcache_core.serve.fields import (
     is_allowed,
     refusal_message,
 )
+from ragcache_core.serve.sampling_in import RepetitionDetectionIn, SamplingIn, StructuredOutputsIn
 
 NonEmpty = Annotated[StrictStr, Field(min_length=1)]
 MAX_STOP_STRINGS = 4
@@ -105,46 +100,6 @@ class ResponseFormat(BaseModel):
                 "provided."
             )
         return self
-
-
-class StructuredOutputsIn(BaseModel):
-    """vLLM's `structured_outputs` (`StructuredOutputsParams`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
-    regex: StrictStr | None = None
-    choice: list[StrictStr] | None = None
-    grammar: StrictStr | None = None
-    json_object: bool | None = None
-    structural_tag: StrictStr | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: StrictStr | None = None
-
-    def to_config(self) -> StructuredOutputs:
-        return StructuredOutputs(
-            json=self.json_,
-            regex=self.regex,
-            choice=None if self.choice is None else tuple(self.choice),
-            grammar=self.grammar,
-            json_object=self.json_object,
-            structural_tag=self.structural_tag,
-            disable_any_whitespace=self.disable_any_whitespace,
-            disable_additional_properties=self.disable_additional_properties,
-            whitespace_pattern=self.whitespace_pattern,
-        )
-
-
-class RepetitionDetectionIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    max_pattern_size: int = 0
-    min_pattern_size: int = 0
-    min_count: int = 0
-
-    def to_config(self) -> RepetitionDetection:
-        return RepetitionDetection(self.max_pattern_size, self.min_pattern_size, self.min_count)
 
 
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
@@ -492,52 +447,6 @@ class CompletionRequest(_OpenAIRequest):
 
 
 OpenAIRequest = ChatRequest | CompletionRequest
-
-
-class SamplingIn(BaseModel):
-    """`SamplingConfig`, field for field; those left out take the server's
-    `CacheConfig.sampling`. Ranges are `SamplingConfig`'s (vLLM's)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: list[StrictStr] | None = None
-    seed: Seed | None = None
-    ignore_eos: bool | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    bad_words: list[StrictStr] | None = None
-    allowed_token_ids: list[int] | None = None
-    logprobs: int | None = None
-    logprob_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    structured_outputs: StructuredOutputsIn | None = None
-    repetition_detection: RepetitionDetectionIn | None = None
-    stream_interval: Annotated[int, Field(ge=1)] | None = None
-
-    def over(self, default: SamplingConfig) -> SamplingConfig:
-        """`default` with the given fields (`SamplingError` naming one out of range)."""
-        given: dict[str, Any] = {}
-        for name in type(self).model_fields:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, StructuredOutputsIn | RepetitionDetectionIn):
-                value = value.to_config()
-            elif isinstance(value, list):
-                value = tuple(value)
-            given[name] = value
-        return dataclasses.replace(default, **given)
 
 
 class RagQueryRequest(BaseModel):
