@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,5 +48,30 @@ def engine_pool() -> Iterator[object]:
     pool.close()
 
 
+SLOWEST_MODULES = 8
+"""How many modules the closing summary names, slowest first."""
+_MODULE_SECONDS: defaultdict[str, float] = defaultdict(float)
+_STARTED = pytest.StashKey[float]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_STARTED] = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _MODULE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The suite's wall time from session start (collection included) and its slowest modules
+    (set-up, calls and tear-down summed), so that a change that adds an engine start shows:
+    the suite's budget is 15 minutes on the project's 2-core machine."""
+    wall = time.monotonic() - terminalreporter.config.stash[_STARTED]
+    slowest = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]
+    terminalreporter.write_sep("=", f"suite time {wall:.1f} s ({wall / 60:.1f} min)")
+    for module, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
