@@ -1,4 +1,6 @@
-"""Shared fixtures: offline models (built once, cached on disk) and one shared vLLM engine."""
+"""Shared fixtures: offline models (built once, cached on disk), one heavy thing (a vLLM engine,
+a RAGCache or a server) alive at a time and shared while tests agree on its settings, and the
+suite's time at the end."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _heavy import Heavy
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -38,14 +41,16 @@ def tiny_model_gqa() -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine_pool() -> Iterator[object]:
-    """One vLLM engine alive at a time, shared by every test asking for the same settings."""
+def engine_pool() -> Iterator[Heavy]:
+    """One vLLM engine alive at a time, or one thing that owns one (a RAGCache, a server),
+    shared by every test asking for the same settings (`_heavy.Heavy`). A fixture that starts
+    an engine of its own calls `engine_pool.close()` first."""
     from ragcache_core.engine.llm import Engine
     from ragcache_core.testing.engines import EnginePool
 
-    pool: EnginePool[Engine] = EnginePool(Engine, Engine.close)
-    yield pool
-    pool.close()
+    heavy = Heavy(EnginePool(Engine, Engine.close))
+    yield heavy
+    heavy.close()
 
 
 SLOWEST_MODULES = 8
