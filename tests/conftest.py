@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from _heavy import Heavy
 
+pytest_plugins = ("_serve_session",)
+"""The serve modules' shared server (`server`, `references`, `oai`, `idle_after`)."""
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
