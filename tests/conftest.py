@@ -1,6 +1,7 @@
 """Shared fixtures: offline models (built once, cached on disk), one heavy thing (a vLLM engine,
-a RAGCache or a server) alive at a time and shared while tests agree on its settings, and the
-suite's time at the end."""
+a RAGCache or a server) alive at a time and shared while tests agree on its settings, the
+engine runs in processes of their own (started together, beside the suite), and the suite's
+time at the end. tests/README.md says how a new real-engine test shares what already runs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _heavy import Heavy
+from _runs import EngineRuns
 
 pytest_plugins = ("_serve_session",)
 """The serve modules' shared server (`server`, `references`, `oai`, `idle_after`)."""
@@ -54,6 +56,17 @@ def engine_pool() -> Iterator[Heavy]:
     heavy = Heavy(EnginePool(Engine, Engine.close))
     yield heavy
     heavy.close()
+
+
+@pytest.fixture(scope="session")
+def engine_runs(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineRuns]:
+    """Every selected test's engine run (`_runs`), all started at the first test that asks,
+    two at a time, beside the rest of the suite."""
+    runs = EngineRuns(request.session.items, tiny_model, tmp_path_factory)
+    yield runs
+    runs.close()
 
 
 SLOWEST_MODULES = 8
