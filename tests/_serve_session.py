@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from _integration_helpers import corpus, questions
+from _integration_helpers import corpus, plain_tokens, questions
 from _serve_helpers import ServerProcess, assert_idle, started
 
 from ragcache_core.config import CacheConfig, SamplingConfig
@@ -185,18 +184,8 @@ def _conversation_refs(cache: Any, greedy: SamplingConfig) -> dict[str, Any]:
 
 
 def _plain(cache: Any, ids: list[int]) -> tuple[int, ...]:
-    """Plain vLLM on `ids` (the engine with no plan: no cache involved)."""
-    greedy = dataclasses.replace(SAMPLING, temperature=0.0)
-
-    async def run() -> tuple[int, ...]:
-        tokens: tuple[int, ...] = ()
-        async for event in cache.engine.stream(
-            f"plain-{time.monotonic_ns()}", ids, greedy, read_prefix_cache=False
-        ):
-            tokens = event.token_ids
-        return tokens
-
-    return cache._loop.run(run())  # type: ignore[no-any-return]
+    """Plain vLLM on `ids` (the engine with no plan: no cache involved), greedy."""
+    return plain_tokens(cache, ids, dataclasses.replace(SAMPLING, temperature=0.0))
 
 
 def _chat(oai: openai.OpenAI, name: str, **extra: Any) -> dict[str, Any]:

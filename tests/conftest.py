@@ -15,8 +15,9 @@ import pytest
 from _heavy import Heavy
 from _runs import EngineRuns
 
-pytest_plugins = ("_serve_session",)
-"""The serve modules' shared server (`server`, `references`, `oai`, `idle_after`)."""
+pytest_plugins = ("_serve_session", "_ragcache_shared")
+"""The serve modules' shared server (`server`, `references`, `oai`, `idle_after`) and the
+RAGCache modules' shared cache (`cache`, `settled_after`)."""
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -11,16 +11,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import pytest
-from _heavy import Heavy
 from _ragcache_shared import (
     GPU_TOKENS,
     SAMPLING,
-    assert_settled,
     reference,
-    shared_cache,
 )
 
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
@@ -30,7 +26,8 @@ from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.runtime.ragcache import RAGCache
 from ragcache_core.search import StageResult
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("settled_after")]
+"""`cache` and `settled_after` (no slot, pin or inconsistency left): `_ragcache_shared`."""
 
 
 def _corpus() -> list[Document]:
@@ -70,18 +67,6 @@ class ScriptedSource:
                 is_last=i == len(self.stages) - 1,
                 elapsed_s=self.delay_s * (i + 1),
             )
-
-
-@pytest.fixture
-def cache(tiny_model: Path, engine_pool: Heavy) -> RAGCache:
-    """The RAGCache of `_ragcache_shared` (shared with test_ragcache_protected.py)."""
-    return shared_cache(engine_pool, tiny_model)
-
-
-@pytest.fixture(autouse=True)
-def nothing_leaks(cache: RAGCache) -> Iterator[None]:
-    yield
-    assert_settled(cache)
 
 
 def metric(cache: RAGCache, name: str, **labels: str) -> float:

@@ -7,28 +7,16 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from _heavy import Heavy
-from _ragcache_shared import GPU_TOKENS, assert_settled, reference, shared_cache
+from _ragcache_shared import GPU_TOKENS, reference
 
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.runtime.ragcache import RAGCache
 
-pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture
-def cache(tiny_model: Path, engine_pool: Heavy) -> RAGCache:
-    return shared_cache(engine_pool, tiny_model)
-
-
-@pytest.fixture(autouse=True)
-def nothing_leaks(cache: RAGCache) -> Iterator[None]:
-    yield
-    assert_settled(cache)
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("settled_after")]
+"""`cache` and `settled_after` (no slot, pin or inconsistency left): `_ragcache_shared`."""
 
 
 # The documents the policy protects stay in vLLM's blocks under vLLM's own eviction pressure
