@@ -6,9 +6,9 @@ notebooks run with the command `examples/README.md` gives (`jupyter execute`). T
 quickstart scripts are the README's quickstarts, as written: a fast test checks that the
 README's blocks are those files, so the run of the file is the run of the README's snippet.
 
-The runs are separate processes with nothing shared but the built model, so the module starts
-them two at a time (most of a run is starting Python, vLLM and its engine processes, which use
-one core each) and each test checks its own run's outcome."""
+The runs are separate processes with nothing shared but the built model, so they start with the
+suite's other engine runs (`_runs`), two at a time (most of a run is starting Python, vLLM and
+its engine processes, which use one core each), and each test checks its own run's outcome."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _runs import EngineRuns
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -98,31 +98,12 @@ def _notebook(name: str, folder: Path) -> Run:
     return Run(done, log, folder)
 
 
-KINDS = {"test_example_script": _script, "test_example_notebook": _notebook}
-
-
-@pytest.fixture(scope="module")
-def runs(
-    request: pytest.FixtureRequest,
-    tiny_model: Path,
-    engine_pool: Any,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, Future[Run]]]:
-    """The selected tests' example runs, started on first use, two at a time."""
-    engine_pool.close()  # no test engine beside the examples' own
-    selected = [
-        (item.originalname, item.callspec.params["name"])
-        for item in request.session.items
-        if isinstance(item, pytest.Function) and item.originalname in KINDS
-    ]
-    pool = ThreadPoolExecutor(max_workers=2)
-    try:
-        yield {
-            f"{test}:{name}": pool.submit(KINDS[test], name, tmp_path_factory.mktemp(name))
-            for test, name in selected
-        }
-    finally:  # a stopped session (-x, Ctrl-C) waits only for the runs already going
-        pool.shutdown(wait=True, cancel_futures=True)
+def runners(model: Path) -> dict[str, Callable[[Path], Run]]:
+    """Each test's example run, by test name (`_runs`: they start with the suite's other
+    engine runs, two at a time)."""
+    scripts = {f"test_example_script[{name}]": partial(_script, name) for name in NAMES + CHATS}
+    notebooks = {f"test_example_notebook[{name}]": partial(_notebook, name) for name in NAMES}
+    return scripts | notebooks
 
 
 def _hits(name: str, stdout: str) -> list[tuple[int, int]]:
@@ -167,8 +148,8 @@ def test_readme_quickstarts_are_the_quickstart_scripts() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMES + CHATS)
-def test_example_script(name: str, runs: dict[str, Future[Run]]) -> None:
-    run = runs[f"test_example_script:{name}"].result()
+def test_example_script(name: str, request: pytest.FixtureRequest, engine_runs: EngineRuns) -> None:
+    run: Run = engine_runs.result(request)
     done, log = run.done, run.log
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_quiet(done.stdout + done.stderr, log)
@@ -200,10 +181,12 @@ def test_notebook_kernel_is_this_python() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMES)
-def test_example_notebook(name: str, runs: dict[str, Future[Run]]) -> None:
+def test_example_notebook(
+    name: str, request: pytest.FixtureRequest, engine_runs: EngineRuns
+) -> None:
     import nbformat
 
-    run = runs[f"test_example_notebook:{name}"].result()
+    run: Run = engine_runs.result(request)
     done, log, tmp_path = run.done, run.log, run.folder
     assert done.returncode == 0, done.stderr[-3000:]
     notebook = nbformat.read(tmp_path / f"{name}-out.ipynb", as_version=4)
