@@ -26,7 +26,7 @@ import os
 from langchain_classic.chains import create_retrieval_chain
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
-from langchain_quickstart import Collect, build_store, show
+from langchain_sample import Collect, build_store, show
 
 from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, SamplingConfig

@@ -1,8 +1,8 @@
 """LlamaIndex + RAGCache chat: `index.as_chat_engine()` with the answers from the cache.
 
-Two conversations over the quickstart's index. In each turn the retrieved nodes come before the
-earlier turns in the prompt, so they are cached and hit in every later turn and conversation
-that retrieves them; the turns themselves are computed. The default chat mode,
+Two conversations over the sample index (`llama_index_sample.py`). In each turn the retrieved
+nodes come before the earlier turns in the prompt, so they are cached and hit in every later
+turn and conversation that retrieves them; the turns themselves are computed. The default chat mode,
 `condense_plus_context`, first rephrases a follow-up into a standalone question with the same
 model (no documents, so uncached), then searches that.
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-from llama_index_quickstart import build_index, sample_file
+from llama_index_sample import build_index
+from sample_ivf import sample_file
 
 from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, SamplingConfig

@@ -137,11 +137,6 @@ class AppPrompt:
             raise InputError(f"the prompt has a field this version cannot read: {exc}") from None
 
 
-def chat_messages(pairs: Sequence[tuple[str, str]]) -> tuple[Mapping[str, Any], ...]:
-    """(role, content) pairs as `AppPrompt.messages`."""
-    return tuple({"role": role, "content": content} for role, content in pairs)
-
-
 def default_prompt(config: PromptConfig, chat: bool) -> AppPrompt:
     """RAGCache's own layout from a `PromptConfig` (the default root): the system prompt, then
     the documents through `config.document`, then `config.question` (with a chat template: a

@@ -63,7 +63,7 @@ class StructuredOutputs:
     schema, as a dict or its text), `regex`, `choice`, `grammar` (EBNF), `json_object` (any
     JSON object) or `structural_tag`; the other fields tune it."""
 
-    json: str | Mapping[str, Any] | None = None
+    json: str | Mapping[str, Any] | None = field(default=None, metadata={"lax_str": True})
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
@@ -135,13 +135,20 @@ class SamplingConfig:
       `include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`,
       `logprob_token_ids`, `structured_outputs`, `repetition_detection`, `stream_interval`:
       as in vLLM.
+
+    The one declaration of the sampling fields: `/v1/rag/query`'s `sampling`
+    (`serve.sampling_in`, with `StructuredOutputs` and `RepetitionDetection`) and the vLLM
+    `SamplingParams` (`engine.sampling`) are derived from these fields. A field's `metadata`
+    holds what only the wire schema states: bounds (`ge`, `le`; the checks here word the
+    error when a `SamplingConfig` is built directly) and `lax_str` (plain `str` rather than
+    pydantic's `StrictStr`, as vLLM's model types it).
     """
 
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: int | None = field(default=None, metadata={"ge": SEED_MIN, "le": SEED_MAX})
     ignore_eos: bool = False
     top_k: int = 0
     min_p: float = 0.0
@@ -160,7 +167,7 @@ class SamplingConfig:
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     repetition_detection: RepetitionDetection | None = None
-    stream_interval: int | None = None
+    stream_interval: int | None = field(default=None, metadata={"ge": 1})
 
     def __post_init__(self) -> None:
         self._normalize()

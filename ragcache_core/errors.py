@@ -45,6 +45,10 @@ class PromptTooLong(InputError):
         self.limit = limit
 
 
+class CliError(RAGCacheError):
+    """A problem with a `ragcache` command's input, printed as one line (exit code 2)."""
+
+
 class MainGuardError(RAGCacheError, RuntimeError):
     """A script starts vLLM at import time, outside `if __name__ == "__main__":`; vLLM's
     engine processes re-import the script and would start it again (see the message)."""

@@ -1,7 +1,9 @@
 """Plans: what the control plane asks the data plane to copy for one request.
 
-A plan is decided in the app process (the controller owns the tree and both slot allocators)
-and executed by the worker-side KV connector inside vLLM, which decides nothing. It travels
+A plan is decided in the app process (the knowledge tree, owned by `runtime.lifecycle`, holds
+the slot allocators) and executed by the KV connector inside vLLM: its worker side copies, its
+scheduler side puts each copy in its step (and, with eviction-time writes, picks the kept
+documents its window sees leaving within the lease the plan lends). It travels
 with its request as JSON in `SamplingParams.extra_args["kv_transfer_params"]`.
 
 Pools are addressed by *slot*: one page of `page_size` tokens holding K and V of every layer.
@@ -16,9 +18,10 @@ Token positions are positions in the request's prompt (0 = first template/system
 In the engine the GPU tier is vLLM's own block pool with its prefix caching on (docs/design.md
 3.1): vLLM matches its cached blocks first, and the connector loads from the host pool only
 the tokens past vLLM's hit (none on a full GPU hit: no byte moves). The engine's plans
-therefore load and store the host tier only. The GPU-pool parts below (swap_out, promote,
-GPU loads and stores) are the tree's two-pool model, used by the simulator; the engine's
-connector refuses them (`engine.connector.spans.plan_problems`).
+therefore load the host tier and either store it (write-through) or keep documents for the
+eviction window with a lease of host slots (`keep`, `lease`: the default). The GPU-pool
+parts below (swap_out, promote, GPU loads and stores) are the tree's two-pool model, used by
+the simulator; the engine's connector refuses them (`engine.connector.spans.plan_problems`).
 
 Execution order in the worker (docs/design.md 3.2):
   1. swap_out: GPU slots -> host slots (first eviction of a node from the GPU pool),

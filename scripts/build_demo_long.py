@@ -1,4 +1,5 @@
-"""Build the long-chunk demo sample shipped in ragcache_core/data/ from ../shared/data.
+"""Build the long-chunk demo sample shipped in ragcache_core/data/ from the benchmark
+data (--data-dir, default ../shared/data).
 
 Three SQuAD v1.1 dev articles (Wikipedia), whole: their paragraphs joined into ~1,024-token
 chunks of the bench model's tokenizer (`bench.workloads.chunk_articles`), and a seeded 22% of
@@ -17,7 +18,13 @@ import json
 import random
 from pathlib import Path
 
-from ragcache_core.bench.workloads import DATA_DIR, chunk_articles, read_jsonl
+from ragcache_core.bench.data_dir import (
+    DATA_HELP,
+    SQUAD_PARAGRAPHS,
+    SQUAD_QUESTIONS,
+    script_data_dir,
+)
+from ragcache_core.bench.workloads import chunk_articles, read_jsonl
 from ragcache_core.retrieval.trace import tokenizer_counter
 from ragcache_core.testing.tiny_model import build_tiny_model
 
@@ -29,22 +36,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--share", type=float, default=0.22, help="questions kept per article")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=DATA_HELP,
+    )
     args = parser.parse_args()
+    data = script_data_dir(args.data_dir, (SQUAD_PARAGRAPHS, SQUAD_QUESTIONS))
     count = tokenizer_counter(str(build_tiny_model(size="bench")))
-    paragraphs = [
-        p
-        for p in read_jsonl(DATA_DIR / "squad_v1.1_dev_paragraphs.jsonl")
-        if p["title"] in ARTICLES
-    ]
+    paragraphs = [p for p in read_jsonl(data / SQUAD_PARAGRAPHS) if p["title"] in ARTICLES]
     chunks = chunk_articles(paragraphs, count)
     rng = random.Random(args.seed)
     questions = []
     for title in ARTICLES:
-        mine = [
-            q
-            for q in read_jsonl(DATA_DIR / "squad_v1.1_dev_questions.jsonl")
-            if q["title"] == title
-        ]
+        mine = [q for q in read_jsonl(data / SQUAD_QUESTIONS) if q["title"] == title]
         questions += rng.sample(mine, round(args.share * len(mine)))
     with (OUT / "demo_long_corpus.jsonl").open("w", encoding="utf-8") as out:
         for c in chunks:

@@ -1,4 +1,4 @@
-"""Build a long-document RAG workload from ../shared/data (not committed: it is derived data).
+"""Build a long-document RAG workload from the benchmark data (--data-dir; derived, not committed).
 
 Documents: consecutive SQuAD v1.1 dev paragraphs of one article joined in groups of `--join`
 (real RAG chunks are often 512-1,024 tokens; the SQuAD paragraphs average ~160). Questions:
@@ -18,7 +18,12 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from ragcache_core.bench.data_dir import (
+    DATA_HELP,
+    SQUAD_PARAGRAPHS,
+    SQUAD_QUESTIONS,
+    script_data_dir,
+)
 
 
 def main() -> None:
@@ -27,9 +32,16 @@ def main() -> None:
     parser.add_argument("--join", type=int, default=4, help="paragraphs per document")
     parser.add_argument("--questions", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=DATA_HELP,
+    )
     args = parser.parse_args()
+    data = script_data_dir(args.data_dir, (SQUAD_PARAGRAPHS, SQUAD_QUESTIONS))
     articles: dict[str, list[dict[str, object]]] = defaultdict(list)
-    with (DATA / "squad_v1.1_dev_paragraphs.jsonl").open(encoding="utf-8") as f:
+    with (data / SQUAD_PARAGRAPHS).open(encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)
             articles[str(record["title"])].append(record)
@@ -48,7 +60,7 @@ def main() -> None:
                 }
                 out.write(json.dumps(doc, ensure_ascii=False) + "\n")
                 documents += 1
-    with (DATA / "squad_v1.1_dev_questions.jsonl").open(encoding="utf-8") as f:
+    with (data / SQUAD_QUESTIONS).open(encoding="utf-8") as f:
         questions = [json.loads(line) for line in f]
     random.Random(args.seed).shuffle(questions)
     with (args.out / "questions.jsonl").open("w", encoding="utf-8") as out:

@@ -1,4 +1,4 @@
-"""Build simulator traces from ../shared/data with a TF-IDF retriever (no model needed).
+"""Build simulator traces from the benchmark data (--data-dir) with a TF-IDF retriever (no model).
 
 Corpus: the 12,100 documents (10,033 vital-article leads + 2,067 SQuAD dev paragraphs), each
 wrapped as "Title: {title}\\n{text}\\n\\n" as the prompt renders it. Request streams: NQ-open
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from sklearn.feature_extraction.text import TfidfVectorizer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from ragcache_core.bench.data_dir import DATA_HELP, script_data_dir
 
 
 def estimate_tokens(text: str) -> int:
@@ -58,12 +58,20 @@ def load_questions(data: Path, stream: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument(
+        "--data-dir",
+        "--data",
+        dest="data",
+        type=Path,
+        default=None,
+        help=DATA_HELP,
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--top-k", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--rate", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.data = script_data_dir(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
 
     ids, texts = load_corpus(args.data)

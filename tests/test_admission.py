@@ -1,4 +1,4 @@
-"""Admission and reordering on the controller's loop (no engine: the queue logic alone)."""
+"""Admission and reordering on the RAGCache's loop (no engine: the queue logic alone)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _runs import EngineRuns
 
 from ragcache_core.engine.cached import PlannedRun, require_plan_ran
 from ragcache_core.engine.connector import ConnectorResult
@@ -66,17 +68,32 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def runners(model: Path) -> dict[str, Callable[[Path], Any]]:
+    """Both commands run with the suite's other engine runs (`_runs`)."""
+    return {
+        "test_bench_prefill_runs_on_the_real_engine": lambda out: _cli(
+            *("bench", "prefill", "--model", str(model)),
+            *("--doc-tokens", "128", "--repeats", "1", "--json"),
+        ),
+        "test_profile_runs_on_the_real_engine": lambda out: (
+            _cli(
+                *("profile", "--model", str(model), "--out", str(out / "profile.json")),
+                *("--cached", "0", "128", "--new", "16", "32", "--repeats", "1"),
+            ),
+            out / "profile.json",
+        ),
+    }
+
+
 @pytest.mark.vllm
-def test_bench_prefill_runs_on_the_real_engine(tiny_model: Path, engine_pool: Any) -> None:
+def test_bench_prefill_runs_on_the_real_engine(
+    request: pytest.FixtureRequest, engine_runs: EngineRuns
+) -> None:
     """`ragcache bench prefill` as documented, on vLLM: its one-token runs store (a
     `max_tokens=1` request finishes in the step that stores it), a GPU hit moves no byte and a
     host hit loads every document token (the command fails otherwise), and each time is a
     real TTFT."""
-    engine_pool.close()  # one engine at a time
-    done = _cli(
-        *("bench", "prefill", "--model", str(tiny_model)),
-        *("--doc-tokens", "128", "--repeats", "1", "--json"),
-    )
+    done = engine_runs.result(request)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads(done.stdout)["results"]
     assert result["doc_tokens"] == 128
@@ -86,18 +103,13 @@ def test_bench_prefill_runs_on_the_real_engine(tiny_model: Path, engine_pool: An
 
 @pytest.mark.vllm
 def test_profile_runs_on_the_real_engine(
-    tiny_model: Path, tmp_path: Path, engine_pool: Any
+    request: pytest.FixtureRequest, engine_runs: EngineRuns
 ) -> None:
     """`ragcache profile` as documented, on vLLM: a 2 x 2 grid whose cached points stored
     and loaded (the run fails otherwise), written as the cost model reads it."""
     from ragcache_core.cost.profile import CostProfile
 
-    engine_pool.close()  # one engine at a time
-    out = tmp_path / "profile.json"
-    done = _cli(
-        *("profile", "--model", str(tiny_model), "--out", str(out)),
-        *("--cached", "0", "128", "--new", "16", "32", "--repeats", "1"),
-    )
+    done, out = engine_runs.result(request)
     assert done.returncode == 0, done.stderr[-3000:]
     profile = json.loads(out.read_text())
     assert (profile["cached_tokens"], profile["new_tokens"]) == ([0, 128], [16, 32])

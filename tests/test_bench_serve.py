@@ -12,12 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _runs import EngineRuns
 
 from ragcache_core.bench.serve import Outcome, PointRun, identical_answers, run_point
 from ragcache_core.bench.sweep import (
@@ -166,7 +167,7 @@ class _Recorder:
 
 def test_a_reordering_system_is_left_out_of_the_identical_answers() -> None:
     # ragcache-docorder sends other prompts (issue 40): its answers are checked against plain
-    # vLLM on its own ordered prompts (tests/test_controller.py), not against the others'.
+    # vLLM on its own ordered prompts (tests/test_ragcache.py), not against the others'.
     def run(system: str, *tokens: int) -> PointRun:
         return PointRun(system, 1.0, (0.0,) * len(tokens), tuple(
             Outcome(0.01, 0.01, (t,), 10, 0) for t in tokens), 0)  # fmt: skip
@@ -250,58 +251,78 @@ def test_bad_arguments_are_one_line_exit_2(args: tuple[str, ...], message: str) 
 
 
 QUICK_SYSTEMS = ("vllm", "ragcache")
-Runs = dict[str, Future[tuple[subprocess.CompletedProcess[str], Path]]]
-"""A test's engine run (its process and its --out folder), by test name."""
 
 
-def _engine_runs(model: Path, out: Path) -> dict[str, list[str]]:
-    """The command line of each test below that runs real engines, by test name."""
-    common = ["--model", str(model), "--out", str(out)]
-    return {
-        "test_smoke_serves_every_request_with_identical_answers": [
-            *("--smoke", "--systems", ",".join(SYSTEMS), *common, "--json")
-        ],
-        "test_quick_prints_a_calibrated_ladder_of_repeated_points": [
-            *("--quick", "--systems", ",".join(QUICK_SYSTEMS), *common),
-            *("--warmup", "2", "--requests", "3"),
-        ],
-    }
+@dataclass(frozen=True)
+class Terminated:
+    """A `bench serve --smoke` stopped with SIGTERM once its engine started: its exit code,
+    its stderr, and its engine processes still alive 30 s after it exited."""
+
+    code: int
+    stderr: str
+    alive: tuple[int, ...]
 
 
-@pytest.fixture(scope="module")
-def engine_runs(
-    request: pytest.FixtureRequest,
-    tiny_model: Path,
-    engine_pool: Any,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Runs]:
-    """The selected runs, started on first use, both at once: each is its own process (its
-    numbers are not compared with the other's), and most of a run is starting Python and
-    vLLM's engine processes, one core each."""
-    engine_pool.close()  # no test engine beside the runs' own
+def _terminated(model: Path, out: Path) -> Terminated:
+    import psutil
 
-    def run(name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-        out = tmp_path_factory.mktemp(name[5:20])
-        return _cli(*_engine_runs(tiny_model, out)[name]), out
-
-    names = set(_engine_runs(tiny_model, Path()))
-    selected = [
-        item.originalname
-        for item in request.session.items
-        if isinstance(item, pytest.Function) and item.originalname in names
-    ]
-    pool = ThreadPoolExecutor(max_workers=2)
+    log = out / "stderr.txt"
+    children: list[psutil.Process] = []
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "ragcache_core", "bench", "serve", "--smoke"),
+                *("--systems", "vllm", "--model", str(model), "--out", str(out)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     try:
-        yield {name: pool.submit(run, name) for name in selected}
-    finally:  # a stopped session (-x, Ctrl-C) waits only for the runs already going
-        pool.shutdown(wait=True, cancel_futures=True)
+        deadline = time.monotonic() + 300
+        while "engine started" not in log.read_text() and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return Terminated(proc.returncode, log.read_text(), ())
+            time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the engine runs in processes of its own"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        return Terminated(code, log.read_text(), tuple(p.pid for p in alive))
+    finally:
+        for process in [proc, *children]:
+            if isinstance(process, subprocess.Popen):
+                if process.poll() is None:
+                    process.kill()
+            elif process.is_running():
+                process.kill()
+
+
+def runners(model: Path) -> dict[str, Callable[[Path], Any]]:
+    """The engine runs of the tests below (`_runs`; each given its --out folder), by test
+    name: the smoke and quick runs (`_cli`'s process and the folder) and the SIGTERM run, last
+    of the module's: it ends while the longer smoke run still runs."""
+
+    def cli(*args: str) -> Callable[[Path], tuple[subprocess.CompletedProcess[str], Path]]:
+        return lambda out: (_cli(*args, "--model", str(model), "--out", str(out)), out)
+
+    return {
+        "test_smoke_serves_every_request_with_identical_answers": cli(
+            *("--smoke", "--systems", ",".join(SYSTEMS), "--json")
+        ),
+        "test_quick_prints_a_calibrated_ladder_of_repeated_points": cli(
+            *("--quick", "--systems", ",".join(QUICK_SYSTEMS)),
+            *("--warmup", "2", "--requests", "3"),
+        ),
+        "test_sigterm_closes_the_engines_it_started": lambda out: _terminated(model, out),
+    }
 
 
 @pytest.mark.vllm
 def test_smoke_serves_every_request_with_identical_answers(
-    request: pytest.FixtureRequest, engine_runs: Runs
+    request: pytest.FixtureRequest, engine_runs: EngineRuns
 ) -> None:
-    result, tmp_path = engine_runs[request.node.originalname].result()
+    result, tmp_path = engine_runs.result(request)
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert document == json.loads((tmp_path / "serve.json").read_text())
@@ -345,43 +366,14 @@ def test_smoke_serves_every_request_with_identical_answers(
 
 @pytest.mark.vllm
 def test_sigterm_closes_the_engines_it_started(
-    tiny_model: Path, tmp_path: Path, engine_pool: Any
+    request: pytest.FixtureRequest, engine_runs: EngineRuns
 ) -> None:
     """SIGTERM (a job runner's stop, `kill`) ends a command as Ctrl-C does: its vLLM engine
     processes go with it (before, they outlived it, holding its output pipes and memory)."""
-    import psutil
-
-    engine_pool.close()  # no test engine beside this one
-    log = tmp_path / "stderr.txt"
-    children: list[psutil.Process] = []
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "ragcache_core", "bench", "serve", "--smoke"),
-                *("--systems", "vllm", "--model", str(tiny_model), "--out", str(tmp_path)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
-    try:
-        deadline = time.monotonic() + 300
-        while "engine started" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.5)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert children, "the engine runs in processes of its own"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 143, log.read_text()[-2000:]
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [p.pid for p in alive]
-        assert log.read_text().rstrip().endswith("terminated")
-    finally:
-        for process in [proc, *children]:
-            if isinstance(process, subprocess.Popen):
-                if process.poll() is None:
-                    process.kill()
-            elif process.is_running():
-                process.kill()
+    run: Terminated = engine_runs.result(request)
+    assert run.code == 143, run.stderr[-2000:]
+    assert not run.alive, run.alive
+    assert run.stderr.rstrip().endswith("terminated")
 
 
 QUICK_ROW = re.compile(
@@ -397,14 +389,14 @@ the repeats, ms), req/s, token and document hit rates."""
 
 @pytest.mark.vllm
 def test_quick_prints_a_calibrated_ladder_of_repeated_points(
-    request: pytest.FixtureRequest, tiny_model: Path, engine_runs: Runs
+    request: pytest.FixtureRequest, tiny_model: Path, engine_runs: EngineRuns
 ) -> None:
     """`ragcache bench serve --quick` as documented, its printed tables (not --json), on the
     tiny model and cut to 2 + 3 requests per point for the suite: the light load calibrates
     the first rate (1.0 / vllm's light-load service time), the ladder doubles it, each point
     runs twice and prints its min..max, RAGCache hits (plain vLLM does not), answers agree."""
     systems = QUICK_SYSTEMS
-    result, tmp_path = engine_runs[request.node.originalname].result()
+    result, tmp_path = engine_runs.result(request)
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads((tmp_path / "serve.json").read_text())
     mode = document["settings"]["mode"]

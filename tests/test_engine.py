@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from _runs import EngineRuns
 
 from ragcache_core.engine.settings import EngineSettings, check_model_folder
 from ragcache_core.errors import ConfigError, ModelError
@@ -37,27 +42,34 @@ def test_greedy_generation_is_deterministic(engine_pool, tiny_model: Path) -> No
     assert 0.0 < second.ttft_s < 30.0
 
 
+def _doctor(folder: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ragcache_core", "doctor", "--prompt-tokens", "64"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def runners(model: Path) -> dict[str, Callable[[Path], Any]]:
+    """`ragcache doctor` runs with the suite's other engine runs (`_runs`)."""
+    return {"test_doctor_checks_the_stack_and_generates_like_the_engine": _doctor}
+
+
 @pytest.mark.vllm
 def test_doctor_checks_the_stack_and_generates_like_the_engine(
-    engine_pool, tiny_model: Path
+    engine_pool, tiny_model: Path, request: pytest.FixtureRequest, engine_runs: EngineRuns
 ) -> None:
     """`ragcache doctor` on the real engine: every step of the stack it names, and the
     tokens it generated are the engine's own greedy answer to its prompt."""
     import re
-    import subprocess
-    import sys
 
     import torch
     import vllm
 
     from ragcache_core.engine.llm import GreedySampling
 
-    result = subprocess.run(
-        [sys.executable, "-m", "ragcache_core", "doctor", "--prompt-tokens", "64"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = engine_runs.result(request)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", result.stdout, re.MULTILINE))
     assert result.stdout.startswith("ragcache doctor\n")

@@ -283,8 +283,9 @@ def test_the_scheduler_side_records_at_finish_copies_and_reports_on_the_next_fin
     assert not side.window.is_recorded(7)
 
 
-def test_an_aborted_request_records_nothing_and_its_report_carries_no_changes() -> None:
-    from ragcache_core.engine.connector import ConnectorConfig
+def test_an_aborted_request_records_nothing_and_the_next_report_says_so() -> None:
+    from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
+    from ragcache_core.engine.connector.config import RESULT_KEY
     from ragcache_core.engine.connector.scheduler_side import SchedulerSide
     from ragcache_core.plan import PLAN_KEY, Plan
     from ragcache_core.storage.pool_layout import PoolLayout
@@ -303,6 +304,11 @@ def test_an_aborted_request_records_nothing_and_its_report_carries_no_changes() 
     tracked.block_ids, tracked.store_sent = list(ids), True  # its prompt was computed
     assert side.finished("r", aborted=True) is not None
     assert side.window is not None and not side.window.is_recorded(7)
+    # The tree counted them as in vLLM's blocks if the request reached its first token: the
+    # next report says they are not followed (gone, with the plan's version).
+    side.track_and_count_loads("s", {PLAN_KEY: Plan(page_size=PAGE, lease=lease).to_json()}, 9, 0)
+    report = ConnectorResult.from_json(side.finished("s")[RESULT_KEY])  # type: ignore[index]
+    assert report.host_gone == ((7, 1), (8, 1)) and report.host_copied == ()
 
 
 @pytest.mark.parametrize("back_to_head", [False, True])

@@ -2,26 +2,30 @@
 questions or two two-turn conversations) and show the repeated question's documents served from
 the cache; quietly: vLLM's own lines go to the log
 file they name, Faiss has enough points per IVF list, and nothing is printed at exit. The
-notebooks run with the command `examples/README.md` gives (`jupyter execute`).
+notebooks run with the command `examples/README.md` gives (`jupyter execute`). The two
+quickstart scripts are the README's quickstarts, as written: a fast test checks that the
+README's blocks are those files, so the run of the file is the run of the README's snippet.
 
-The runs are separate processes with nothing shared but the built model, so the module starts
-them two at a time (most of a run is starting Python, vLLM and its engine processes, which use
-one core each) and each test checks its own run's outcome."""
+The runs are separate processes with nothing shared but the built model, so they start with the
+suite's other engine runs (`_runs`), two at a time (most of a run is starting Python, vLLM and
+its engine processes, which use one core each), and each test checks its own run's outcome."""
 
 from __future__ import annotations
 
+import ast
+import itertools
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _runs import EngineRuns
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -94,44 +98,62 @@ def _notebook(name: str, folder: Path) -> Run:
     return Run(done, log, folder)
 
 
-KINDS = {"test_example_script": _script, "test_example_notebook": _notebook}
+def runners(model: Path) -> dict[str, Callable[[Path], Run]]:
+    """Each test's example run, by test name (`_runs`: they start with the suite's other
+    engine runs, two at a time)."""
+    scripts = {f"test_example_script[{name}]": partial(_script, name) for name in NAMES + CHATS}
+    notebooks = {f"test_example_notebook[{name}]": partial(_notebook, name) for name in NAMES}
+    return scripts | notebooks
 
 
-@pytest.fixture(scope="module")
-def runs(
-    request: pytest.FixtureRequest,
-    tiny_model: Path,
-    engine_pool: Any,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, Future[Run]]]:
-    """The selected tests' example runs, started on first use, two at a time."""
-    engine_pool.close()  # no test engine beside the examples' own
-    selected = [
-        (item.originalname, item.callspec.params["name"])
-        for item in request.session.items
-        if isinstance(item, pytest.Function) and item.originalname in KINDS
-    ]
-    pool = ThreadPoolExecutor(max_workers=2)
-    try:
-        yield {
-            f"{test}:{name}": pool.submit(KINDS[test], name, tmp_path_factory.mktemp(name))
-            for test, name in selected
-        }
-    finally:  # a stopped session (-x, Ctrl-C) waits only for the runs already going
-        pool.shutdown(wait=True, cancel_futures=True)
+def _hits(name: str, stdout: str) -> list[tuple[int, int]]:
+    """Each request's documents hit (GPU, host), in order, from what the example printed."""
+    if name == "llama_index_quickstart":  # each response's metadata["cache_hits"]
+        found = re.findall(r"'gpu_docs': (\d+), 'host_docs': (\d+)", stdout)
+        return [(int(g), int(h)) for g, h in found]
+    if name == "langchain_quickstart":  # cache.stats() after each call: hits since start
+        found = re.findall(r"'docs_hit_gpu': (\d+), 'docs_hit_host': (\d+)", stdout)
+        totals = [(0, 0)] + [(int(g), int(h)) for g, h in found]
+        return [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(totals)]
+    found = re.findall(r"cache hits: (\d+) GPU \+ (\d+) host", stdout)
+    return [(int(g), int(h)) for g, h in found]
+
+
+def _readme_blocks() -> dict[str, str]:
+    """The README's quickstart blocks, by the example file each names in its marker."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    pattern = r"<!-- quickstart: examples/(\w+)\.py -->\n```python\n(.*?)\n```"
+    return {name: block for name, block in re.findall(pattern, text, flags=re.DOTALL)}
+
+
+def _after_docstring(path: Path) -> str:
+    source = path.read_text(encoding="utf-8")
+    end = ast.parse(source).body[0].end_lineno
+    assert end is not None
+    return "\n".join(source.splitlines()[end:]).strip("\n")
+
+
+def test_readme_quickstarts_are_the_quickstart_scripts() -> None:
+    """The README's two quickstarts are the two quickstart files below their docstring, so
+    test_example_script's run of each file runs the README's snippet as written."""
+    blocks = _readme_blocks()
+    assert sorted(blocks) == sorted(NAMES)
+    for name, block in blocks.items():
+        assert block == _after_docstring(EXAMPLES / f"{name}.py"), name
+        changed = [
+            line for line in block.splitlines() if "<- the one line RAGCache changes" in line
+        ]
+        assert len(changed) == 1, name  # the one changed line is marked
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMES + CHATS)
-def test_example_script(name: str, runs: dict[str, Future[Run]]) -> None:
-    run = runs[f"test_example_script:{name}"].result()
+def test_example_script(name: str, request: pytest.FixtureRequest, engine_runs: EngineRuns) -> None:
+    run: Run = engine_runs.result(request)
     done, log = run.done, run.log
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_quiet(done.stdout + done.stderr, log)
-    hits = [
-        (int(m[1]), int(m[2]))
-        for m in re.finditer(r"cache hits: (\d+) GPU \+ (\d+) host", done.stdout)
-    ]
+    hits = _hits(name, done.stdout)
     assert len(hits) >= 3  # two questions (or turns) and the repeat
     assert hits[0] == (0, 0)  # cold
     # The repeat of question 1 (or conversation 1) hits both documents: the first in vLLM's
@@ -139,8 +161,9 @@ def test_example_script(name: str, runs: dict[str, Future[Run]]) -> None:
     # whose tail comes from the host tier.
     gpu, host = hits[2]
     assert gpu + host == 2 and gpu >= 1, hits
-    assert "prompt tokens saved" in done.stdout
-    if name in CHATS:  # turn 2 carries turn 1, and conversation 2 starts afresh
+    if name in CHATS:
+        assert "prompt tokens saved" in done.stdout
+        # Turn 2 carries turn 1, and conversation 2 starts afresh.
         history = [line for line in done.stdout.splitlines() if "history of " in line]
         assert [("history of 2 messages" in line) for line in history] == [False, True] * 2
 
@@ -158,10 +181,12 @@ def test_notebook_kernel_is_this_python() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMES)
-def test_example_notebook(name: str, runs: dict[str, Future[Run]]) -> None:
+def test_example_notebook(
+    name: str, request: pytest.FixtureRequest, engine_runs: EngineRuns
+) -> None:
     import nbformat
 
-    run = runs[f"test_example_notebook:{name}"].result()
+    run: Run = engine_runs.result(request)
     done, log, tmp_path = run.done, run.log, run.folder
     assert done.returncode == 0, done.stderr[-3000:]
     notebook = nbformat.read(tmp_path / f"{name}-out.ipynb", as_version=4)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _runs import EngineRuns
 
 from ragcache_core import CacheClosedError, CacheConfig, Document, ModelError, RAGCacheAPI
 from ragcache_core.loop import LoopThread
@@ -486,19 +487,33 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.vllm
-def test_a_forgotten_close_closes_at_exit_quietly(tmp_path: Path, tiny_model: Path) -> None:
-    script = tmp_path / "forgotten.py"
+def _forgotten(model: Path, folder: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    script = folder / "forgotten.py"
     script.write_text(textwrap.dedent(FORGOTTEN))
-    log = tmp_path / "vllm.log"
+    log = folder / "vllm.log"
     done = subprocess.run(
-        [sys.executable, str(script), str(tiny_model), str(log)],
+        [sys.executable, str(script), str(model), str(log)],
         capture_output=True,
         text=True,
         env=_env(),
-        cwd=tmp_path,
+        cwd=folder,
         timeout=400,
     )
+    return done, log
+
+
+def runners(model: Path) -> dict[str, Callable[[Path], Any]]:
+    """The forgotten-close script runs with the suite's other engine runs (`_runs`)."""
+    return {
+        "test_a_forgotten_close_closes_at_exit_quietly": lambda folder: _forgotten(model, folder)
+    }
+
+
+@pytest.mark.vllm
+def test_a_forgotten_close_closes_at_exit_quietly(
+    request: pytest.FixtureRequest, engine_runs: EngineRuns
+) -> None:
+    done, log = engine_runs.result(request)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "ANSWER [" in done.stdout

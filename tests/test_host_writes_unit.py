@@ -132,18 +132,32 @@ def test_a_lost_engine_numbers_copies_from_one_again() -> None:
 
 
 def test_the_lease_is_made_by_evicting_host_leaves_by_the_policy() -> None:
-    tree = _tree(host_slots=10, lease=8)
-    handle = tree.begin_request(4, [doc("a", 8)], 3)  # root 1 slot, a 2 slots
-    tree.confirm(handle)
-    for seq, span in enumerate(handle.plan.keep, start=1):
-        _copy(tree, handle.plan, seq, span)
-    assert cached_paths(tree) == {(): {"host", "vllm"}, ("a",): {"host", "vllm"}}
-    # 3 slots owned, 5 still leased, 2 free: topping the lease up to 8 evicts the leaf "a"
-    # from the host; vLLM's blocks still hold it, so it stays a node.
-    nxt = tree.begin_request(4, [doc("b", 8)], 3)
+    tree = _tree(host_slots=10, lease=5)
+    seq = 0
+    for name in "abc":  # the root (1 slot), then a, b and c (2 slots each) copied
+        handle = tree.begin_request(4, [doc(name, 8)], 3)
+        tree.confirm(handle)
+        for span in handle.plan.keep:
+            seq += 1
+            _copy(tree, handle.plan, seq, span)
+    on_host = {p for p, tiers in cached_paths(tree).items() if "host" in tiers}
+    assert on_host == {(), ("a",), ("b",), ("c",)}
+    # 7 slots owned, 3 still leased, 0 free: topping the lease up to 5 evicts one leaf from
+    # the host; vLLM's blocks still hold it, so it stays a node.
+    nxt = tree.begin_request(4, [doc("d", 8)], 3)
     tree.confirm(nxt)
-    assert nxt.plan.lease is not None and len(nxt.plan.lease.slots) == 8
-    assert cached_paths(tree) == {(): {"host", "vllm"}, ("a",): {"vllm"}, ("b",): {"vllm"}}
+    assert nxt.plan.lease is not None and len(nxt.plan.lease.slots) == 5
+    paths = cached_paths(tree)
+    assert [p for p in (("a",), ("b",), ("c",)) if paths[p] == {"vllm"}] != []
+    assert sum(1 for tiers in paths.values() if "host" in tiers) == 3
+    tree.check_integrity()
+
+
+def test_the_lease_is_at_most_half_the_host_tier() -> None:
+    tree = _tree(host_slots=10, lease=8)
+    handle = tree.begin_request(4, [doc("a", 8)], 3)
+    assert handle.plan.lease is not None and len(handle.plan.lease.slots) == 5
+    tree.confirm(handle)
     tree.check_integrity()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import warnings
-from collections.abc import Iterator
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ import faiss
 import numpy as np
 import pytest
 from _integration_helpers import (
-    CONFIG,
     REPO,
     GuideCache,
     corpus,
@@ -25,6 +23,7 @@ from _integration_helpers import (
     import_with_version,
     questions,
     reference,
+    shared_cache,
 )
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.chat_history import InMemoryChatMessageHistory
@@ -96,11 +95,9 @@ def ivf_store(embeddings: OfflineEmbeddings) -> FAISS:
 
 
 @pytest.fixture(scope="module")
-def cache(tiny_model: Path) -> Iterator[Any]:
-    from ragcache_core.runtime.ragcache import RAGCache
-
-    with RAGCache(tiny_model, CONFIG) as cache:
-        yield cache
+def cache(tiny_model: Path, engine_pool: Any) -> Any:
+    """The integration modules' shared RAGCache, cold for this module (`shared_cache`)."""
+    return shared_cache(engine_pool, tiny_model)
 
 
 class Record(BaseCallbackHandler):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from _integration_helpers import (
     import_with_version,
     questions,
     reference,
+    shared_cache,
 )
 from llama_index.core import StorageContext, VectorStoreIndex
 from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
@@ -97,11 +97,9 @@ def simple_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
 
 
 @pytest.fixture(scope="module")
-def cache(tiny_model: Path) -> Iterator[Any]:
-    from ragcache_core.runtime.ragcache import RAGCache
-
-    with RAGCache(tiny_model, CONFIG) as cache:
-        yield cache
+def cache(tiny_model: Path, engine_pool: Any) -> Any:
+    """The integration modules' shared RAGCache, cold for this module (`shared_cache`)."""
+    return shared_cache(engine_pool, tiny_model)
 
 
 def _source_ids(response: Any) -> list[str]:

@@ -1,6 +1,6 @@
 """Metrics bookkeeping without an engine: every `record_*` moves its plain counter and its
 Prometheus collector together; the tree's counters arrive as deltas, across a `clear()`.
-(That each metric moves under a real workload is tested in test_controller.py.)"""
+(That each metric moves under a real workload is tested in test_ragcache.py.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 PGDSF ranking, prefix closure, releases until the engine confirms them) and the scheduler
 side's references on vLLM's blocks (`SchedulerSide._protect`), over a block pool that counts
 references the way vLLM's does. The same code runs in the real engine in
-tests/test_controller.py ("the protected set")."""
+tests/test_ragcache_protected.py."""
 
 from __future__ import annotations
 

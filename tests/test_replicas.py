@@ -24,10 +24,10 @@ import httpx
 import pytest
 from _serve_helpers import REPO
 
-from ragcache_core.cli import CliError
 from ragcache_core.cli.replicas import find_router
 from ragcache_core.client.affinity import affinity_key
 from ragcache_core.documents import Document
+from ragcache_core.errors import CliError
 
 pytestmark = pytest.mark.vllm
 
@@ -137,7 +137,7 @@ def test_an_invalidation_through_the_router_misses_on_every_replica(cluster: Clu
     )
     assert answer.status_code == 200, answer.text
     assert answer.json()["removed"] >= 2 and len(answer.json()["replicas"]) == 2
-    edited = Document(doc.id, doc.text + " It changed.")
+    edited = Document(doc.id, "Changed: " + doc.text)  # at its start: no block of it matches
     for url in cluster.replicas.values():
         # The changed text is computed (nothing stale is served); the old text would still
         # hit vLLM's blocks, keyed by its token ids (exact), but never the tree's host copy.

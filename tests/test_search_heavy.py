@@ -11,21 +11,23 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from _runs import EngineRuns
 
 from ragcache_core.bench.cores import BIND_ENV, CoreSplit
 from ragcache_core.bench.search_heavy import (
     HEAVY_MODES,
-    compare_key,
     exact_answers,
     index_home,
     load_heavy_workload,
-    search_stats,
 )
+from ragcache_core.bench.search_heavy_report import compare_key, search_stats
 from ragcache_core.bench.workloads import Request
 from ragcache_core.config import CacheConfig
 from ragcache_core.errors import ConfigError, InputError
@@ -231,20 +233,34 @@ def test_bad_search_heavy_arguments_are_one_line_exit_2(
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.vllm
-def test_smoke_speculates_answers_as_without_and_counts_dropped_hits(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+def _smoke(model: Path, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     result = _cli(
         "--smoke",
         "--workloads",
         "search-heavy",
         "--model",
-        str(tiny_model),
+        str(model),
         "--out",
-        str(tmp_path),
+        str(out),
         "--json",
     )
+    return result, out
+
+
+def runners(model: Path) -> dict[str, Callable[[Path], Any]]:
+    """The smoke run, with the suite's other engine runs (`_runs`)."""
+    return {
+        "test_smoke_speculates_answers_as_without_and_counts_dropped_hits": lambda out: _smoke(
+            model, out
+        )
+    }
+
+
+@pytest.mark.vllm
+def test_smoke_speculates_answers_as_without_and_counts_dropped_hits(
+    request: pytest.FixtureRequest, engine_runs: EngineRuns
+) -> None:
+    result, tmp_path = engine_runs.result(request)
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert document == json.loads((tmp_path / "serve.json").read_text())

@@ -214,9 +214,10 @@ def test_stats_and_invalidate(client: RAGCacheClient) -> None:
     assert stats["requests"] >= 1 and stats["tree"]["nodes"] >= 3
     assert stats["serve"]["capacity"] == 16 + 64
     assert client.invalidate("only-here-a") == 2  # the node and the one computed after it
-    # The document changed under its id: its new text is computed, and so is the one after it
-    # (vLLM's blocks of the old text never match the new token ids).
-    edited = (Document("only-here-a", DOCS[4].text + " Edited."), docs[1])
+    # The document changed under its id (at its start): its new text is computed, and so is
+    # the one after it (vLLM's blocks of the old text never match the new token ids; an edit
+    # at its end would leave its unchanged blocks matching, exactly).
+    edited = (Document("only-here-a", "Edited. " + DOCS[4].text), docs[1])
     assert client.generate(QUESTIONS[3], edited, sampling=GREEDY).hits.computed_docs == 2
 
 

@@ -28,7 +28,7 @@ import pytest
 from _integration_helpers import corpus
 from _serve_helpers import ServerProcess, sse_data, started
 
-from ragcache_core.serve.owner import lock_path
+from ragcache_core.serve.watchdog import lock_path
 from ragcache_core.storage.host_pool import shm_folder
 
 pytestmark = pytest.mark.vllm

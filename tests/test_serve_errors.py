@@ -1,5 +1,5 @@
 """Issue 20's findings that need HTTP but no engine: the real app under real uvicorn over
-`HeldCache` (test_serve_unit.py), so every answer is provably the server's own doing.
+`HeldCache` (test_serve_http.py), so every answer is provably the server's own doing.
 
 - every non-2xx response has the one error shape `{"error": {message, type, param, code}}`
   (parse errors, deep nesting, invalid UTF-8, a wrong content type, 404, 405, 413, 422), with
@@ -25,7 +25,7 @@ import pytest
 from _serve_helpers import held_socket, serve_in_thread
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
-from test_serve_unit import HeldCache
+from test_serve_http import HeldCache
 
 from ragcache_core.serve.app import create_app
 from ragcache_core.serve.errors import CountedResponses, install_handlers

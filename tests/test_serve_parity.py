@@ -668,11 +668,11 @@ def test_every_vllm_field_is_classified() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VChat
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VCompletion
 
-    from ragcache_core.serve.schemas import (
+    from ragcache_core.serve.fields import (
         CHAT_FIELDS,
         COMPLETION_FIELDS,
         EXTENSIONS,
-        _is_allowed,
+        is_allowed,
     )
 
     routes = (("chat", CHAT_FIELDS, VChat), ("completion", COMPLETION_FIELDS, VCompletion))
@@ -684,7 +684,7 @@ def test_every_vllm_field_is_classified() -> None:
                 continue
             info = theirs.model_fields[name]
             default = info.default if info.default is not PydanticUndefined else None
-            assert _is_allowed(default, treatment.allowed), (name, default)
+            assert is_allowed(default, treatment.allowed), (name, default)
     deploy = (Path(__file__).resolve().parents[1] / "docs" / "deploy.md").read_text()
     for name in {**CHAT_FIELDS, **COMPLETION_FIELDS}:
         assert f"| `{name}` |" in deploy, name

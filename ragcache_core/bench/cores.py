@@ -4,7 +4,7 @@ Search (Faiss, OpenMP) and vLLM's CPU worker are both CPU-bound here; overlappin
 the same cores hides nothing. So each gets its own cores:
 
     search cores  every thread of the benchmark's process: the event loops, RAGCache's
-                  controller and the search threads (Faiss on one OpenMP thread per search)
+                  runtime and the search threads (Faiss on one OpenMP thread per search)
     engine cores  vLLM: the worker's OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, vLLM's own
                   setting, read when the engine starts) and every thread of the engine's
                   processes (engine core and worker, by `sched_setaffinity` once started)
@@ -52,7 +52,7 @@ class CoreSplit:
         return {
             "search_cpus": sorted(self.search_cpus),
             "engine_cpus": sorted(self.engine_cpus),
-            "search": "every thread of the benchmark process (app, controller, search), "
+            "search": "every thread of the benchmark process (app, runtime, search), "
             f"Faiss on {len(self.search_cpus)} OpenMP thread(s) per search",
             "engine": f"vLLM's worker by {BIND_ENV}={self._bind_value()} and every thread of "
             "the engine processes by sched_setaffinity",

@@ -1,22 +1,19 @@
 """`ragcache bench overhead`: control-plane time per request at 10k and 100k cached nodes.
 
-Per request it times what the controller does on the request path: push into the
+Per request it times what the request path does in the control plane: push into the
 cache-aware queue and pop (reordering over a small backlog), match + pin + update + evict +
-plan (`begin_request`) and `confirm`. The cache is first filled to the target node count
+plan (`begin_request`) and `confirm`. The knowledge tree is first filled to the target node count
 with a synthetic Zipf-popular document stream (top-3, 64-256 tokens per document), sized
 so that every measured request evicts. Paper: < 1 ms per request; our target: p99 < 100 us.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from ragcache_core.runtime.reorder import CacheAwareQueue
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
@@ -57,11 +54,11 @@ class _Stream:
 def measure(
     nodes: int, requests: int = 2000, policy: str = "pgdsf", seed: int = 0
 ) -> OverheadResult:
-    """Fill a cache to about `nodes` nodes, then time `requests` requests."""
+    """Fill a knowledge tree to about `nodes` nodes, then time `requests` requests."""
     page = 16
     avg_slots = 11  # mean of ceil(U(64, 256) / 16)
     total_slots = nodes * avg_slots
-    cache = KnowledgeTree(
+    tree = KnowledgeTree(
         _ROOT,
         gpu_slots=total_slots // 4,
         host_slots=total_slots - total_slots // 4,
@@ -70,11 +67,11 @@ def measure(
     )
     stream = _Stream(num_docs=max(1000, nodes), top_k=3, seed=seed)
     guard = 0
-    while cache.num_nodes < nodes and guard < 20 * nodes:
-        cache.confirm(cache.begin_request(64, stream.next(), 32))
+    while tree.num_nodes < nodes and guard < 20 * nodes:
+        tree.confirm(tree.begin_request(64, stream.next(), 32))
         guard += 1
     queue: CacheAwareQueue[list[DocSpec]] = CacheAwareQueue(
-        lambda docs: (cache.cached_tokens(docs), sum(d.num_tokens for d in docs)), 16
+        lambda docs: (tree.cached_tokens(docs), sum(d.num_tokens for d in docs)), 16
     )
     for _ in range(7):
         queue.push(stream.next())
@@ -85,12 +82,12 @@ def measure(
         start = clock()
         queue.push(incoming)
         docs = queue.pop()
-        handle = cache.begin_request(64, docs, 32)
-        cache.confirm(handle)
+        handle = tree.begin_request(64, docs, 32)
+        tree.confirm(handle)
         samples.append((clock() - start) / 1000)
     samples.sort()
     return OverheadResult(
-        nodes=cache.num_nodes,
+        nodes=tree.num_nodes,
         requests=requests,
         policy=policy,
         p50_us=samples[len(samples) // 2],
@@ -98,33 +95,3 @@ def measure(
         mean_us=statistics.fmean(samples),
         max_us=samples[-1],
     )
-
-
-def register(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "overhead",
-        help="control-plane time per request (queue + match + update + evict + plan)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--nodes", type=int, nargs="+", default=[10_000, 100_000], help="%(default)s"
-    )
-    parser.add_argument("--requests", type=int, default=2000, help="%(default)s")
-    parser.add_argument("--policy", default="pgdsf", help="%(default)s")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    results = [measure(n, args.requests, args.policy) for n in args.nodes]
-    if args.json:
-        print(json.dumps({"results": [asdict(r) for r in results], "target_p99_us": 100}))
-        return 0
-    print(f"{'nodes':>8} {'requests':>8} {'p50 us':>8} {'p99 us':>8} {'mean us':>8} {'max us':>8}")
-    for r in results:
-        print(
-            f"{r.nodes:>8} {r.requests:>8} {r.p50_us:>8.1f} {r.p99_us:>8.1f} "
-            f"{r.mean_us:>8.1f} {r.max_us:>8.1f}"
-        )
-    return 0

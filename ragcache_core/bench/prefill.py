@@ -18,7 +18,6 @@ GPU hit within 1.05x of the floor.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -28,7 +27,6 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.cli.output import stdout_to_stderr
 from ragcache_core.engine.sampling import GreedySampling
 
 if TYPE_CHECKING:
@@ -81,7 +79,7 @@ def measure(
             result = _measure_length(engine, n, tokens, repeats)
             results.append(result)
             if progress:
-                print(f"  {_row(result)}", file=sys.stderr, flush=True)
+                print(f"  {result_line(result)}", file=sys.stderr, flush=True)
         memory = {
             "token_kv_bytes": layout.token_bytes,
             "host_pool_bytes": layout.pool_bytes(engine.host_slots),
@@ -187,7 +185,7 @@ def _vocab_size(model: str) -> int:
     return int(config.get("text_config", config)["vocab_size"])
 
 
-def _row(r: PrefillResult) -> str:
+def result_line(r: PrefillResult) -> str:
     return (
         f"{r.doc_tokens:>5} tokens: full {r.full_s * 1e3:8.1f} ms"
         f" | GPU hit {r.gpu_hit_s * 1e3:7.1f} ms"
@@ -195,50 +193,3 @@ def _row(r: PrefillResult) -> str:
         f" ({r.full_s / r.host_hit_s:4.1f}x) | floor {r.floor_s * 1e3:7.1f} ms"
         f" | GPU hit / floor {r.gpu_hit_s / r.floor_s:4.2f}"
     )
-
-
-def register(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "prefill", help="TTFT: full prefill vs GPU-tier / host-tier hits vs vLLM prefix cache"
-    )
-    parser.add_argument(
-        "--model", help="local checkpoint folder (default: the offline bench model)"
-    )
-    parser.add_argument(
-        "--doc-tokens",
-        type=int,
-        nargs="+",
-        default=list(DOC_TOKENS),
-        help="document lengths in tokens (default: 512 1024 2048 4096)",
-    )
-    parser.add_argument("--repeats", type=int, default=5, help="runs per median (default 5)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from ragcache_core.cli import CliError
-
-    if args.repeats < 1 or any(n < 1 for n in args.doc_tokens):
-        raise CliError("--repeats and --doc-tokens must be positive")
-    model = args.model
-    if model is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(size="bench", attention="mha"))
-    else:
-        from ragcache_core.engine.settings import check_model_folder
-
-        model = str(check_model_folder(model))
-    if args.json:
-        # vLLM's processes log to stdout: keep stdout for the JSON document alone.
-        with stdout_to_stderr():
-            report = measure(model, tuple(args.doc_tokens), args.repeats)
-    else:
-        report = measure(model, tuple(args.doc_tokens), args.repeats, progress=True)
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        for r in report["results"]:
-            print(_row(PrefillResult(**r)))
-    return 0

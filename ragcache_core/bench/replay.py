@@ -29,8 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ragcache_core.bench.data_dir import require_data, resolve_data_dir
 from ragcache_core.bench.serve import SYSTEMS, resolved
-from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS, index_source, load_workload
+from ragcache_core.bench.workloads import (
+    RETRIEVERS,
+    WORKLOADS,
+    index_source,
+    load_workload,
+    workload_files,
+)
 from ragcache_core.config import CacheConfig
 from ragcache_core.errors import InputError
 from ragcache_core.sim.blocks import TokenIds
@@ -75,9 +82,12 @@ class ReplayRow:
         }
 
 
-def replay(path: Path, workloads: tuple[str, ...] | None = None) -> list[ReplayRow]:
-    """Every caching system of every (named) workload of the run at `path`. Raises
-    `InputError` for a file that is not a `bench serve` JSON or a workload it does not hold."""
+def replay(
+    path: Path, workloads: tuple[str, ...] | None = None, data_dir: Path | None = None
+) -> list[ReplayRow]:
+    """Every caching system of every (named) workload of the run at `path` (`data_dir`: the
+    benchmark data folder, as `load_workload` takes it). Raises `InputError` for a file that is
+    not a `bench serve` JSON or a workload it does not hold."""
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
         settings = document["settings"]
@@ -88,9 +98,12 @@ def replay(path: Path, workloads: tuple[str, ...] | None = None) -> list[ReplayR
     missing = [n for n in names if n not in runs]
     if missing:
         raise InputError(f"{path} holds no workload {missing}; it holds {sorted(runs)}")
+    needed = sorted({f for n in names for f in workload_files(n)})
+    if needed:  # before the tokenizer loads: a missing data file names the flag
+        data_dir = require_data(resolve_data_dir(data_dir), needed)
     rows: list[ReplayRow] = []
     for name in names:
-        requests = _stream(settings, runs[name])
+        requests = _stream(settings, runs[name], data_dir)
         for system in sorted({p["system"] for p in runs[name]["points"]}):
             config = _engine_config(settings, system)
             if config is not None:
@@ -98,7 +111,9 @@ def replay(path: Path, workloads: tuple[str, ...] | None = None) -> list[ReplayR
     return rows
 
 
-def _stream(settings: dict[str, Any], run: dict[str, Any]) -> list[EngineRequest]:
+def _stream(
+    settings: dict[str, Any], run: dict[str, Any], data_dir: Path | None
+) -> list[EngineRequest]:
     """The run's stream of one workload (warm-up included) as the engine's prompts."""
     from transformers import AutoTokenizer
 
@@ -109,7 +124,11 @@ def _stream(settings: dict[str, Any], run: dict[str, Any]) -> list[EngineRequest
     model = str(settings["model"])
     retriever = {text: key for key, text in RETRIEVERS.items()}.get(run.get("retriever", ""))
     workload = load_workload(
-        run["name"], tokenizer_counter(model), seed=int(settings["seed"]), top_k=run["top_k"]
+        run["name"],
+        tokenizer_counter(model),
+        seed=int(settings["seed"]),
+        top_k=run["top_k"],
+        data_dir=data_dir,
     )
     workload, source = index_source(workload, retriever or "tfidf", progress=False)
     mode = settings["mode"]

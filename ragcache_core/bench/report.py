@@ -70,7 +70,11 @@ def prepare(
     from ragcache_core.retrieval.trace import tokenizer_counter
 
     workload = load_workload(
-        workload_name, tokenizer_counter(str(model)), seed=args.seed, top_k=args.top_k
+        workload_name,
+        tokenizer_counter(str(model)),
+        seed=args.seed,
+        top_k=args.top_k,
+        data_dir=args.data_dir,
     )
     return index_source(workload, args.retriever)
 

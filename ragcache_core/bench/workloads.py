@@ -15,8 +15,8 @@ request, for every system) or brings them (`documents` given: no search, as `age
 | `long-shuffled-host25`, `-host50` | `long-shuffled`, capacity-constrained (below) |             |
 | `short-host25`, `-host50` | `short` (top-2 short documents, real questions), the same |         |
 
-The shared-data workloads read `../shared/data` (`DATA_DIR`); the two `demo` ones need nothing
-outside the package.
+The shared-data workloads read the benchmark data folder (`--data-dir`, `$RAGCACHE_DATA_DIR`,
+else `../shared/data`: `bench.data_dir`); the two `demo` ones need nothing outside the package.
 
 **Capacity-constrained** workloads (issue 39) are a base workload whose host tier is sized to
 25% or 50% of the distinct document tokens of the *measured stream* (warm-up plus measured
@@ -38,13 +38,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ragcache_core.bench.data_dir import (
+    MMLU,
+    NQ_OPEN,
+    SQUAD_PARAGRAPHS,
+    SQUAD_QUESTIONS,
+    VITAL_ARTICLES,
+    require_data,
+    resolve_data_dir,
+)
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.retrieval.corpus import load_corpus, load_questions
 from ragcache_core.search import SearchSource
-
-DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-"""`../shared/data` next to the checkout (see its README.md)."""
 
 RETRIEVER = "offline TF-IDF + SVD embedder, IVF index (ragcache_core.retrieval)"
 RETRIEVERS = {
@@ -71,6 +77,16 @@ WORKLOADS = (
     *CAPACITY_WORKLOADS,
 )
 SHARED_WORKLOADS = frozenset({"short", "long", "long-shuffled", "noreuse", *CAPACITY_WORKLOADS})
+
+
+def workload_files(name: str) -> tuple[str, ...]:
+    """The benchmark data files a workload reads (none for the shipped `demo` ones)."""
+    base = CAPACITY_WORKLOADS[name][0] if name in CAPACITY_WORKLOADS else name
+    if base == "short":
+        return (VITAL_ARTICLES, SQUAD_PARAGRAPHS, NQ_OPEN, MMLU)
+    if base in SHARED_WORKLOADS:
+        return (SQUAD_PARAGRAPHS, SQUAD_QUESTIONS)
+    return ()
 
 
 @dataclass(frozen=True)
@@ -167,30 +183,27 @@ def _as_document(chunk: dict[str, Any]) -> Document:
     return Document(chunk["doc_id"], chunk["text"], {"title": chunk["title"]})
 
 
-def _require_shared(data_dir: Path) -> None:
-    if not (data_dir / "squad_v1.1_dev_paragraphs.jsonl").is_file():
-        raise InputError(f"benchmark data folder {data_dir} is absent (see ../shared/data)")
-
-
 def load_workload(
     name: str,
     count_tokens: Callable[[str], int],
     *,
     seed: int = 0,
     top_k: int | None = None,
-    data_dir: Path = DATA_DIR,
+    data_dir: Path | None = None,
 ) -> Workload:
-    """Build a named workload (see the module docstring). Raises `InputError` for an unknown
-    name or when `../shared/data` is needed and absent."""
+    """Build a named workload (see the module docstring). `data_dir`: the benchmark data folder
+    (None: `$RAGCACHE_DATA_DIR`, else `../shared/data`). Raises `InputError` for an unknown
+    name or when the data folder is needed and lacks a file."""
     if name not in WORKLOADS:
         raise InputError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
+    folder = resolve_data_dir(data_dir)
     if name in SHARED_WORKLOADS:
-        _require_shared(data_dir)
+        require_data(folder, workload_files(name))
     if name in CAPACITY_WORKLOADS:
         from dataclasses import replace
 
         base, share = CAPACITY_WORKLOADS[name]
-        workload = load_workload(base, count_tokens, seed=seed, top_k=top_k, data_dir=data_dir)
+        workload = load_workload(base, count_tokens, seed=seed, top_k=top_k, data_dir=folder)
         return replace(
             workload,
             name=name,
@@ -199,17 +212,15 @@ def load_workload(
             host_share=share,
         )
     if name == "short":
-        return _short(data_dir, seed, top_k or 2)
+        return _short(folder, seed, top_k or 2)
     if name == "demo-short":
         return _demo_short(seed, top_k or 2)
     if name == "demo":
         chunks = read_jsonl(package_data("demo_long_corpus.jsonl"))
         questions = read_jsonl(package_data("demo_long_questions.jsonl"))
         return _long(name, chunks, questions, "shuffled", seed, top_k or 1, "shipped sample")
-    chunks = chunk_articles(
-        read_jsonl(data_dir / "squad_v1.1_dev_paragraphs.jsonl"), count_tokens, CHUNK_TOKENS
-    )
-    questions = read_jsonl(data_dir / "squad_v1.1_dev_questions.jsonl")
+    chunks = chunk_articles(read_jsonl(folder / SQUAD_PARAGRAPHS), count_tokens, CHUNK_TOKENS)
+    questions = read_jsonl(folder / SQUAD_QUESTIONS)
     if name == "noreuse":
         return _noreuse(chunks, questions, seed)
     order = "dataset" if name == "long" else "shuffled"
@@ -217,13 +228,10 @@ def load_workload(
 
 
 def _short(data_dir: Path, seed: int, top_k: int) -> Workload:
-    files = [
-        data_dir / "vital_articles_en_corpus.jsonl",
-        data_dir / "squad_v1.1_dev_paragraphs.jsonl",
-    ]
+    files = [data_dir / VITAL_ARTICLES, data_dir / SQUAD_PARAGRAPHS]
     documents = load_corpus(files, text_fields="text,context", id_fields="doc_id,paragraph_id")
-    nq = load_questions(data_dir / "NQ-open.dev.jsonl", question_fields="question")
-    mmlu = load_questions(data_dir / "mmlu_val.jsonl", question_fields="input")
+    nq = load_questions(data_dir / NQ_OPEN, question_fields="question")
+    mmlu = load_questions(data_dir / MMLU, question_fields="input")
     pool = [q.text for q in (*nq, *mmlu)]
     random.Random(seed).shuffle(pool)  # NQ and MMLU interleaved; MMLU is grouped by subject
     return Workload(

@@ -6,7 +6,8 @@ parsed `argparse.Namespace` and returning an exit code). Heavy imports (torch, v
 happen inside `func`, so `ragcache --help` stays instant.
 
 Errors the user can fix (a missing model folder, a malformed trace) are raised as
-`CliError`; `main` prints them as one line and exits with code 2, without a traceback.
+`CliError` (in `ragcache_core.errors`); `main` prints them as one line and exits with code 2,
+without a traceback.
 SIGTERM ends a command the way Ctrl-C does (exit code 143), so the engines it started are
 closed on the way out instead of outliving it (`ragcache serve` drains on it instead).
 """
@@ -37,10 +38,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "serve",
     "replicas",
 )
-
-
-class CliError(RAGCacheError):
-    """A problem with the command's input, printed as one line (exit code 2)."""
 
 
 class Terminated(KeyboardInterrupt):

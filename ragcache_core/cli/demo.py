@@ -30,6 +30,7 @@ from typing import Any
 
 from ragcache_core.bench.workloads import RETRIEVERS
 from ragcache_core.cli.output import add_removed_option, add_verbose
+from ragcache_core.errors import CliError
 
 WARMUP_CONCURRENCY = 4
 """Warm-up requests in flight at once (a closed loop)."""
@@ -102,8 +103,6 @@ def register(subparsers: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> list[str]:
-    from ragcache_core.cli import CliError
-
     if args.requests < 1 or args.warmup < 0 or args.max_tokens < 1 or args.load <= 0:
         raise CliError("--requests, --max-tokens and --load must be positive, --warmup >= 0")
     if (args.rate is not None and args.rate <= 0) or (args.top_k is not None and args.top_k < 1):

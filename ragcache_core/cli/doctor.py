@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ragcache_core.cli.output import add_verbose, vllm_log
+from ragcache_core.errors import CliError
 
 
 def register(subparsers: Any) -> None:
@@ -31,7 +32,6 @@ def _step(name: str, value: str) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ragcache_core.cli import CliError
     from ragcache_core.engine.settings import check_model_folder
 
     # Validate input before any slow import or engine start.

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ragcache_core.cli import CliError
+from ragcache_core.errors import CliError
 
 
 def register(subparsers: Any) -> None:

@@ -50,3 +50,15 @@ def _build(args: argparse.Namespace) -> int:
         f"vocab {recipe.vocab_size}{tokenizer})"
     )
     return 0
+
+
+def bench_model(given: str | None) -> str:
+    """The checkpoint a benchmark runs: `given`, checked (`ModelError` naming what is
+    missing), or else the offline bench model (built the first time)."""
+    if given is None:
+        from ragcache_core.testing.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(size="bench", attention="mha"))
+    from ragcache_core.engine.settings import check_model_folder
+
+    return str(check_model_folder(given))

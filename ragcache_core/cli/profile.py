@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from ragcache_core.cli.model import bench_model
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -28,14 +30,8 @@ def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ragcache_core.engine.profiler import DEFAULT_CACHED, DEFAULT_NEW, profile_prefill
-    from ragcache_core.engine.settings import check_model_folder
 
-    if args.model == "bench":
-        from ragcache_core.testing.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(size="bench", attention="mha"))
-    else:
-        model = str(check_model_folder(args.model))
+    model = bench_model(None if args.model == "bench" else args.model)
     cached = tuple(args.cached or DEFAULT_CACHED)
     new = tuple(args.new or DEFAULT_NEW)
     with tqdm(total=len(set(cached)) * len(set(new)), desc="profiling", file=sys.stderr) as bar:

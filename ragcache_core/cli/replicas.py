@@ -31,13 +31,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ragcache_core.cli import CliError
-from ragcache_core.errors import ConfigError
+from ragcache_core.errors import CliError, ConfigError
 from ragcache_core.serve.listen import bind_socket, bound_port
 
 ROUTER_ENV = "RAGCACHE_VLLM_ROUTER"
@@ -237,12 +236,33 @@ def wait_for(
     raise CliError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
-def _spawn(
+def spawn(
     cmd: list[str], env: dict[str, str], log: IO[bytes] | None, pass_fds: Sequence[int] = ()
 ) -> subprocess.Popen[bytes]:
+    """`cmd` as a child process, its output (stderr too) to `log` (None: this terminal)."""
     return subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None, pass_fds=pass_fds
     )
+
+
+def start_replicas(
+    held: HeldPorts,
+    model: Path,
+    api_key: str | None,
+    extra: Sequence[str],
+    procs: list[subprocess.Popen[bytes]],
+    *,
+    env_for: Callable[[int], dict[str, str]],
+    log_for: Callable[[int], IO[bytes] | None],
+) -> None:
+    """Start replica i of `held` on its held socket (inherited), with `env_for(i)` and its
+    output to `log_for(i)`. Each is appended to `procs` as it starts, so that the caller's
+    `finally` stops what did start; then this process lets its copies of the sockets go."""
+    for i, sock in enumerate(held.replica_sockets):
+        fd = sock.fileno()
+        cmd = serve_command(held.layout, i, model, api_key, extra, fd=fd)
+        procs.append(spawn(cmd, env_for(i), log_for(i), (fd,)))
+    held.release_replicas()  # each replica holds its own now
 
 
 def _log(log_dir: Path | None, name: str) -> IO[bytes] | None:
@@ -253,17 +273,19 @@ def _log(log_dir: Path | None, name: str) -> IO[bytes] | None:
 
 
 def stop(
-    router: subprocess.Popen[bytes] | None,
+    routers: Sequence[subprocess.Popen[bytes]],
     replicas: list[subprocess.Popen[bytes]],
     timeout_s: float,
 ) -> None:
-    """The router first, then SIGTERM to every replica (they drain), SIGKILL after `timeout_s`."""
-    if router is not None and router.poll() is None:
-        router.terminate()
-        try:
-            router.wait(10)
-        except subprocess.TimeoutExpired:
-            router.kill()
+    """The routers first, then SIGTERM to every replica (they drain), SIGKILL after
+    `timeout_s`."""
+    for router in routers:
+        if router.poll() is None:
+            router.terminate()
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
     for proc in replicas:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -298,20 +320,28 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+    def env_for(i: int) -> dict[str, str]:
+        env = dict(os.environ)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+        return env
+
     try:
-        for i in range(args.replicas):
-            env = dict(os.environ)
-            if gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[i]
-            fd = held.replica_sockets[i].fileno()
-            cmd = serve_command(layout, i, args.model, args.api_key, extra, fd=fd)
-            replicas.append(_spawn(cmd, env, _log(args.log_dir, f"replica-{i}"), (fd,)))
-        held.release_replicas()  # each replica holds its own now
+        start_replicas(
+            held,
+            args.model,
+            args.api_key,
+            extra,
+            replicas,
+            env_for=env_for,
+            log_for=lambda i: _log(args.log_dir, f"replica-{i}"),
+        )
         for url in layout.replica_urls:
             wait_for(url + "/health", replicas, args.startup_timeout, stopping)
         cmd = router_command(binary, layout, args.router_policy, held.prometheus_port, args.api_key)
         held.release_router()
-        router = _spawn(cmd, dict(os.environ), _log(args.log_dir, "router"))
+        router = spawn(cmd, dict(os.environ), _log(args.log_dir, "router"))
         wait_for(layout.router_url + "/readiness", [router], 60.0, stopping)
         print(
             f"ready: router {layout.router_url} ({args.router_policy}) -> "
@@ -324,7 +354,7 @@ def _run(args: argparse.Namespace) -> int:
         _supervise(router, replicas, stopping)
     finally:
         held.close()
-        stop(router, replicas, args.stop_timeout)
+        stop([router] if router is not None else [], replicas, args.stop_timeout)
     return 0 if stopping else 1
 
 

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragcache_core.cli import CliError
 from ragcache_core.cli.output import add_removed_option
+from ragcache_core.errors import CliError
 
 if TYPE_CHECKING:
     from ragcache_core.serve.state import ServeSettings
@@ -167,7 +167,7 @@ def _settings(args: argparse.Namespace, model: str) -> ServeSettings:
     import dataclasses
 
     from ragcache_core.config import CacheConfig
-    from ragcache_core.serve.keys import read_key_file
+    from ragcache_core.serve.auth import read_key_file
     from ragcache_core.serve.state import DEFAULT_MAX_WAITING, ServeSettings
 
     config = CacheConfig()

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ragcache_core.errors import CliError
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -107,13 +109,18 @@ def register(subparsers: Any) -> None:
     engine.add_argument(
         "--workloads", default=None, help="with --replay: a comma list (default: all in it)"
     )
+    engine.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="with --replay: the benchmark data folder (default: $RAGCACHE_DATA_DIR, else "
+        "../shared/data; docs/benchmarks.md, 'Benchmark data')",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ragcache_core.cli import CliError
-
     if args.replay is not None:
         return _run_replay(args)
     if args.trace is None:
@@ -188,7 +195,6 @@ def _run_cluster(args: argparse.Namespace, config: Any, cost: Any) -> int:
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from ragcache_core.cli import CliError
     from ragcache_core.sim import (
         EngineConfig,
         EngineRequest,
@@ -233,7 +239,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     from ragcache_core.bench.replay import print_rows, replay
 
     names = tuple(n.strip() for n in args.workloads.split(",")) if args.workloads else None
-    rows = replay(args.replay, names)
+    rows = replay(args.replay, names, args.data_dir)
     if args.json:
         print(json.dumps([row.to_json() for row in rows]))
     else:

@@ -1,8 +1,9 @@
 """Sampling settings -> vLLM `SamplingParams`, and generated tokens' logprobs back: the one
 place every engine (sync `Engine`, `CachedEngine`, `AsyncEngine`) builds and reads them.
 
-    sampling_params(SamplingConfig)  every field, one to one (`extra_args` carries RAGCache's
-                                     plan only: nothing a caller sets can reach it)
+    sampling_params(SamplingConfig)  every field, one to one, derived from `SamplingConfig`'s
+                                     fields (`extra_args` carries RAGCache's plan only:
+                                     nothing a caller sets can reach it)
     SamplingChecker                  vLLM's checks that need the model (token ids in the
                                      vocabulary, the logprobs limit, grammars, bad words), run
                                      before a request is admitted: an `InputError` naming the
@@ -12,6 +13,7 @@ place every engine (sync `Engine`, `CachedEngine`, `AsyncEngine`) builds and rea
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,75 +52,43 @@ def sampling_params(
         knobs = _knobs(sampling)
     else:
         knobs = {
+            "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
             "ignore_eos": True,
             "logprobs": 0 if sampling.logprobs else None,
         }
     return SamplingParams(
-        max_tokens=sampling.max_tokens,
-        skip_reading_prefix_cache=skip_reading_prefix_cache,
-        extra_args=extra,
-        **knobs,
+        skip_reading_prefix_cache=skip_reading_prefix_cache, extra_args=extra, **knobs
     )
 
 
 def _knobs(s: SamplingConfig) -> dict[str, Any]:
-    """`SamplingConfig`'s fields as `SamplingParams` keyword arguments (besides max_tokens)."""
-    return {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "min_p": s.min_p,
-        "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty,
-        "repetition_penalty": s.repetition_penalty,
-        "seed": s.seed,
-        "stop": list(s.stop) or None,
-        "stop_token_ids": list(s.stop_token_ids) or None,
-        "include_stop_str_in_output": s.include_stop_str_in_output,
-        "ignore_eos": s.ignore_eos,
-        "min_tokens": s.min_tokens,
-        "logprobs": s.logprobs,
-        "logprob_token_ids": None if s.logprob_token_ids is None else list(s.logprob_token_ids),
-        "skip_special_tokens": s.skip_special_tokens,
-        "spaces_between_special_tokens": s.spaces_between_special_tokens,
-        "logit_bias": None if s.logit_bias is None else dict(s.logit_bias),
-        "allowed_token_ids": None if s.allowed_token_ids is None else list(s.allowed_token_ids),
-        "bad_words": list(s.bad_words) or None,
-        "structured_outputs": _structured(s.structured_outputs),
-        "repetition_detection": _repetition(s.repetition_detection),
-        "stream_interval": s.stream_interval,
-    }
+    """`SamplingConfig`'s fields as `SamplingParams` keyword arguments, derived from its
+    fields (the same names): tuples as lists (an empty one whose default is empty as None),
+    mappings as dicts, `StructuredOutputs` and `RepetitionDetection` as vLLM's classes."""
+    knobs = {}
+    for f in dataclasses.fields(s):
+        value = getattr(s, f.name)
+        knobs[f.name] = None if value == () and f.default == () else _vllm_value(value)
+    return knobs
 
 
-def _structured(value: StructuredOutputs | None) -> Any:
-    if value is None:
-        return None
-    from vllm.sampling_params import StructuredOutputsParams
+def _vllm_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, StructuredOutputs | RepetitionDetection):
+        from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
-    return StructuredOutputsParams(
-        json=dict(value.json) if isinstance(value.json, Mapping) else value.json,
-        regex=value.regex,
-        choice=None if value.choice is None else list(value.choice),
-        grammar=value.grammar,
-        json_object=value.json_object,
-        structural_tag=value.structural_tag,
-        disable_any_whitespace=value.disable_any_whitespace,
-        disable_additional_properties=value.disable_additional_properties,
-        whitespace_pattern=value.whitespace_pattern,
-    )
-
-
-def _repetition(value: RepetitionDetection | None) -> Any:
-    if value is None:
-        return None
-    from vllm.sampling_params import RepetitionDetectionParams
-
-    return RepetitionDetectionParams(
-        max_pattern_size=value.max_pattern_size,
-        min_pattern_size=value.min_pattern_size,
-        min_count=value.min_count,
-    )
+        vllm_class = (
+            StructuredOutputsParams
+            if isinstance(value, StructuredOutputs)
+            else RepetitionDetectionParams
+        )
+        fields = dataclasses.fields(value)
+        return vllm_class(**{f.name: _vllm_value(getattr(value, f.name)) for f in fields})
+    return value
 
 
 class SamplingChecker:
@@ -161,30 +131,8 @@ class SamplingChecker:
                 raise as_input_error(exc) from exc
 
 
-_FIELDS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "bad_words",
-        "allowed_token_ids",
-        "logit_bias",
-        "logprobs",
-        "logprob_token_ids",
-        "min_tokens",
-        "max_tokens",
-        "stream_interval",
-        "structured_outputs",
-        "repetition_detection",
-    }
-)
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingConfig) if f.type != "bool")
+"""The fields vLLM's messages may start with (it checks none of the flags)."""
 
 
 _GRAMMAR_WORDS = ("structured output", "grammar", "schema", "regex", "choice", "json")

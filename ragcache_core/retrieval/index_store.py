@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,7 @@ IndexKind = Literal["ivf", "hnsw", "flat"]
 INDEX_KINDS: tuple[IndexKind, ...] = ("ivf", "hnsw", "flat")
 _FORMAT = "ragcache-index/1"
 _BATCH = 1024
+SettingsT = TypeVar("SettingsT")
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,6 @@ class LocalIndex:
 
     def save(self, folder: Path | str) -> None:
         """Write the index folder (created if needed; existing files are replaced)."""
-        import faiss
 
         if not isinstance(self.embedder, TfidfSvdEmbedder):
             raise NotImplementedError(
@@ -144,9 +144,7 @@ class LocalIndex:
                 "yet (only the offline TF-IDF + SVD embedder is saved with an index)"
             )
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        faiss.write_index(self.faiss_index, str(folder / "index.faiss"))
-        self.embedder.save(folder)
+        write_search_files(folder, self.faiss_index, self.embedder)
         with (folder / "documents.jsonl").open("w", encoding="utf-8") as out:
             for d in self.documents:
                 record = {"id": d.id, "text": d.text, "metadata": dict(d.metadata)}
@@ -174,8 +172,7 @@ class LocalIndex:
             raise InputError(f"{folder}: not a RAGCache index (cannot read manifest.json)") from exc
         if manifest.get("format") != _FORMAT:
             raise InputError(f"{manifest_path}: unknown format {manifest.get('format')!r}")
-        raw = dict(manifest["settings"])
-        settings = IndexSettings(**{**raw, "embedder": EmbedderConfig(**raw["embedder"])})
+        settings = settings_from_manifest(manifest, IndexSettings)
         try:
             faiss_index = faiss.read_index(str(folder / "index.faiss"))
         except RuntimeError as exc:
@@ -188,6 +185,22 @@ class LocalIndex:
             settings,
             BuildTimes(**manifest["build_times_s"]),
         )
+
+
+def write_search_files(folder: Path, faiss_index: Any, embedder: TfidfSvdEmbedder) -> None:
+    """What every saved index folder holds first (this one's and `retrieval.padded`'s): the
+    folder, index.faiss and the embedder's files. The caller writes manifest.json last."""
+    import faiss
+
+    folder.mkdir(parents=True, exist_ok=True)
+    faiss.write_index(faiss_index, str(folder / "index.faiss"))
+    embedder.save(folder)
+
+
+def settings_from_manifest(manifest: dict[str, Any], cls: type[SettingsT]) -> SettingsT:
+    """A saved index's settings dataclass from its manifest (the embedder's config nested)."""
+    raw = dict(manifest["settings"])
+    return cls(**{**raw, "embedder": EmbedderConfig(**raw["embedder"])})
 
 
 def load_documents(folder: Path | str) -> list[Document]:

@@ -38,9 +38,15 @@ import numpy.typing as npt
 from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.retrieval.embedder import EmbedderConfig, TfidfSvdEmbedder
-from ragcache_core.retrieval.index_store import embedding_text
+from ragcache_core.retrieval.index_store import (
+    BuildTimes,
+    embedding_text,
+    settings_from_manifest,
+    write_search_files,
+)
 from ragcache_core.retrieval.ivf import ListsPerStage, StagedIVF
-from ragcache_core.search import StageResult, check_query
+from ragcache_core.retrieval.source import SourceFrame
+from ragcache_core.search import StageResult
 
 Codes = Literal["sq8", "fp16", "float32"]
 CODE_BYTES: dict[str, int] = {"sq8": 1, "fp16": 2, "float32": 4}
@@ -103,16 +109,6 @@ class GaussianModel:
         x = self.mean + z @ self.chol.T  # [size, d]
         x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
         return np.ascontiguousarray(x, dtype=np.float32)
-
-
-@dataclass(frozen=True)
-class BuildTimes:
-    """Wall seconds of each build step."""
-
-    fit_embedder_s: float
-    embed_s: float
-    train_s: float
-    add_s: float
 
 
 class PaddedIndex:
@@ -272,11 +268,7 @@ class PaddedIndex:
 
     def save(self, folder: Path) -> None:
         """Write the folder: index.faiss, the embedder, gaussian.npz, manifest.json."""
-        import faiss
-
-        folder.mkdir(parents=True, exist_ok=True)
-        faiss.write_index(self.faiss_index, str(folder / "index.faiss"))
-        self.embedder.save(folder)
+        write_search_files(folder, self.faiss_index, self.embedder)
         np.savez(folder / "gaussian.npz", mean=self.model.mean, chol=self.model.chol)
         manifest = {
             "format": _FORMAT,
@@ -303,8 +295,7 @@ class PaddedIndex:
             raise InputError(f"{folder}: unknown format {manifest.get('format')!r}")
         if manifest["documents"] != [d.id for d in documents]:
             raise InputError(f"{folder}: built for other documents")
-        raw = dict(manifest["settings"])
-        settings = PaddedSettings(**{**raw, "embedder": EmbedderConfig(**raw["embedder"])})
+        settings = settings_from_manifest(manifest, PaddedSettings)
         index = cls(
             documents,
             TfidfSvdEmbedder.load(folder),
@@ -441,7 +432,7 @@ class SearchLog:
         return records
 
 
-class PaddedSource:
+class PaddedSource(SourceFrame):
     """A `SearchSource` over a `PaddedIndex`: embed, staged IVF, real rows to documents.
 
     Every stage's synthetic rows are dropped, so a stage yields the real documents among its
@@ -449,6 +440,8 @@ class PaddedSource:
     first in the searching thread of every search (to pin it to a core, say). Each finished
     search is recorded in `log`.
     """
+
+    staged: StagedIVF
 
     def __init__(
         self,
@@ -461,14 +454,6 @@ class PaddedSource:
         self.staged = staged
         self._prepare = prepare_thread
         self.log = log if log is not None else SearchLog()
-
-    @property
-    def can_speculate(self) -> bool:
-        return self.staged.can_speculate
-
-    def search_stages(self, question: str, k: int) -> Iterator[StageResult]:
-        check_query(question, k)
-        return self._stages(question, k)
 
     def _stages(self, question: str, k: int) -> Iterator[StageResult]:
         if self._prepare is not None:

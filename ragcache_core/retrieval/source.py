@@ -1,11 +1,11 @@
-"""Search sources: question in, documents out, stage by stage (what the controller consumes).
+"""Search sources: question in, documents out, stage by stage (what the runtime consumes).
 
 A `SearchSource` wraps an embedder, a staged index and a document store. `search_stages(question,
 k)` is a plain iterator of `StageResult`s; each `next()` runs one stage (Faiss releases the GIL),
 so `astages()` runs it in a worker thread and the event loop keeps generating meanwhile. The last
 result (`is_last=True`) is the final top-k.
 
-Sources:
+Sources (each a `SourceFrame`: the query checked at the call, the stages a lazy iterator):
 - `StagedSource`: embed + `StagedSearch` + row -> `Document` lookup (our own index, and the
   LlamaIndex / LangChain Faiss adapters).
 - `CallableSource`: any store through its own query function, one stage (cannot speculate; it
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -29,7 +30,28 @@ from ragcache_core.search import StageResult, check_query
 logger = logging.getLogger(__name__)
 
 
-class StagedSource:
+class SourceFrame(ABC):
+    """The frame of a `SearchSource` here: `search_stages` checks the question and k when it is
+    called (an `InputError` before any stage runs), then returns `_stages`, the subclass's
+    generator, which runs a stage per `next()`. `can_speculate` is the staged search's, for a
+    subclass that sets `staged`."""
+
+    staged: StagedSearch
+
+    @property
+    def can_speculate(self) -> bool:
+        return self.staged.can_speculate
+
+    def search_stages(self, question: str, k: int) -> Iterator[StageResult]:
+        check_query(question, k)
+        return self._stages(question, k)
+
+    @abstractmethod
+    def _stages(self, question: str, k: int) -> Iterator[StageResult]:
+        """The stages of one checked query, the last with `is_last=True`."""
+
+
+class StagedSource(SourceFrame):
     """Embedder + staged index + document lookup, as a `SearchSource`.
 
     `embed_query(question)` returns the query vector [dimension]; `documents_for(rows)` maps
@@ -45,14 +67,6 @@ class StagedSource:
         self._embed_query = embed_query
         self.staged = staged
         self._documents_for = documents_for
-
-    @property
-    def can_speculate(self) -> bool:
-        return self.staged.can_speculate
-
-    def search_stages(self, question: str, k: int) -> Iterator[StageResult]:
-        check_query(question, k)
-        return self._stages(question, k)
 
     def _stages(self, question: str, k: int) -> Iterator[StageResult]:
         start = time.perf_counter()
@@ -71,7 +85,7 @@ class StagedSource:
             )
 
 
-class CallableSource:
+class CallableSource(SourceFrame):
     """A single-stage source over any store's own query function (no speculation).
 
     `search(question, k)` returns (document, score) pairs best first. The first search logs, once
@@ -86,10 +100,6 @@ class CallableSource:
     @property
     def can_speculate(self) -> bool:
         return False
-
-    def search_stages(self, question: str, k: int) -> Iterator[StageResult]:
-        check_query(question, k)
-        return self._stages(question, k)
 
     def _stages(self, question: str, k: int) -> Iterator[StageResult]:
         if not self._warned:

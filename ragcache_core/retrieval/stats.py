@@ -1,6 +1,6 @@
 """Search statistics: what speculation can gain from a staged search on a request stream.
 
-For each query (searched alone, as the controller searches): the duration of every stage, the
+For each query (searched alone, as the runtime searches): the duration of every stage, the
 top-k after every stage, and from those
 - recall of stage i's top-k against the final top-k (a query with fewer stages counts as final),
 - the first stage whose top-k already equals the final one (in order, as the prompt uses it; and

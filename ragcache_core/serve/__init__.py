@@ -9,9 +9,15 @@
                   server's tokenizer-side prompts (uncached ids, cached lengths)
     responses.py  answering whole or streamed (SSE, disconnects) and the OpenAI bodies
                   (+ the "ragcache" report)
-    queue.py      the bounded queue (429 + Retry-After past it)
+    limits.py     what the server takes on: body size and header time (413/408), and the
+                  bounded queue (429 + Retry-After past it)
+    auth.py       the API keys (and their key file), the admin key, the routes each opens
+    watchdog.py   the engine lock (one server per port) and the watchdog (the engine dies
+                  with the server)
     state.py      ServeSettings, ServeState, the server's collectors
-    errors.py     OpenAI-shaped errors; schemas.py: the request bodies
+    errors.py     OpenAI-shaped errors; schemas.py: the request bodies; fields.py: what the
+                  server does with each of their fields; sampling_in.py: the sampling
+                  bodies, derived from `SamplingConfig`
 
 The client is `ragcache_core.client.RAGCacheClient` (it needs only httpx; re-exported here);
 the server needs the `serve` extra (FastAPI, uvicorn).

@@ -5,7 +5,7 @@ Startup (`run`, then the lifespan): bind the listening socket (serve/listen.py: 
 held from the first moment; a taken port fails at once; port 0 takes any free one), remove
 what crashed servers left (host pools and vLLM segments of processes that are gone, stale
 engine locks: one line says what), start the watchdog (serve/watchdog.py: the engine dies
-with this process, even on SIGKILL), take the engine lock (serve/owner.py: one process per
+with this process, even on SIGKILL), take the engine lock (serve/watchdog.py: one process per
 port), build the cache (a `RAGCache` over `--index`, ~25 s on CPU, in a worker thread), the
 render lanes, the bounded queue and the server's metrics; then uvicorn listens on the socket
 and "ready on URL" is logged, with the bound port. Shutdown: refuse new requests (503), then
@@ -43,10 +43,8 @@ from ragcache_core.serve.auth import KeyMiddleware
 from ragcache_core.serve.errors import CountedResponses, install_handlers
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
 from ragcache_core.serve.known import KnownDocuments
-from ragcache_core.serve.limits import BodyLimitMiddleware, guarded_protocol
+from ragcache_core.serve.limits import BodyLimitMiddleware, BoundedQueue, guarded_protocol
 from ragcache_core.serve.listen import bind_socket, bound_port
-from ragcache_core.serve.owner import reclaim_locks, sole_owner
-from ragcache_core.serve.queue import BoundedQueue
 from ragcache_core.serve.replicas import ReplicaHeaderMiddleware
 from ragcache_core.serve.routes import router
 from ragcache_core.serve.state import (
@@ -55,7 +53,7 @@ from ragcache_core.serve.state import (
     ServeSettings,
     ServeState,
 )
-from ragcache_core.serve.watchdog import Watchdog
+from ragcache_core.serve.watchdog import Watchdog, reclaim_locks, sole_owner
 from ragcache_core.storage.host_pool import shm_folder
 from ragcache_core.storage.reclaim import reclaim_shared_memory
 
@@ -202,7 +200,7 @@ def _url(host: str, port: int) -> str:
 
 def reclaim_leftovers() -> None:
     """Remove the host pools and vLLM segments of processes that are gone and the engine
-    locks nobody holds (storage/reclaim.py, serve/owner.py); one line says what."""
+    locks nobody holds (storage/reclaim.py, serve/watchdog.py); one line says what."""
     reclaimed = reclaim_shared_memory()
     locks = reclaim_locks()
     if not (reclaimed or locks):

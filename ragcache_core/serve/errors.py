@@ -155,7 +155,7 @@ def field_path(loc: Sequence[Any]) -> str:
 
 def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     """(message, param) for pydantic's errors: the first one, named by its field (a
-    cross-field check names its field itself, `schemas.FieldError`)."""
+    cross-field check names its field itself, `fields.FieldError`)."""
     if not errors:
         return "the request body is invalid", "body"
     first = _best(errors)

@@ -48,6 +48,7 @@ from ragcache_core.errors import InputError, PromptTooLong
 from ragcache_core.runtime.prompt import PromptBuilder, check_text_fits
 from ragcache_core.serve.errors import bad_request
 from ragcache_core.serve.known import KnownDocuments, found_documents
+from ragcache_core.serve.sampling_in import config_value
 from ragcache_core.serve.schemas import ChatMessage, ChatRequest, CompletionRequest, OpenAIRequest
 
 UncachedReason = Literal["no_documents", "template_documents"]
@@ -275,38 +276,19 @@ def sampling_for(
     `SamplingParams` (docs/deploy.md, the field table): 400 naming the field for a value vLLM
     refuses, or a request that does not fit the context."""
     max_tokens = answer_tokens(request, job, defaults, max_model_len)
-    pick = defaults.pick
     try:
-        return SamplingConfig(
-            max_tokens=max_tokens,
-            temperature=pick("temperature", request.temperature),
-            top_p=pick("top_p", request.top_p),
-            top_k=pick("top_k", request.top_k),
-            min_p=pick("min_p", request.min_p),
-            presence_penalty=pick("presence_penalty", request.presence_penalty),
-            frequency_penalty=pick("frequency_penalty", request.frequency_penalty),
-            repetition_penalty=pick("repetition_penalty", request.repetition_penalty),
-            stop=request.stop_strings(),
-            seed=request.seed,
-            ignore_eos=request.ignore_eos,
-            logit_bias=request.logit_bias,
-            min_tokens=request.min_tokens,
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            bad_words=tuple(request.bad_words),
-            allowed_token_ids=_ids(request.allowed_token_ids),
-            logprobs=request.sample_logprobs,
-            logprob_token_ids=_ids(request.logprob_token_ids or None),
-            skip_special_tokens=request.skip_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens,
-            structured_outputs=request.structured(),
-            repetition_detection=(
-                None
-                if request.repetition_detection is None
-                else request.repetition_detection.to_config()
-            ),
-            stream_interval=request.stream_interval,
-        )
+        given: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            **{name: defaults.pick(name, getattr(request, name)) for name in _VLLM_DEFAULTS},
+            "stop": request.stop_strings(),
+            "logprobs": request.sample_logprobs,
+            "logprob_token_ids": _ids(request.logprob_token_ids or None),
+            "structured_outputs": request.structured(),
+        }
+        for f in dataclasses.fields(SamplingConfig):
+            if f.name not in given:  # the rest: vLLM's request field of the same name
+                given[f.name] = config_value(getattr(request, f.name))
+        return SamplingConfig(**given)
     except InputError as exc:
         raise bad_request(str(exc), request_param(request, exc.param)) from None
 

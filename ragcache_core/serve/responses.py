@@ -47,7 +47,7 @@ from starlette.types import Receive, Scope, Send
 from ragcache_core.results import QueryResult, StreamChunk, TokenLogprobs
 from ragcache_core.serve.errors import STATUS_KEY, ServeError, as_serve_error
 from ragcache_core.serve.jobs import CachedJob, Job
-from ragcache_core.serve.queue import Place
+from ragcache_core.serve.limits import Place
 from ragcache_core.serve.state import ServeState
 
 T = TypeVar("T")

@@ -48,6 +48,7 @@ from ragcache_core.errors import InputError, PromptTooLong, check_fits_context
 from ragcache_core.results import QueryResult, StreamChunk
 from ragcache_core.serve import responses
 from ragcache_core.serve.errors import ServeError, bad_request, error_body, require_json
+from ragcache_core.serve.fields import lone_surrogate
 from ragcache_core.serve.jobs import (
     CachedJob,
     Job,
@@ -65,7 +66,6 @@ from ragcache_core.serve.schemas import (
     InvalidateRequest,
     OpenAIRequest,
     RagQueryRequest,
-    lone_surrogate,
 )
 from ragcache_core.serve.state import ServeState, state_of
 from ragcache_core.tree import IntegrityError

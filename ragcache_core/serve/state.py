@@ -33,10 +33,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ragcache_core.config import CacheConfig
 from ragcache_core.errors import ConfigError
+from ragcache_core.serve.auth import ApiKey
 from ragcache_core.serve.errors import ServeError
 from ragcache_core.serve.jobs import GenerationDefaults, PromptRenderer
-from ragcache_core.serve.keys import ApiKey
-from ragcache_core.serve.queue import BoundedQueue, Place
+from ragcache_core.serve.limits import BoundedQueue, Place
 
 DEFAULT_MAX_WAITING = 64
 """Requests that may wait beyond the engine's `max_num_seqs` running ones before 429."""
@@ -54,7 +54,7 @@ class ServeSettings:
       route needs `documents`).
     - `api_key`: when set, every `/v1/...` route and the OpenAPI pages want
       `Authorization: Bearer <key>` (401 otherwise); `/health` and `/metrics` stay open for
-      probes, as in `vllm serve`. `api_keys` (a key file, `serve/keys.py`) accepts several
+      probes, as in `vllm serve`. `api_keys` (a key file, `serve/auth.py`) accepts several
       keys, each with its tenant; `salt_per_key` salts every request with its tenant (no
       cross-tenant hits).
     - `admin_key`: when set, only it opens `/v1/cache/invalidate` and `/v1/cache/integrity`

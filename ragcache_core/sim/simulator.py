@@ -88,12 +88,12 @@ def ratio(num: float, den: float) -> float:
 
 
 class Simulator:
-    """Runs traces through one `KnowledgeTree`; the cache persists across `run` calls."""
+    """Runs traces through one `KnowledgeTree`; the tree persists across `run` calls."""
 
     def __init__(self, config: SimConfig, cost_model: CostModel | None = None) -> None:
         self.config = config
         self.cost_model: CostModel = cost_model or default_cost_model()
-        self.cache = KnowledgeTree.from_tokens(
+        self.tree = KnowledgeTree.from_tokens(
             SIM_ROOT,
             gpu_tokens=config.gpu_tokens,
             host_tokens=config.host_tokens,
@@ -115,11 +115,11 @@ class Simulator:
 
     def served_specs(self, request: TraceRequest) -> list[DocSpec]:
         """`request`'s documents in the order the prompt serves them (`document_order`)
-        against the cache now."""
+        against the tree now."""
         specs = self.specs(request)
         order = self.config.document_order
         if order == "cache":
-            ranks = self.cache.cache_order(specs)
+            ranks = self.tree.cache_order(specs)
             return [specs[rank] for rank in ranks]
         if order == "sorted":
             return sorted(specs, key=lambda spec: spec.key.doc_id)
@@ -131,12 +131,12 @@ class Simulator:
         return specs
 
     def score(self, request: TraceRequest) -> tuple[int, int]:
-        """(cached tokens, tokens to compute) of `request` against the cache now, in the
+        """(cached tokens, tokens to compute) of `request` against the tree now, in the
         order it would be served now (the reordering queue scores with the same order)."""
         specs = self.served_specs(request)
         if self.config.max_depth is not None:
             specs = specs[: self.config.max_depth]
-        cached = self.cache.cached_tokens(specs)
+        cached = self.tree.cached_tokens(specs)
         total = self.config.system_tokens + sum(request.doc_tokens) + request.question_tokens
         return cached, total - cached
 
@@ -165,11 +165,11 @@ class Simulator:
 
     def prefill_batch(self, batch: list[TraceRequest], tally: Tally) -> float:
         """One prefill batch: every request begins before any confirms (a request cannot hit
-        a batch-mate's stores). Mutates the cache and adds the batch's hits to `tally`.
+        a batch-mate's stores). Mutates the tree and adds the batch's hits to `tally`.
         Returns the batch time."""
         cfg = self.config
         handles = [
-            self.cache.begin_request(cfg.system_tokens, self.served_specs(r), r.question_tokens)
+            self.tree.begin_request(cfg.system_tokens, self.served_specs(r), r.question_tokens)
             for r in batch
         ]
         batch_s = 0.0
@@ -177,7 +177,7 @@ class Simulator:
             batch_s += self.cost_model.prefill_time(handle.cached_tokens, handle.computed_tokens)
             tally.add(request, handle)
         for handle in handles:
-            self.cache.confirm(handle)
+            self.tree.confirm(handle)
         tally.prefill_s += batch_s
         return batch_s
 

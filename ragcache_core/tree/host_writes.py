@@ -100,12 +100,14 @@ class HostWrites:
         return shadow
 
     def lease_for(self, handle: RequestHandle, *, may_evict: bool) -> HostLease:
-        """The lease to send with `handle`'s plan: topped up to `lease_slots` from free host
-        slots, evicting host leaves by the policy when `may_evict` (the caller pinned what
-        the plan reads)."""
+        """The lease to send with `handle`'s plan: topped up to `lease_slots` (at most half
+        the host tier: a lease the size of the tier would leave no room for the copies it
+        makes) from free host slots, evicting host leaves by the policy when `may_evict` (the
+        caller pinned what the plan reads)."""
         placement = self._placement
         lease = placement.host_lease
-        missing = self.lease_slots - len(lease)
+        target = min(self.lease_slots, placement.tiers[Tier.HOST].allocator.num_slots // 2)
+        missing = target - len(lease)
         if missing > 0:
             free = placement.tiers[Tier.HOST].allocator.num_free
             if free < missing and may_evict:

@@ -17,7 +17,7 @@ takes the same names where RAGCache does what they mean, and refuses the others 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
@@ -35,21 +35,6 @@ from llama_index.core.response_synthesizers.type import ResponseMode
 
 from ragcache_core.errors import ConfigError, wrong_type
 
-ENGINE_KEYWORDS = (
-    "similarity_top_k",
-    "text_qa_template",
-    "refine_template",
-    "node_postprocessors",
-    "response_mode",
-    "filters",
-    "streaming",
-    "callback_manager",
-    "prompt",
-    "sampling",
-    "cache_salt",
-    "document_order",
-)
-"""What `as_query_engine(index, cache=...)` takes besides the search adapter's keywords."""
 SEARCH_KEYWORDS = ("embed_model", "nprobe", "plan", "ef_search")
 """The search adapter's own keywords (`adapters.search_source`: the question's embed model, as
 the stock engine passes it to its retriever, and the Faiss IVF / HNSW settings)."""
@@ -75,9 +60,10 @@ REFUSED_MODES = {
 }
 
 
-def check_keywords(where: str, given: Mapping[str, Any]) -> None:
-    """`TypeError` naming `where` and listing both keyword sets, unless every keyword in
-    `given` is one of the search adapter's."""
+def check_keywords(where: str, given: Mapping[str, Any], engine_keywords: Sequence[str]) -> None:
+    """`TypeError` naming `where` and listing both keyword sets (the engine's
+    `engine_keywords`, the search adapter's), unless every keyword in `given` is one of the
+    search adapter's."""
     unknown = sorted(set(given) - set(SEARCH_KEYWORDS))
     if not unknown:
         return
@@ -85,7 +71,7 @@ def check_keywords(where: str, given: Mapping[str, Any]) -> None:
     raise TypeError(
         f"{where} got keywords it does not take: {unknown}"
         + (f" ({hints})" if hints else "")
-        + f". It takes the query engine's {list(ENGINE_KEYWORDS)} and the search adapter's "
+        + f". It takes the query engine's {list(engine_keywords)} and the search adapter's "
         f"{list(SEARCH_KEYWORDS)}"
     )
 
@@ -173,7 +159,6 @@ class ResponsePrompts(PromptMixin):
 
 
 __all__ = [
-    "ENGINE_KEYWORDS",
     "REFUSED_MODES",
     "SEARCH_KEYWORDS",
     "ResponsePrompts",

@@ -2,9 +2,9 @@
 LlamaIndex renders it; what the query engine uses) and, older, `prompt_config` (a
 `PromptConfig` in RAGCache's own layout: roles become plain text, kept for compatibility).
 
-The prompt's head and system prompt are the knowledge tree's root, so they belong to the
-`RAGCache` (its `CacheConfig.prompt`), not to one query engine: two engines with different
-heads could never share KV. A LlamaIndex template maps onto a `PromptConfig` like this:
+The prompt's head and system prompt are a root of the knowledge tree: each prompt gets its own
+root, so engines with different prompts share one `RAGCache` (their documents' KV is cached
+under each root apart). A LlamaIndex template maps onto a `PromptConfig` like this:
 
     "{pre}{context_str}{post with {query_str}}"
         pre   -> system prompt (the cached root; head "{system}")
@@ -62,16 +62,6 @@ def prompt_config(
         head="{system}",
         question=question.replace("\0", "{question}"),
     )
-
-
-def check_prompt(cache_prompt: PromptConfig, wanted: PromptConfig) -> None:
-    """Raise `ConfigError` unless the cache already renders prompts as `wanted`."""
-    if cache_prompt != wanted:
-        raise ConfigError(
-            "this RAGCache renders a different prompt (the prompt head is part of the cache key, "
-            "so it is set once per RAGCache): build it with "
-            "CacheConfig(prompt=prompt_config(template))"
-        )
 
 
 def app_prompt(

@@ -25,6 +25,7 @@ other modes are refused by name).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
 from typing import Any
@@ -63,7 +64,6 @@ from ragcache_core.retrieval.source import CallableSource
 from ragcache_core.search import SearchSource
 from ragcache_integrations.llama_index.adapters import node_to_document, search_source
 from ragcache_integrations.llama_index.conventions import (
-    ENGINE_KEYWORDS,
     ResponsePrompts,
     check_keywords,
     check_postprocessors,
@@ -181,7 +181,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         `adapters.search_source`; any other keyword is a `TypeError` listing both sets. A
         retriever, a vector store or a cache that is not a `RAGCacheAPI` raises `TypeError`
         here, naming what to pass instead."""
-        check_keywords("as_query_engine(index, cache=...)", search_options)
+        check_keywords("as_query_engine(index, cache=...)", search_options, ENGINE_KEYWORDS)
         mode = check_response_mode(response_mode)
         postprocessors = check_postprocessors(node_postprocessors)
         check_index(index)
@@ -466,6 +466,15 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         return {**result.report(), "can_speculate": self.can_speculate, "ragcache_result": result}
 
 
+ENGINE_KEYWORDS = tuple(
+    name
+    for name, parameter in inspect.signature(RAGCacheQueryEngine.from_index).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "cache"
+)
+"""What `as_query_engine(index, cache=...)` takes besides the search adapter's keywords:
+`from_index`'s own keywords, read off its signature (declared once)."""
+
+
 def _checked_order(order: str | None) -> str | None:
     """The engine's `document_order`, checked at construction (`InputError` naming it)."""
     return None if order is None else check_document_order(order)
@@ -545,7 +554,4 @@ def as_query_engine(
     `filters`, `streaming`, ...), RAGCache's (`prompt`, `sampling`, `cache_salt`) and the
     search adapter's (`nprobe`, `plan`, `ef_search`); see `from_index`. Any other keyword is
     a `TypeError` naming this call and listing both sets."""
-    engine_kwargs = {k: v for k, v in kwargs.items() if k in ENGINE_KEYWORDS}
-    others = {k: v for k, v in kwargs.items() if k not in ENGINE_KEYWORDS}
-    check_keywords("as_query_engine(index, cache=...)", others)
-    return RAGCacheQueryEngine.from_index(index, cache=cache, **engine_kwargs, **others)
+    return RAGCacheQueryEngine.from_index(index, cache=cache, **kwargs)

@@ -23,6 +23,7 @@ from typing import Any
 from ragcache_core.bench.systems import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
 from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS
 from ragcache_core.cli.output import add_removed_option
+from ragcache_core.errors import CliError
 
 HEAVY = "search-heavy"
 """`bench.search_heavy.NAME` (not imported here: `--help` stays light)."""
@@ -66,6 +67,13 @@ def register(bench_subparsers: Any) -> None:
     add_removed_option(p, "--gpu-pool-tokens", "--vllm-kv-gib")
     p.add_argument("--host-pool-tokens", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="the benchmark data folder of the shared-data workloads (default: "
+        "$RAGCACHE_DATA_DIR, else ../shared/data; docs/benchmarks.md, 'Benchmark data')",
+    )
     heavy = p.add_argument_group("search-heavy (speculation's ablation)")
     heavy.add_argument(
         "--search-ratios", default=None, help="shares of the IVF lists probed, e.g. 0.125,0.25,1"
@@ -94,8 +102,6 @@ def register(bench_subparsers: Any) -> None:
 def _names(
     text: str | None, default: tuple[str, ...], allowed: tuple[str, ...], what: str
 ) -> tuple[str, ...]:
-    from ragcache_core.cli import CliError
-
     if text is None:
         return default
     if text.strip() == "none":
@@ -113,7 +119,6 @@ def resolve_mode(args: argparse.Namespace) -> Any:
     from dataclasses import replace
 
     from ragcache_core.bench.sweep import MODES
-    from ragcache_core.cli import CliError
 
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     for name in ("requests", "warmup", "repeats", "max_points", "top_k", "rate"):
@@ -139,8 +144,8 @@ def resolve_mode(args: argparse.Namespace) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ragcache_core.bench.workloads import DATA_DIR, SHARED_WORKLOADS
-    from ragcache_core.cli import CliError
+    from ragcache_core.bench.data_dir import require_data, resolve_data_dir
+    from ragcache_core.bench.workloads import workload_files
     from ragcache_core.engine.settings import check_model_folder
 
     mode = resolve_mode(args)
@@ -150,10 +155,11 @@ def _run(args: argparse.Namespace) -> int:
 
         if not detect_device().is_cuda:
             raise CliError(str(refused[0]))
-    if set(mode.workloads) & SHARED_WORKLOADS and not DATA_DIR.is_dir():
-        raise CliError(
-            f"workloads {sorted(set(mode.workloads) & SHARED_WORKLOADS)} need {DATA_DIR}"
-        )
+    # Before any engine starts: a missing data file names the flag and the variable. (The
+    # search-heavy workload's data is checked as it loads, through `load_workload`.)
+    needed = sorted({f for n in mode.workloads if n != HEAVY for f in workload_files(n)})
+    if needed:
+        require_data(resolve_data_dir(args.data_dir), needed)
     model = check_model_folder(args.model) if args.model else None
     from ragcache_core.bench.report import run_bench
     from ragcache_core.cli.output import stdout_to_stderr
@@ -163,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document, indent=1))
     elif mode.workloads == (HEAVY,):
-        from ragcache_core.bench.search_heavy import print_search_heavy
+        from ragcache_core.bench.search_heavy_report import print_search_heavy
 
         print_search_heavy(document, sys.stdout)
     else:

