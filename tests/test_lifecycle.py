@@ -262,3 +262,19 @@ def test_a_cache_ordered_request_is_scored_in_the_order_it_will_be_served() -> N
     total = swapped.num_tokens
     assert life.score(swapped) == (6, total - 6)  # the root only: b is not cached first
     assert life.score_ordered(swapped) == (26, total - 26)  # root + a + b, served [a, b]
+
+
+def test_a_report_of_its_own_documents_gone_is_applied_after_the_confirmation() -> None:
+    """The synchronous path confirms at the report: a span the engine could not follow, which
+    the same report names gone, must not stay marked as held in vLLM's blocks."""
+    tree = KnowledgeTree(
+        ROOT, gpu_slots=0, host_slots=64, page_size=PAGE, host_write="eviction", host_lease_slots=8
+    )
+    life = Lifecycle(tree, _connector())
+    handle, plan = life.open(_prompt("a"), final=True)
+    assert plan is not None and plan.lease is not None and len(plan.keep) == 2
+    gone = tuple((span.key, plan.lease.version) for span in plan.keep)
+    assert life.settle(handle, ConnectorResult(host_gone=gone, reported=True))
+    assert handle.state is RequestState.CONFIRMED
+    assert [node for node in tree.iter_nodes() if node.resident] == []
+    tree.check_integrity()

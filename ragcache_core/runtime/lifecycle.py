@@ -118,15 +118,25 @@ class Lifecycle:
         first token is only re-checked: a report contradicting that is a bug, logged, and the
         request's written copies leave the tree. A handle aborted at planning sent no plan:
         nothing to settle. Either way a failed load removes the node it read, at this prefix
-        only (`KnowledgeTree.invalidate_loads`)."""
+        only (`KnowledgeTree.invalidate_loads`). The report's eviction-time host writes are
+        applied last: what it says left vLLM's blocks may be this request's own documents,
+        which its confirmation marks as held there."""
         tree = self.tree
         if result.reported:
             tree.settle_protection(handle, result.protected, result.released)
+        else:  # the engine may hold its protect entries: the next plan releases them
+            tree.abandon_protection(handle)
+        confirmed = self._settle_copies(handle, result)
+        if result.reported:
             tree.apply_host_writes(
                 result.host_copied, result.host_dropped, result.stranded_blocks, result.host_gone
             )
-        else:  # the engine may hold its protect entries: the next plan releases them
-            tree.abandon_protection(handle)
+        return confirmed
+
+    def _settle_copies(self, handle: RequestHandle, result: ConnectorResult) -> bool:
+        """`settle`'s confirmation or abort of `handle`, and the removal of a failed load's
+        node; whether its copies stand."""
+        tree = self.tree
         if handle.state is RequestState.ABORTED:
             return False
         every_copy_ran = not result.rejected and (result.stored or not handle.plan.store)
