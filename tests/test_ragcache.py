@@ -23,6 +23,7 @@ from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
+from ragcache_core.results import QueryResult
 from ragcache_core.runtime.ragcache import RAGCache
 from ragcache_core.search import StageResult
 
@@ -563,6 +564,29 @@ def test_cache_document_order_serves_the_cached_path_exactly(cache: RAGCache) ->
     assert kept.sources == tuple(swapped) and kept.retrieval_ranks == (0, 1)
     assert kept.hits.hit_docs == 0
     assert kept.token_ids == reference(cache, "Which river?", swapped)
+
+
+def test_the_benchmarks_order_check_reads_each_served_prompt_on_plain_vllm(cache: RAGCache) -> None:
+    # `bench serve` checks a reordering system's answers so (issue 40): each prompt rebuilt
+    # from its documents in served order, answered by plain vLLM; a wrong answer is counted.
+    from ragcache_core.bench.serve import Outcome, same_as_plain_vllm
+    from ragcache_core.bench.workloads import Request
+
+    cache.clear()
+    cache.generate("Capital of France?", [DOCS[0], DOCS[1]])
+    served = cache.generate("Which river?", [DOCS[1], DOCS[0]], document_order="cache")
+    kept = cache.generate("Which river?", [DOCS[1], DOCS[0]])
+
+    def outcome(result: QueryResult, tokens: tuple[int, ...] | None = None) -> Outcome:
+        answer = result.token_ids if tokens is None else tokens
+        return Outcome(0.0, 0.0, answer, result.prompt_tokens, 0, served=result.sources,
+                       retrieval_ranks=result.retrieval_ranks)  # fmt: skip
+
+    wrong = tuple(t + 1 for t in served.token_ids)
+    outcomes = [outcome(served), outcome(kept), outcome(served, wrong)]
+    assert outcomes[0].reordered and not outcomes[1].reordered
+    requests = [Request("Which river?")] * 3
+    assert asyncio.run(same_as_plain_vllm(cache, requests, outcomes)) == (2, 3)
 
 
 def test_cache_ordered_speculation_is_reused_for_the_same_documents(cache: RAGCache) -> None:

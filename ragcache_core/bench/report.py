@@ -17,6 +17,7 @@ from ragcache_core.bench.sweep import (
     Engines,
     Mode,
     Recorder,
+    Saturation,
     ablation_parents,
     ablation_rate,
     describe_systems,
@@ -138,7 +139,9 @@ def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[
                 engines.config = workload_config
             systems = workload_systems(mode, name, named=args.systems is not None)
             engines.start(systems, source)
-            result = sweep_workload(engines, workload, source, mode, systems, args.seed, bar, fixed)
+            result = sweep_workload(
+                engines, workload, source, mode, systems, args.seed, bar, fixed, args.saturate
+            )
             results.append((result, source))
             document["workloads"].append(result.to_json())
             if sizing is not None:
@@ -213,6 +216,8 @@ def print_tables(document: dict[str, Any], out: TextIO) -> None:
         if "host_sizing" in w:
             print(HostSizing(**w["host_sizing"]).line(), file=out)
         print(f"SLO: TTFT p95 <= {w['slo_s'] * 1000:.0f} ms ({w['slo_rule']})", file=out)
+        if w.get("saturation"):
+            print(Saturation(**w["saturation"]).line(), file=out)
         for name, s in w["light_load"].items():
             print(
                 f"  light load {name:<15} TTFT p95 {s['ttft_p95_s'] * 1000:7.0f} ms, service "
@@ -228,11 +233,7 @@ def print_tables(document: dict[str, Any], out: TextIO) -> None:
         for c in w["comparisons"]:
             print(_comparison_line(c), file=out)
         for a in w["answers"]:
-            print(
-                f"  answers identical at {a['rate_rps']:.2f}/s #{a['repeat'] + 1}: "
-                f"{a['identical']}/{a['requests']}",
-                file=out,
-            )
+            print(_answers_line(a), file=out)
     ablations = document.get("ablations")
     if ablations:
         print(f"\n== ablations: {ablations['workload']} at {ablations['rate_rps']:.2f}/s", file=out)
@@ -240,6 +241,16 @@ def print_tables(document: dict[str, Any], out: TextIO) -> None:
         for c in ablations["comparisons"]:
             print(_comparison_line(c), file=out)
     print(f"\nplots: {', '.join(settings.get('plots', []))}", file=out)
+
+
+def _answers_line(a: dict[str, Any]) -> str:
+    at = f"{a['rate_rps']:.2f}/s #{a['repeat'] + 1}"
+    if "system" in a:  # a reordering system, against plain vLLM on its own prompts
+        return (
+            f"  {a['system']} answers equal plain vLLM's on the same ordered prompts at {at}: "
+            f"{a['same_as_plain_vllm']}/{a['requests']} ({a['reordered']} reordered)"
+        )
+    return f"  answers identical at {at}: {a['identical']}/{a['requests']}"
 
 
 def _rate_table(points: list[dict[str, Any]], out: TextIO) -> None:

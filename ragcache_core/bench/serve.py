@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from ragcache_core.bench.systems import SYSTEMS
 from ragcache_core.bench.workloads import Request
 from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError
 from ragcache_core.search import SearchSource, final_result
 
 if TYPE_CHECKING:
     from ragcache_core.engine.settings import EngineSettings
+    from ragcache_core.runtime.ragcache import RAGCache
 
 
 def resolved(config: CacheConfig) -> CacheConfig:
@@ -63,6 +65,16 @@ class Outcome:
     """Arrival to the end of the search (0 when the request brought its documents)."""
     search_hidden_s: float = 0.0
     """The part of `search_s` an adopted speculation overlapped (RAGCache only)."""
+    served: tuple[Document, ...] = ()
+    """The documents in the order the model read them (RAGCache only: with
+    `document_order="cache"` it may differ from retrieval's)."""
+    retrieval_ranks: tuple[int, ...] = ()
+    """Each served document's retrieval rank (RAGCache only)."""
+
+    @property
+    def reordered(self) -> bool:
+        """Served out of retrieval order."""
+        return list(self.retrieval_ranks) != sorted(self.retrieval_ranks)
 
 
 class ServedSystem(Protocol):
@@ -251,6 +263,7 @@ class RAGCacheSystem:
         self.start_s = time.perf_counter() - started
         self.top_k = config.top_k
         self._deferrals_at_reset = 0
+        self._plain: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def use(self, source: SearchSource | None, top_k: int) -> None:
         self.source, self.top_k = source, top_k
@@ -275,7 +288,16 @@ class RAGCacheSystem:
             result.speculative,
             result.retrieval_s,
             result.search_hidden_s,
+            result.sources,
+            result.retrieval_ranks,
         )
+
+    async def same_as_plain_vllm(
+        self, requests: Sequence[Request], outcomes: Sequence[Outcome]
+    ) -> tuple[int, int]:
+        """`same_as_plain_vllm` on this system's engine, plain answers remembered across
+        calls (the rounds repeat the stream)."""
+        return await same_as_plain_vllm(self.cache, requests, outcomes, self._plain)
 
     def counters(self) -> dict[str, Any]:
         """RAGCache's own counters since the last reset (warm-up requests included):
@@ -299,6 +321,34 @@ class RAGCacheSystem:
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.cache.close)
+
+
+async def same_as_plain_vllm(
+    cache: RAGCache,
+    requests: Sequence[Request],
+    outcomes: Sequence[Outcome],
+    plain: dict[tuple[int, ...], tuple[int, ...]] | None = None,
+    concurrency: int = 4,
+) -> tuple[int, int]:
+    """(answers equal to plain vLLM's on the same prompt, answers checked): each outcome's
+    prompt rebuilt from its question and its documents *in served order* (the cache's own
+    layout, as the bench's requests use), generated on `cache`'s engine with vLLM's prefix
+    cache not read and the tree untouched (`agenerate_uncached`). How a reordering system's
+    answers are checked: its prompts are not the other systems'. `plain` remembers answers
+    per prompt. Leaves blocks in vLLM's cache: run it between points."""
+    memo = {} if plain is None else plain
+    gate = asyncio.Semaphore(concurrency)
+
+    async def same(request: Request, outcome: Outcome) -> bool:
+        ids = tuple(cache.prompts.build(request.question, outcome.served).token_ids)
+        if ids not in memo:
+            async with gate:
+                memo[ids] = (await cache.agenerate_uncached(ids)).token_ids
+        return memo[ids] == outcome.token_ids
+
+    pairs = zip(requests, outcomes, strict=True)
+    checks = await asyncio.gather(*(same(r, o) for r, o in pairs))
+    return sum(checks), len(checks)
 
 
 def start_system(

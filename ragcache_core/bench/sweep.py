@@ -13,6 +13,13 @@ For each workload:
 4. each system's sustained rate: the highest rate up to which every rate's p95 met the SLO in
    every repeat.
 
+With `saturate=NAME` (`--saturate`, issue 39's "saturated" workloads) steps 3-4 change: a
+ladder of NAME alone (one round per rate, from the same first rate, x`factor` per step) finds
+the rate at which NAME's mean TTFT is `SATURATED_TTFT` x its light-load mean TTFT (geometric
+interpolation between the two rungs around it; `Saturation`), and every system is then
+measured at that rate and at `SATURATED_OVER` x it, `repeats` rounds each, the same requests
+for every system.
+
 Ablations run at one rate only (the reference's sustained rate, else the ladder's first), each
 measured beside its parent (`SystemSpec.parent`: `ragcache` for the RAGCache ablations, `vllm`
 or `vllm-apc` for the connector-less baselines) in the same rounds, and compared with it.
@@ -35,19 +42,25 @@ from typing import Any, TextIO, TypeVar
 from ragcache_core.bench.serve import (
     SYSTEMS,
     PointRun,
+    RAGCacheSystem,
     ServedSystem,
     identical_answers,
     light_load,
     run_point,
     start_system,
 )
-from ragcache_core.bench.workloads import Workload
+from ragcache_core.bench.workloads import Request, Workload
 from ragcache_core.config import CacheConfig
 from ragcache_core.retrieval.trace import poisson_arrivals
 from ragcache_core.search import SearchSource
 
 SATURATION_FACTOR = 10.0
 """A system is saturated when its TTFT p95 passes this multiple of its light-load p95."""
+SATURATED_TTFT = 2.0
+"""`--saturate`: the saturated rate is where the system's mean TTFT is this multiple of its
+light-load mean TTFT (issue 39)."""
+SATURATED_OVER = 1.5
+"""`--saturate` measures every system at the saturated rate and at this multiple of it."""
 SCHEMA = "ragcache-bench-serve/2"
 """/2: comparisons name what they compare against (`against`, `spread_against_s`; /1 had
 `spread_ragcache_s`), ablations are compared with their parent."""
@@ -212,6 +225,47 @@ Recorder = Callable[[str, int], Callable[[int], None]]
 """(label, total requests) -> a progress callback (a tqdm bar in the CLI)."""
 
 
+@dataclass(frozen=True)
+class Saturation:
+    """Where one system saturates (`--saturate`): its light-load mean TTFT, the ladder of that
+    system alone (rate, mean TTFT), and the rate at which the mean reaches `SATURATED_TTFT` x
+    the light-load mean (None when the ladder never got there: the rates then are its last
+    rung and `SATURATED_OVER` x it)."""
+
+    system: str
+    light_ttft_mean_s: float
+    ladder: list[tuple[float, float]]
+    rate_rps: float | None
+
+    def line(self) -> str:
+        rungs = ", ".join(f"{r:.2f}/s {t * 1000:.0f} ms" for r, t in self.ladder)
+        where = (
+            f"{self.rate_rps:.2f}/s"
+            if self.rate_rps is not None
+            else "not reached by the ladder (its last rung is used)"
+        )
+        return (
+            f"saturated rate of {self.system} (mean TTFT {SATURATED_TTFT:g}x its light-load "
+            f"{self.light_ttft_mean_s * 1000:.0f} ms): {where}; ladder: {rungs}"
+        )
+
+
+def saturated_rate(ladder: Sequence[tuple[float, float]], limit_s: float) -> float | None:
+    """The rate at which the mean TTFT reaches `limit_s`, on a ladder of (rate, mean TTFT) in
+    rising rate order: interpolated between the last rung below and the first at or above it,
+    linearly in log(rate) (the rungs are geometric); the first rung's rate when it is already
+    above; None when no rung reaches it."""
+    for i, (rate, ttft) in enumerate(ladder):
+        if ttft < limit_s:
+            continue
+        if i == 0:
+            return rate
+        low_rate, low_ttft = ladder[i - 1]
+        share = (limit_s - low_ttft) / (ttft - low_ttft)
+        return round(low_rate * (rate / low_rate) ** share, 3)
+    return None
+
+
 @dataclass
 class WorkloadResult:
     """Everything measured on one workload."""
@@ -223,10 +277,12 @@ class WorkloadResult:
     rates: list[float]
     points: list[dict[str, Any]]
     answers: list[dict[str, Any]]
+    saturation: Saturation | None = None
 
     def to_json(self) -> dict[str, Any]:
         light = {n: _light_summary(r) for n, r in self.light.items()}
         return {
+            "saturation": asdict(self.saturation) if self.saturation else None,
             "name": self.workload.name,
             "description": self.workload.description,
             "retriever": self.workload.retriever
@@ -265,8 +321,11 @@ def sweep_workload(
     seed: int,
     bar: Recorder,
     fixed_rate: float | None = None,
+    saturate: str | None = None,
 ) -> WorkloadResult:
-    """The light-load calibration and the rate ladder of one workload (see the module doc)."""
+    """The light-load calibration and the rate ladder of one workload, or with `saturate` the
+    saturated rate of that system and every system there and at 1.5x it (see the module
+    doc)."""
     engines.use(source, workload.top_k)
     light = {n: _light(engines, n, workload, mode) for n in systems} if mode.light else {}
     reference = "vllm" if "vllm" in systems else systems[0]
@@ -283,6 +342,15 @@ def sweep_workload(
         flush=True,
     )
     result = WorkloadResult(workload, light, slo, reference, [], [], [])
+    if saturate is not None:
+        saturation = _find_saturation(engines, workload, mode, saturate, rate0, seed, bar, light)
+        print(saturation.line(), file=engines.log, flush=True)
+        rate = saturation.rate_rps or saturation.ladder[-1][0]
+        result.saturation = saturation
+        for step, at in enumerate((rate, round(rate * SATURATED_OVER, 3))):
+            result.rates.append(at)
+            _rounds(engines, workload, mode, systems, at, seed, step, bar, result)
+        return result
     active = list(systems)
     for step in range(mode.max_points):
         if not active:
@@ -292,6 +360,36 @@ def sweep_workload(
         runs = _rounds(engines, workload, mode, active, rate, seed, step, bar, result)
         active = [n for n in active if not _saturated(runs[n], light.get(n))]
     return result
+
+
+def _find_saturation(
+    engines: Engines,
+    workload: Workload,
+    mode: Mode,
+    name: str,
+    rate0: float,
+    seed: int,
+    bar: Recorder,
+    light: dict[str, PointRun],
+) -> Saturation:
+    """A ladder of `name` alone, one round per rate, up to the rung whose mean TTFT passes
+    `SATURATED_TTFT` x its light-load mean (at most `mode.max_points` rungs past the first);
+    the rungs are not points of the result (only the rates found are measured, by every
+    system)."""
+    if name not in light:
+        raise ValueError(f"--saturate {name}: it needs {name}'s light-load run (mode.light > 0)")
+    light_mean = light[name].summary()["ttft_mean_s"]
+    limit = SATURATED_TTFT * light_mean
+    one = Mode(**(asdict(mode) | {"repeats": 1}))
+    scratch = WorkloadResult(workload, {}, 0.0, name, [], [], [])
+    ladder: list[tuple[float, float]] = []
+    for step in range(max(2, mode.max_points + 1)):
+        rate = round(rate0 * mode.factor**step, 3)
+        runs = _rounds(engines, workload, one, [name], rate, seed, step, bar, scratch)
+        ladder.append((rate, runs[name][0].summary()["ttft_mean_s"]))
+        if ladder[-1][1] >= limit:
+            break
+    return Saturation(name, light_mean, ladder, saturated_rate(ladder, limit))
 
 
 def _light(engines: Engines, name: str, workload: Workload, mode: Mode) -> PointRun:
@@ -353,7 +451,39 @@ def _rounds(
         result.answers.append(
             {"rate_rps": rate, "repeat": repeat, "identical": same, "requests": total}
         )
+        for run in round_runs:
+            if reorders(run.system):
+                result.answers.append(_checked_order(engines, run, requests, rate, repeat))
     return runs
+
+
+def reorders(name: str) -> bool:
+    """The system serves documents in cache order (its prompts are not the others')."""
+    return SYSTEMS[name].changes.get("document_order") == "cache"
+
+
+def _checked_order(
+    engines: Engines, run: PointRun, requests: Sequence[Request], rate: float, repeat: int
+) -> dict[str, Any]:
+    """A reordering system's answers against plain vLLM on the same ordered prompts (every
+    request of the round, warm-up included, as `identical_answers` counts)."""
+    system = engines.systems[run.system]
+    assert isinstance(system, RAGCacheSystem)
+    same, total = engines.run(system.same_as_plain_vllm(requests, run.outcomes))
+    reordered = sum(o.reordered for o in run.outcomes)
+    line = (
+        f"{run.system} at {rate:.2f}/s #{repeat + 1}: answers equal plain vLLM's on the same "
+        f"ordered prompts {same}/{total} ({reordered} served out of retrieval order)"
+    )
+    print(line, file=engines.log, flush=True)
+    return {
+        "rate_rps": rate,
+        "repeat": repeat,
+        "system": run.system,
+        "same_as_plain_vllm": same,
+        "requests": total,
+        "reordered": reordered,
+    }
 
 
 def _point_line(label: str, s: dict[str, Any]) -> str:

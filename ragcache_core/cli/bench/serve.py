@@ -57,6 +57,13 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--rate", type=float, default=None, help="first rate (default: calibrated)")
     p.add_argument("--top-k", type=int, default=None, help="override each workload's top-k")
     p.add_argument(
+        "--saturate",
+        metavar="SYSTEM",
+        default=None,
+        help="instead of the ladder: find SYSTEM's saturated rate (mean TTFT 2x its light-load"
+        " mean, by a ladder of SYSTEM alone) and measure every system there and at 1.5x it",
+    )
+    p.add_argument(
         "--retriever",
         choices=tuple(RETRIEVERS),
         default="tfidf",
@@ -133,6 +140,10 @@ def resolve_mode(args: argparse.Namespace) -> Any:
     mode = replace(mode, **{k: v for k, v in overrides.items() if v is not None})
     systems = _names(args.systems, mode.systems, tuple(SYSTEMS), "system(s)")
     workloads = _names(args.workloads, mode.workloads, (*WORKLOADS, HEAVY), "workload(s)")
+    if args.saturate is not None and args.saturate not in systems:
+        raise CliError(f"--saturate {args.saturate}: not among the systems ({', '.join(systems)})")
+    if args.saturate is not None and (mode.light < 1 or HEAVY in workloads):
+        raise CliError("--saturate needs a light-load run: not with --smoke or search-heavy")
     if HEAVY in workloads and len(workloads) > 1:
         raise CliError(f"{HEAVY} runs alone (its engines are pinned to their cores)")
     return replace(
