@@ -19,11 +19,11 @@ from _ragcache_shared import (
     reference,
 )
 
+from ragcache_core import QueryResult
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
-from ragcache_core.results import QueryResult
 from ragcache_core.runtime.ragcache import RAGCache
 from ragcache_core.search import StageResult
 
