@@ -1,10 +1,12 @@
 """The suite's engine runs: commands, examples and scripts that start vLLM in processes of their
 own (`ragcache demo`, `bench serve --smoke`, the example notebooks ...), each checked by one
 test. They share nothing but the built model, so they need not wait for their tests' turn: all
-of them start at the first test that asks for one (`engine_runs`, a session fixture), two at a
-time, in the order their tests come, beside the rest of the suite. Most of a run is starting
-Python and vLLM's engine processes, about one core each, and waiting on its own requests, so
-the runs fill the cores the rest of the suite leaves idle.
+of them start at the session's first test (`engine_runs`, a session fixture, started by
+conftest's `_start_engine_runs`), two at a time, in the order their tests come, beside the rest
+of the suite; the modules with runs come last (conftest's `pytest_collection_modifyitems`), so
+their tests find their runs done or nearly. Most of a run is starting Python and vLLM's engine
+processes, about one core each, and waiting on its own requests, so the runs fill the cores
+the rest of the suite leaves idle.
 
 A test module takes part with a module-level function `runners(model)`: for each of its tests
 that checks a run (by test name, with its parameters if any), the function that does the run

@@ -65,11 +65,27 @@ def engine_pool() -> Iterator[Heavy]:
 def engine_runs(
     request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineRuns]:
-    """Every selected test's engine run (`_runs`), all started at the first test that asks,
-    two at a time, beside the rest of the suite."""
+    """Every selected test's engine run (`_runs`), all started at the session's first test
+    (`_start_engine_runs`), two at a time, beside the rest of the suite."""
     runs = EngineRuns(request.session.items, tiny_model, tmp_path_factory)
     yield runs
     runs.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_engine_runs(request: pytest.FixtureRequest) -> None:
+    """Start the engine runs with the session's first test, not with the first test that
+    checks one: those come last (`pytest_collection_modifyitems`)."""
+    if any("engine_runs" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("engine_runs")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules with engine runs (`_runs`: a module-level `runners`) go last, each whole
+    and in its order. Their runs start with the first test and go on beside every other
+    module, so by the time their tests come the runs are (mostly) done. First in the
+    alphabet, their tests held the test process idle for ~300 s while the runs went."""
+    items[:] = sorted(items, key=lambda item: hasattr(getattr(item, "module", None), "runners"))
 
 
 SLOWEST_MODULES = 8

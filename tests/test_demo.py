@@ -110,6 +110,9 @@ def test_demo_answers_identically_and_ragcache_hits(demo: DemoRun) -> None:
     assert f"answers identical across systems: {total}/{total} requests" in stdout
     vllm, ragcache = _row(stdout, "vllm"), _row(stdout, "ragcache")
     assert vllm[5] == "0%" and vllm[6] == "-"
+    for apc in ("vllm-apc", "vllm-apc-total"):  # vLLM's prefix cache keeps the system prompt
+        row = _row(stdout, apc)
+        assert float(row[5].removesuffix("%")) > 0 and row[6] == "-", row
     assert float(ragcache[5].removesuffix("%")) > 0, ragcache
     docs = re.fullmatch(r"(\d+)%", ragcache[6])
     assert docs is not None and int(docs.group(1)) > 0, ragcache

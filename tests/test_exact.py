@@ -3,7 +3,8 @@
 One engine per tiny model (multi-head and grouped-query), started with the RAGCache connector
 and vLLM's prefix caching on: vLLM's cached blocks are RAGCache's GPU tier, the connector's host
 pool its host tier. The "caching off" reference skips vLLM's prefix cache per request. Tests
-that measure the host tier empty vLLM's prefix cache first; the GPU-tier tests keep it.
+that measure the host tier empty vLLM's prefix cache first; the GPU-tier tests keep it. The
+last test restarts the multi-head engine on its host pool (the pool outlives the engine).
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ SAMPLING = GreedySampling(max_tokens=6, logprobs=True)
 @dataclass
 class Rig:
     engine: CachedEngine
+    """The module's engine for this model; the restart test puts a new one in its place."""
     model: Path
     tolerance: float
     """Largest logprob difference vLLM's own prefix caching showed against no caching."""
+    spec: EngineSpec
+    pools: PoolSettings
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -95,10 +99,12 @@ def rig(request: pytest.FixtureRequest, engine_pool) -> Iterator[Rig]:
         host_pool_name=f"test-{request.param}",
     )
     engine = CachedEngine(settings, pools)
+    rig = Rig(engine, model, 0.0, settings, pools)
     try:
-        yield Rig(engine, model, _measure_prefix_cache_tolerance(engine))
+        rig.tolerance = _measure_prefix_cache_tolerance(engine)
+        yield rig
     finally:
-        engine.close(unlink_host_pool=True)
+        rig.engine.close(unlink_host_pool=True)
 
 
 def test_prefix_cache_tolerance_is_measured(rig: Rig) -> None:
@@ -396,3 +402,39 @@ def test_oversized_pools_are_refused_with_numbers(tiny_model: Path) -> None:
     settings = EngineSpec(model=str(tiny_model))
     with pytest.raises(ConfigError, match=r"needs \d+\.\d+ GiB .* only \d+\.\d+ GiB"):
         CachedEngine(settings, PoolSettings(host_pool_gib=4096.0, host_pool_name="huge"))
+
+
+@pytest.mark.parametrize("rig", ["mha"], indirect=True)
+def test_host_pool_survives_engine_restart(rig: Rig) -> None:
+    """The host pool outlives the engine: KV written by one vLLM engine is read, exactly, by
+    the next one (docs/design.md 2.6: upper nodes recover from host memory after a worker
+    restart). The first engine is the module's (the multi-head model's tests have run: this
+    test comes last in the file); the second, a new engine and worker process on the same host
+    pool, takes its place until the module's teardown."""
+    rng = random.Random(11)
+    system, doc, question = _tokens(rng, 45), _tokens(rng, 83), _tokens(rng, 9)
+    host = tuple(range(30, 38))  # 128 tokens = 8 pages
+    # RAGCache mode: vLLM's prefix cache (the GPU tier) dies with the engine, the host pool
+    # does not.
+    rig.engine.reset_prefix_cache()
+    stored = rig.engine.run(
+        system + doc + question,
+        Plan(PAGE, store=(StoreSpan(Tier.HOST, host, 0, 128),)),
+        SAMPLING,
+    )
+    assert stored.connector.stored
+    rig.engine.close()  # keeps the host pool file
+    rig.engine = second = CachedEngine(rig.spec, rig.pools)  # the fixture closes it
+    reference = second.run(system + doc + question, None, SAMPLING)
+    second.reset_prefix_cache()  # the reference's blocks: the hit must come from host
+    hit = second.run(
+        system + doc + question,
+        Plan(PAGE, load=(LoadSpan(Tier.HOST, host, 0, 128),)),
+        SAMPLING,
+    )
+    assert (hit.connector.host_tokens, hit.gpu_hit_tokens) == (128, 0)
+    assert hit.token_ids == reference.token_ids == stored.token_ids
+    # The loaded KV was computed by the first engine's process and the reference by the
+    # second one's: two processes' float32 kernels agree to rounding, not always to the bit
+    # (CI saw 5e-7 once). A wrong KV moves logprobs by far more than this bound.
+    assert hit.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
