@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.plan import HostLease, KeepSpan
+from ragcache_core.plan import HostLease, KeepSpan, WindowLosses
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ class _Record:
     version: int
     """The plan (lease version) that recorded it: named in its gone report."""
     copied: bool = False
+    refused: bool = False
+    """A scan found it (or a descendant) in the window with no lease room for its copy."""
 
     def intact(self) -> bool:
         """Every block still holds the KV it was recorded with (vLLM resets a block's hash when
@@ -116,6 +118,9 @@ class EvictionWindow:
         still follow them (their host copy is there); bounded by `HOST_HELD_LIMIT`."""
         self.stranded_blocks = 0
         """Blocks found held with no copy in flight (handed back), since start."""
+        self._losses = [0, 0, 0]
+        """Kept documents that left vLLM's cache uncopied since the last `take_losses`:
+        missed, no_lease, broken (`WindowLosses`)."""
 
     # ------------------------------------------------------------------ reads
 
@@ -218,12 +223,19 @@ class EvictionWindow:
                 record = self._records.get(key)
                 if record is None or record.copied or key in taken:
                     continue
+                if not record.intact():  # a step took some of its blocks from beyond here
+                    self._lose(record)
+                    self._drop(key)
+                    continue
                 chain = self._chain(record, taken)
-                if chain is None:
+                if chain is None:  # an ancestor's copy is impossible: so is its own
+                    self._losses[2] += 1
                     self._drop(key)
                     continue
                 counts = [slots_for_tokens(r.num_tokens, self.page_size) for r in chain]
                 if sum(counts) > len(self._lease):
+                    for member in chain:
+                        member.refused = True
                     continue  # let go: vLLM's LRU takes it unless a later lease has room
                 for member, count in zip(chain, counts, strict=True):
                     slots, self._lease = tuple(self._lease[:count]), self._lease[count:]
@@ -289,6 +301,12 @@ class EvictionWindow:
         gone, self._gone = tuple(self._gone), []
         return copied, dropped, gone
 
+    def take_losses(self) -> WindowLosses:
+        """The kept documents that left vLLM's cache uncopied since the last call (for one
+        report, after `take_changes`, whose sweep finds them)."""
+        losses, self._losses = WindowLosses(*self._losses), [0, 0, 0]
+        return losses
+
     def reset(self, block_pool: Any) -> None:
         """vLLM's prefix cache was reset (`clear()`): forget every record; blocks held (none
         between steps) go back, their slots to the lease. The lease itself stays."""
@@ -342,6 +360,13 @@ class EvictionWindow:
                 self._host_held[key] = None
                 if len(self._host_held) > HOST_HELD_LIMIT:
                     self._host_held.popitem(last=False)
+            else:
+                self._lose(record)
+
+    def _lose(self, record: _Record) -> None:
+        """`record`, a document the policy wanted on the host, left vLLM's cache uncopied:
+        counted as refused a lease if the window ever refused it, else as missed."""
+        self._losses[1 if record.refused else 0] += 1
 
     def _drop(self, key: int) -> None:
         record = self._forget(key)
