@@ -58,6 +58,23 @@ def test_copied_documents_are_no_loss() -> None:
     assert window.take_losses() == WindowLosses()
 
 
+def test_a_plan_built_before_the_tree_applied_a_copy_computes_it_and_is_counted() -> None:
+    pool, _, window = _finished()
+    pool.get_new_blocks(pool.get_num_free_blocks() - 5)
+    window.on_report({w.key for w in window.scan(pool)}, pool)  # copies 1 (root), 2 (document)
+    stale = HostLease(epoch=1, version=1, applied=0, slots=tuple(range(16)))
+    window.planned(KEEP, stale)  # vLLM's blocks still hold both: read there, no loss
+    assert window.take_losses() == WindowLosses()
+    pool.get_new_blocks(pool.get_num_free_blocks())  # vLLM evicts them: only the host has them
+    window.planned(KEEP, stale)  # planned before the tree heard of either copy
+    window.planned(KEEP, HostLease(epoch=1, version=2, applied=1, slots=tuple(range(16))))
+    window.planned(KEEP, HostLease(epoch=1, version=3, applied=2, slots=tuple(range(16))))
+    assert window.take_losses() == WindowLosses(unapplied=3)
+    window.take_changes()  # the sweep: both records leave, remembered as on the host
+    window.planned(KEEP, stale)
+    assert window.take_losses() == WindowLosses(unapplied=2)
+
+
 def test_documents_a_step_took_before_the_window_saw_them_are_missed_once() -> None:
     pool, _, window = _finished()
     pool.get_new_blocks(pool.get_num_free_blocks())  # one step took everything: no scan ran
@@ -136,7 +153,7 @@ def test_the_next_report_carries_the_losses_and_the_tree_adds_them_up() -> None:
 
 
 def test_the_losses_survive_the_report_json() -> None:
-    result = ConnectorResult(host_lost=WindowLosses(missed=1, no_lease=2, broken=3))
+    result = ConnectorResult(host_lost=WindowLosses(1, 2, 3, 4))
     assert ConnectorResult.from_json(result.to_json()).host_lost == result.host_lost
     assert ConnectorResult.from_json({**result.to_json(), "host_lost": [0, 0, 0]}).host_lost == (
         WindowLosses()
@@ -173,3 +190,40 @@ def test_a_document_two_open_requests_compute_counts_once_per_extra_request() ->
     tree.check_integrity()
     tree.clear()
     assert writes.concurrent_computes == 0
+
+
+def test_the_scheduler_side_counts_plans_that_missed_an_unapplied_copy() -> None:
+    from types import SimpleNamespace
+
+    from ragcache_core.engine.connector.metadata import WorkerReport
+
+    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
+    config = ConnectorConfig(
+        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=8
+    )
+    side = SchedulerSide(config, BLOCK)
+    pool, ids = _pool(16, used=5)
+    side.bind_block_pool(pool)
+    lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(16)))
+    side.track_and_count_loads("r", {PLAN_KEY: Plan(PAGE, keep=KEEP, lease=lease).to_json()}, 19, 0)
+    tracked = side._tracked["r"]
+    tracked.block_ids, tracked.store_sent = list(ids), True
+    side.finished("r")
+    pool.free_blocks(reversed([pool.blocks[i] for i in ids]))
+    pool.get_new_blocks(pool.get_num_free_blocks() - 5)
+    cached = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    step = SimpleNamespace(
+        num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=cached
+    )
+    assert [w.key for w in side.build_step(step).host_writes] == [7, 8]
+    side.on_worker_report(WorkerReport(host_written={7, 8}))
+    pool.get_new_blocks(pool.get_num_free_blocks())  # vLLM evicts both: the host holds them
+    # A plan the tree built before it applied the copies keeps (computes) them again.
+    stale = HostLease(epoch=5, version=2, applied=0, slots=tuple(range(16)))
+    side.track_and_count_loads("s", {PLAN_KEY: Plan(PAGE, keep=KEEP, lease=stale).to_json()}, 19, 0)
+    out: Any = side.finished("s", aborted=True)  # its report is dropped: counts wait
+    side.track_and_count_loads("t", {PLAN_KEY: Plan(PAGE, lease=stale).to_json()}, 9, 0)
+    out = side.finished("t")
+    assert ConnectorResult.from_json(out[RESULT_KEY]).host_lost == WindowLosses(unapplied=2)

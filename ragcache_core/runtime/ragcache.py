@@ -329,6 +329,7 @@ class RAGCache(RAGCacheAPI):
                 "lost_missed": writes.lost.missed,
                 "lost_no_lease": writes.lost.no_lease,
                 "lost_broken": writes.lost.broken,
+                "unapplied_copies": writes.lost.unapplied,
                 "concurrent_computes": writes.concurrent_computes,
             }
         data["queue_waiting"] = self.admission.waiting

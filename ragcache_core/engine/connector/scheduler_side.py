@@ -371,6 +371,7 @@ class SchedulerSide:
                 self._release(key)
             if plan.lease is not None and self.window is not None:
                 self.window.take_lease(plan.lease)
+                self.window.planned(plan.keep, plan.lease)
         fault = params.get(FAULT_KEY) or {}
         tracked = _Tracked(
             plan=plan,
