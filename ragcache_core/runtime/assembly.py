@@ -19,10 +19,6 @@ from ragcache_core.runtime.admission import Admission
 from ragcache_core.storage.host_pool import HostPool
 from ragcache_core.tree import KnowledgeTree, RootKey
 
-WINDOW_HORIZON = 4
-"""The eviction window grows, under load, to at most this many times its configured size (the
-recent steps' reach into vLLM's free queue: `engine.connector.take`)."""
-
 
 @dataclass(frozen=True)
 class Pools:
@@ -56,7 +52,6 @@ def open_pools(model: str, config: CacheConfig) -> Pools:
         host_write=config.host_write,
         window_blocks=window_blocks(config) if config.writes_at_eviction else 0,
         back_to_head=config.writes_at_eviction and config.host_write_return == "head",
-        window_horizon=WINDOW_HORIZON * window_blocks(config) if config.writes_at_eviction else 0,
     )
     return Pools(connector, host_pool)
 

@@ -35,10 +35,8 @@ class ConnectorConfig:
     """The host pool's size and layout. `host_slots == 0` means no host tier (no shared-memory
     file). There is no GPU pool: the GPU tier is vLLM's own KV cache (docs/design.md 3.1).
     `host_write` is `CacheConfig.host_write`; with "eviction" the scheduler side watches the
-    first `window_blocks` blocks of vLLM's free queue every step, or more when recent steps
-    reached deeper, up to `window_horizon` (0: never more; `take.StepTake`), and
-    `back_to_head` puts the blocks it held back at the queue's head
-    (`CacheConfig.host_write_return`)."""
+    first `window_blocks` blocks of vLLM's free queue every step, and `back_to_head` puts the
+    blocks it held back at the queue's head (`CacheConfig.host_write_return`)."""
 
     layout: PoolLayout
     host_slots: int = 0
@@ -46,7 +44,6 @@ class ConnectorConfig:
     host_write: str = "compute"
     window_blocks: int = 0
     back_to_head: bool = False
-    window_horizon: int = 0
 
     def __post_init__(self) -> None:
         if self.host_slots < 0:
@@ -73,7 +70,6 @@ class ConnectorConfig:
                 "host_write": self.host_write,
                 "window_blocks": self.window_blocks,
                 "back_to_head": self.back_to_head,
-                "window_horizon": self.window_horizon,
             }
         }
 
@@ -91,7 +87,6 @@ class ConnectorConfig:
             host_write=str(data.get("host_write", "compute")),
             window_blocks=int(data.get("window_blocks", 0)),
             back_to_head=bool(data.get("back_to_head", False)),
-            window_horizon=int(data.get("window_horizon", 0)),
         )
 
     def kv_transfer_config(self) -> dict[str, Any]:

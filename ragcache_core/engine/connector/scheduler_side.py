@@ -108,7 +108,6 @@ class SchedulerSide:
                 block_size=block_size,
                 page_size=config.page_size,
                 back_to_head=config.back_to_head,
-                horizon=config.window_horizon,
             )
             if config.host_write == "eviction"
             else None

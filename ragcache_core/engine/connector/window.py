@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.engine.connector.take import StepTake
 from ragcache_core.plan import HostLease, KeepSpan, WindowLosses
 
 logger = logging.getLogger(__name__)
@@ -87,17 +86,9 @@ class EvictionWindow:
     """Records, the lease and the copies in flight (see the module docstring)."""
 
     def __init__(
-        self,
-        *,
-        window_blocks: int,
-        block_size: int,
-        page_size: int,
-        back_to_head: bool = False,
-        horizon: int = 0,
+        self, *, window_blocks: int, block_size: int, page_size: int, back_to_head: bool = False
     ) -> None:
         self.window_blocks = window_blocks
-        self._take = StepTake(window_blocks, horizon) if horizon > window_blocks else None
-        """With a `horizon`, the window grows to the recent steps' reach into the queue."""
         self.back_to_head = back_to_head
         """Where held blocks that were in the window go back: False, the queue's tail
         (`free_blocks`, as vLLM's lazy offload does: a copied document gets a second turn in
@@ -220,28 +211,14 @@ class EvictionWindow:
         """This step's host writes: the recorded documents at the head of vLLM's free queue
         that the lease has room for, with their blocks held now (`touch`)."""
         self._hand_back_stranded(block_pool)
-        queue = block_pool.free_block_queue
-        if self._take is not None:
-            self._take.measure(queue)
-        writes = self._scan(block_pool, queue)
-        if self._take is not None:
-            self._take.mark(queue)
-        return writes
-
-    @property
-    def watched_blocks(self) -> int:
-        """Blocks the next scan watches."""
-        return self._take.window if self._take is not None else self.window_blocks
-
-    def _scan(self, block_pool: Any, queue: Any) -> list[HostWrite]:
         if not self._records or self.window_blocks <= 0:
             return []
         chosen: list[tuple[_Record, tuple[int, ...]]] = []
         taken: set[int] = set()
-        watched = self.watched_blocks
+        queue = block_pool.free_block_queue
         in_window: list[Any] = []
         for seen, block in enumerate(queue.iter_blocks_after(None)):
-            if seen >= watched:
+            if seen >= self.window_blocks:
                 break
             in_window.append(block)
             for key in sorted(self._by_block.get(block.block_id, ())):
@@ -355,8 +332,6 @@ class EvictionWindow:
         for key in sorted(self._records):
             self._drop(key)
         self._host_held.clear()
-        if self._take is not None:
-            self._take.reset()
 
     # ------------------------------------------------------------------ internals
 
