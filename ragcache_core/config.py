@@ -343,13 +343,6 @@ def _clamped_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
 
 
 DOCUMENT_ORDERS = ("retrieval", "cache")
-
-HOST_LEASE_WINDOWS = 3
-"""With `host_write="eviction"`: the host lease is this many windows of tokens. One window is
-what one step's copies can need, but the lease is restated only by plans and its used slots
-come back only once a report reaches the tree, so under load it ran out: at 6.64 req/s on
-`long-shuffled` a one-window lease refused 16 kept documents (`WindowLosses.no_lease`), three
-refused none (docs/design.md 2.2, "The lease's size")."""
 """`document_order` values: "retrieval" (the default: the prompt shows the documents in
 retrieval order) or "cache" (the order that follows the cached path, `tree.order.cache_order`;
 docs/configuration.md "Document order")."""
@@ -402,8 +395,8 @@ class CacheConfig:
     (`host_pool_tokens=0`) nothing is written."""
     host_write_window_tokens: int | None = None
     """With `host_write="eviction"`: the window, in tokens of vLLM's free-block queue watched
-    from its head each step, and the unit of the host lease for the copies
-    (`HOST_LEASE_WINDOWS` of them; None: `max_num_batched_tokens`, what one step can take)."""
+    from its head each step, and the size of the host lease for the copies (None:
+    `max_num_batched_tokens`, what one step can take)."""
     host_write_return: str = "head"
     """With `host_write="eviction"`: where a copied document's blocks go back in vLLM's
     free-block queue: "head" (the default: where they were, so it leaves vLLM's blocks next

@@ -98,7 +98,7 @@ def _config(**changes: object) -> EngineConfig:
         "vllm_blocks": 25,
         "host_tokens": 4096,
         "max_num_batched_tokens": 256,  # a prompt takes two steps
-        "window_tokens": 512,  # 16 blocks; a lease of 3 x 32 slots
+        "window_tokens": 512,  # 16 blocks; a lease of 32 slots: the root and one document
         "max_tokens": 4,
     }
     return EngineConfig(**{**settings, **changes})  # type: ignore[arg-type]

@@ -227,14 +227,3 @@ def test_the_scheduler_side_counts_plans_that_missed_an_unapplied_copy() -> None
     side.track_and_count_loads("t", {PLAN_KEY: Plan(PAGE, lease=stale).to_json()}, 9, 0)
     out = side.finished("t")
     assert ConnectorResult.from_json(out[RESULT_KEY]).host_lost == WindowLosses(unapplied=2)
-
-
-def test_the_engines_lease_is_three_windows() -> None:
-    """One window's lease ran out under load (16 kept documents refused at 6.64 req/s on
-    `long-shuffled`); three refused none (docs/design.md 2.2)."""
-    from ragcache_core.config import HOST_LEASE_WINDOWS, CacheConfig
-    from ragcache_core.runtime.assembly import lease_slots
-
-    config = CacheConfig(max_num_batched_tokens=4096, page_size=16)
-    assert HOST_LEASE_WINDOWS == 3 and lease_slots(config) == 3 * 256
-    assert lease_slots(CacheConfig(max_num_batched_tokens=4096, host_write="compute")) == 0

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from ragcache_core.capacity import slots_in_tokens
-from ragcache_core.config import HOST_LEASE_WINDOWS, CacheConfig
+from ragcache_core.config import CacheConfig
 from ragcache_core.engine.connector import ConnectorConfig
 from ragcache_core.engine.settings import DeviceInfo, EngineSettings
 from ragcache_core.runtime.admission import Admission
@@ -61,14 +61,6 @@ def window_tokens(config: CacheConfig) -> int:
     `max_num_batched_tokens`), which also size the host lease."""
     assert config.max_num_batched_tokens is not None  # resolved by `resolve_device_defaults`
     return config.host_write_window_tokens or config.max_num_batched_tokens
-
-
-def lease_slots(config: CacheConfig) -> int:
-    """The host lease in slots: `HOST_LEASE_WINDOWS` windows of tokens (0 without eviction-time
-    writes)."""
-    if not config.writes_at_eviction:
-        return 0
-    return HOST_LEASE_WINDOWS * -(-window_tokens(config) // config.page_size)
 
 
 def window_blocks(config: CacheConfig) -> int:
@@ -122,7 +114,9 @@ def build_tree(
         protected_tokens=protected_budget(config, connector, settings),
         block_size=settings.block_size,
         host_write=config.host_write,
-        host_lease_slots=lease_slots(config),
+        host_lease_slots=-(-window_tokens(config) // config.page_size)
+        if config.writes_at_eviction
+        else 0,
     )
 
 

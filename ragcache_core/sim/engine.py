@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ragcache_core.capacity import slots_in_tokens
-from ragcache_core.config import HOST_LEASE_WINDOWS
 from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.engine.connector.window import EvictionWindow
 from ragcache_core.errors import ConfigError
@@ -45,9 +44,8 @@ ENGINE_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="si
 class EngineConfig:
     """The engine's settings that decide its hits. `vllm_blocks`: vLLM's KV cache in blocks
     of `block_size` tokens (its null block included); `host_tokens`: the host pool, in slots
-    of `page_size` tokens; `window_tokens`: the eviction window, and the unit of the host
-    lease (`HOST_LEASE_WINDOWS` of them; None: `max_num_batched_tokens`, the engine's
-    default); `max_tokens`: answer tokens."""
+    of `page_size` tokens; `window_tokens`: the eviction window and the host lease (None:
+    `max_num_batched_tokens`, the engine's default); `max_tokens`: answer tokens."""
 
     vllm_blocks: int
     host_tokens: int
@@ -153,9 +151,7 @@ class EngineSimulator:
             store_policy=config.store_policy,
             block_size=config.block_size,
             host_write=config.host_write,
-            host_lease_slots=HOST_LEASE_WINDOWS * -(-config.window // config.page_size)
-            if eviction
-            else 0,
+            host_lease_slots=-(-config.window // config.page_size) if eviction else 0,
         )
         self.pool = BlockPool(config.vllm_blocks)
         self.hasher = BlockHasher(config.block_size)
