@@ -145,6 +145,43 @@ class HostLease:
 
 
 @dataclass(frozen=True, slots=True)
+class WindowLosses:
+    """Kept documents (a plan's keep spans, recorded at their request's finish) whose blocks
+    left vLLM's cache without a host copy, by cause (eviction-time host writes, design.md 2.2),
+    each counted once: `missed`: the eviction window never saw them whole (a step took some of
+    their blocks from beyond it: the window too slow or too small); `no_lease`: the window
+    refused them at least once for lack of lease room for their copy; `broken`: let go in the
+    window because an ancestor's copy was impossible (its blocks had left uncopied). And
+    `unapplied`: documents a plan computed although the window had copied them to the host
+    and vLLM had evicted them, because the tree had not applied the copy when it planned (the
+    report that carries a copy is the next request's finish)."""
+
+    missed: int = 0
+    no_lease: int = 0
+    broken: int = 0
+    unapplied: int = 0
+
+    def __add__(self, other: WindowLosses) -> WindowLosses:
+        return WindowLosses(
+            self.missed + other.missed,
+            self.no_lease + other.no_lease,
+            self.broken + other.broken,
+            self.unapplied + other.unapplied,
+        )
+
+    def to_json(self) -> list[int]:
+        return [self.missed, self.no_lease, self.broken, self.unapplied]
+
+    @classmethod
+    def from_json(cls, data: Any) -> WindowLosses:
+        return cls(*(int(n) for n in data))
+
+
+NO_LOSSES = WindowLosses()
+"""No kept document lost (an immutable value, shared as a default)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """Everything the connector does for one request, in execution order. `protect` and
     `release` are the protected set's changes (the GPU tier's policy, docs/design.md 2.2):

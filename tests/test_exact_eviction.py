@@ -76,14 +76,14 @@ def _doc(name: str, rng: random.Random, n: int = 96) -> TokenizedDocument:
     return TokenizedDocument(DocKey(name, f"h-{name}"), tuple(_tokens(rng, n)))
 
 
-def _tree(rig: Rig) -> KnowledgeTree:
+def _tree(rig: Rig, lease_slots: int = LEASE_SLOTS) -> KnowledgeTree:
     return KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v1", "float32"),
         gpu_slots=0,
         host_slots=rig.engine.host_slots,
         page_size=PAGE,
         host_write="eviction",
-        host_lease_slots=LEASE_SLOTS,
+        host_lease_slots=lease_slots,
     )
 
 
@@ -124,14 +124,16 @@ class Computed:
     first: Any
 
 
-def _computed(rig: Rig, name: str, seed: int, **extra: Any) -> tuple[Computed, random.Random]:
+def _computed(
+    rig: Rig, name: str, seed: int, lease_slots: int = LEASE_SLOTS, **extra: Any
+) -> tuple[Computed, random.Random]:
     rng = random.Random(seed)
     system = _tokens(rng, 32)
     doc = _doc(name, rng)
     question = _tokens(rng, 9)
     ref = rig.engine.run(system + list(doc.token_ids) + question, None, SAMPLING)
     rig.engine.reset_prefix_cache()
-    tree = _tree(rig)
+    tree = _tree(rig, lease_slots)
     first = run_request(
         rig.engine,
         tree,
@@ -194,6 +196,27 @@ def test_clear_forgets_what_the_window_would_copy_and_holds_no_block(rig: Rig) -
     assert "gone" not in _host_docs(tree)
     got = run_request(
         rig.engine, tree, system=system, documents=[gone], question=question, sampling=SAMPLING
+    )
+    assert got.token_ids == ref.token_ids and got.host_hit_docs == 0
+    tree.check_integrity()
+
+
+def test_a_document_the_lease_has_no_room_for_is_counted_lost_and_recomputed_exactly(
+    rig: Rig,
+) -> None:
+    """A lease of 4 slots: the root (2 slots) fits, no 96-token document (6) ever does. Every
+    kept document leaves vLLM's blocks uncopied, and the reports say why (`no_lease`)."""
+    c, rng = _computed(rig, "refused", 6, lease_slots=4)
+    system, refused, question, ref, tree = c.system, c.doc, c.question, c.ref, c.tree
+    # Twice: with nothing copied nothing is handed back to the queue's head, and each request's
+    # partial last block (never cached) is reused first, so one push-out evicts little.
+    _push_out(rig, tree, system, rng)
+    _push_out(rig, tree, system, rng)
+    assert _host_docs(tree) == set() and "refused" not in _vllm_docs(tree)
+    writes = tree.host_writes
+    assert writes is not None and writes.lost.no_lease >= 1 and writes.lost.broken == 0
+    got = run_request(
+        rig.engine, tree, system=system, documents=[refused], question=question, sampling=SAMPLING
     )
     assert got.token_ids == ref.token_ids and got.host_hit_docs == 0
     tree.check_integrity()

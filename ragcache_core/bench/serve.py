@@ -301,7 +301,10 @@ class RAGCacheSystem:
 
     def counters(self) -> dict[str, Any]:
         """RAGCache's own counters since the last reset (warm-up requests included):
-        speculation outcomes, and requests deferred on a document in flight."""
+        speculation outcomes, requests deferred on a document in flight, host bytes written,
+        host evictions, and with eviction-time host writes the kept documents that left
+        vLLM's cache uncopied by cause (`host_lost_*`, `WindowLosses`) and the kept documents
+        computed by two open requests at once (`host_concurrent_computes`)."""
         stats = self.cache.stats()
         keys = (
             "speculation_started",
@@ -313,6 +316,10 @@ class RAGCacheSystem:
         counted["deferrals"] = stats["deferrals"] - self._deferrals_at_reset
         slot_bytes = self.cache.connector.layout.slot_bytes
         counted["host_bytes_written"] = self.cache.tree.counters.host_slots_written * slot_bytes
+        counted["host_evictions"] = stats["tree"]["evictions_host"]
+        for key, value in stats.get("host_writes", {}).items():  # eviction-time host writes
+            if key != "copies":  # not reset by clear()
+                counted[f"host_{key}"] = value
         return counted
 
     async def reset(self) -> None:

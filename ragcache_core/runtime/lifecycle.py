@@ -129,7 +129,11 @@ class Lifecycle:
         confirmed = self._settle_copies(handle, result)
         if result.reported:
             tree.apply_host_writes(
-                result.host_copied, result.host_dropped, result.stranded_blocks, result.host_gone
+                result.host_copied,
+                result.host_dropped,
+                result.stranded_blocks,
+                result.host_gone,
+                result.host_lost,
             )
         return confirmed
 

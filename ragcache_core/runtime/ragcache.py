@@ -322,6 +322,16 @@ class RAGCache(RAGCacheAPI):
             "roots": tree.roots,
             "evictions_host": counted.evictions_host,
         }
+        writes = self.tree.host_writes
+        if writes is not None:  # eviction-time host writes: where kept documents went
+            data["host_writes"] = {
+                "copies": writes.copies,
+                "lost_missed": writes.lost.missed,
+                "lost_no_lease": writes.lost.no_lease,
+                "lost_broken": writes.lost.broken,
+                "unapplied_copies": writes.lost.unapplied,
+                "concurrent_computes": writes.concurrent_computes,
+            }
         data["queue_waiting"] = self.admission.waiting
         data["in_prefill"] = self.admission.in_prefill
         data["deferrals"] = self.admission.deferrals

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.plan import HostLease, Tier
+from ragcache_core.plan import NO_LOSSES, HostLease, Tier, WindowLosses
 from ragcache_core.policy import NodeStats
 from ragcache_core.tree.integrity import fail
 from ragcache_core.tree.keys import DocKey, RootKey
@@ -77,6 +77,15 @@ class HostWrites:
         """Keep keys the engine let go of without a copy (counter)."""
         self.stranded_blocks = 0
         """What the engine last reported held without a copy in flight (0 unless a bug)."""
+        self.lost = WindowLosses()
+        """Kept documents that left vLLM's cache uncopied, by cause, as the engine reported
+        them (since the last `reset_counters`)."""
+        self.concurrent_computes = 0
+        """Kept documents a plan computes while another open request computes them too (no
+        node is in flight for admission to defer on: the path is a node only from its
+        computing request's first token), since the last `reset_counters`."""
+        self._computing: dict[int, int] = {}
+        """Shadow key -> open requests computing it."""
 
     @property
     def lease(self) -> frozenset[int]:
@@ -117,6 +126,28 @@ class HostWrites:
         self._version += 1
         return HostLease(self.epoch, self._version, self.applied, tuple(sorted(lease)))
 
+    def computes(self, shadow: Shadow, handle: RequestHandle) -> None:
+        """`handle`'s plan computes `shadow`'s path (vLLM's blocks do not hold it, as last
+        heard): counted in `concurrent_computes` if another open request computes it too."""
+        count = self._computing.get(shadow.key, 0)
+        if count:
+            self.concurrent_computes += 1
+        self._computing[shadow.key] = count + 1
+        handle.ledger.computing.append(shadow.key)
+
+    def end(self, handle: RequestHandle) -> None:
+        """`handle` ended (confirmed or aborted): it computes nothing any more."""
+        for key in handle.ledger.computing:
+            count = self._computing.pop(key) - 1
+            if count:
+                self._computing[key] = count
+        handle.ledger.computing.clear()
+
+    def reset_counters(self) -> None:
+        """`clear()`: the loss counters restart (`copies`, `wasted`, `dropped` do not)."""
+        self.lost = WindowLosses()
+        self.concurrent_computes = 0
+
     def settle(self, handle: RequestHandle) -> None:
         """`handle` confirmed: vLLM's blocks hold the paths its plan kept (root first). Each
         becomes a resident node, attached below its parent if absent; a path whose parent
@@ -146,10 +177,13 @@ class HostWrites:
         dropped: tuple[int, ...],
         stranded_blocks: int,
         gone: tuple[tuple[int, int], ...] = (),
+        lost: WindowLosses = NO_LOSSES,
     ) -> None:
         """One report's host writes (any request's; each copy once, by sequence number), then
-        the paths it reports gone from vLLM's blocks (`gone`: key and plan version)."""
+        the paths it reports gone from vLLM's blocks (`gone`: key and plan version); `lost`:
+        the report's count of kept documents that left uncopied (added up)."""
         self.stranded_blocks = max(self.stranded_blocks, stranded_blocks)
+        self.lost += lost
         self.dropped += len(dropped)
         placement = self._placement
         for seq, key, slots in copied:

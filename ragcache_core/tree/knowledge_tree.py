@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from ragcache_core.capacity import slots_in_tokens
 from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.errors import ConfigError, RAGCacheError
-from ragcache_core.plan import Tier
+from ragcache_core.plan import NO_LOSSES, Tier, WindowLosses
 from ragcache_core.policy import make_policy
 from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import OpenHoldings, fail
@@ -322,13 +322,16 @@ class KnowledgeTree:
         dropped: Sequence[int],
         stranded_blocks: int = 0,
         gone: Sequence[tuple[int, int]] = (),
+        lost: WindowLosses = NO_LOSSES,
     ) -> None:
         """The engine's report of eviction-time host writes (any request's report carries the
         changes since the previous one; each copy is applied once): copies become ready host
         copies, and the paths `gone` from vLLM's blocks stop being held there
         (`HostWrites.apply`). No-op when the host tier is written at compute."""
         if self.host_writes is not None:
-            self.host_writes.apply(tuple(copied), tuple(dropped), stranded_blocks, tuple(gone))
+            self.host_writes.apply(
+                tuple(copied), tuple(dropped), stranded_blocks, tuple(gone), lost
+            )
 
     def mark_final(self, handle: RequestHandle) -> None:
         """A speculative request turned out to use the final documents: count its retrievals
@@ -384,6 +387,8 @@ class KnowledgeTree:
         self.policy.reset()
         self._planner.reset()
         self._placement.reset_counters()
+        if self.host_writes is not None:
+            self.host_writes.reset_counters()
 
     def check_integrity(self) -> None:
         """Verify every invariant of every part; raises `IntegrityError` naming the first
@@ -413,6 +418,8 @@ class KnowledgeTree:
 
     def _finish(self, handle: RequestHandle, state: RequestState) -> None:
         self._placement.release(handle)
+        if self.host_writes is not None:
+            self.host_writes.end(handle)
         handle.state = state
         del self._open[handle.request_id]
 

@@ -351,6 +351,8 @@ class Planner:
                 shadow.stats.record_computed(cost_per_new)
                 shadow.stats.touch(self.now, count=handle.final, window=self._window())
             handle.ledger.keeps.append(shadow)
+            if num_tokens and (node is None or not node.resident):
+                self.host_writes.computes(shadow, handle)
             if num_tokens:
                 keep.append(KeepSpan(shadow.key, parent, start, num_tokens))
                 parent = shadow.key

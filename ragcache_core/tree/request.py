@@ -35,7 +35,9 @@ class RequestLedger:
     - `protecting`: the protected-set entries its plan asks the engine to hold, until the
       connector's report says which it holds (`ProtectedSet.settle`) or it ends without one;
     - `keeps`: the paths its plan keeps (eviction-time host writes), root first: vLLM's blocks
-      hold them once it confirms (`HostWrites.settle`).
+      hold them once it confirms (`HostWrites.settle`);
+    - `computing`: the keys of those it computes (vLLM's blocks did not hold them, as last
+      heard), until it ends (`HostWrites.end`): what `concurrent_computes` counts against.
     """
 
     path: list[Node] = field(default_factory=list)
@@ -45,6 +47,7 @@ class RequestLedger:
     swap_out: list[SlotCopy] = field(default_factory=list)
     protecting: tuple[int, ...] = ()
     keeps: list[Shadow] = field(default_factory=list)
+    computing: list[int] = field(default_factory=list)
 
 
 class RequestHandle:

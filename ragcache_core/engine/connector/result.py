@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragcache_core.engine.connector.config import RESULT_KEY
+from ragcache_core.plan import NO_LOSSES, WindowLosses
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,8 @@ class ConnectorResult:
     `host_gone`: (keep key, plan version) of the kept documents whose blocks left vLLM's cache
     since then, or that the engine stopped following (a dropped key, a span it could not
     record): the tree stops counting them as held in vLLM's blocks (`Node.resident`).
+    `host_lost`: the kept documents that left vLLM's cache uncopied since the previous
+    report (`WindowLosses`, deltas: each counted once).
     `stranded_blocks`: blocks the engine found held with no copy in flight, since it started
     (0 unless there is a bug; `check_integrity()` fails on it).
     `reported`: the result came from the connector's report (False: no report came, as for
@@ -60,6 +63,7 @@ class ConnectorResult:
     host_copied: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     host_dropped: tuple[int, ...] = ()
     host_gone: tuple[tuple[int, int], ...] = ()
+    host_lost: WindowLosses = NO_LOSSES
     stranded_blocks: int = 0
     reported: bool = field(default=False, compare=False)
 
@@ -84,6 +88,7 @@ class ConnectorResult:
             "host_copied": [[seq, key, list(slots)] for seq, key, slots in self.host_copied],
             "host_dropped": list(self.host_dropped),
             "host_gone": [[key, version] for key, version in self.host_gone],
+            "host_lost": self.host_lost.to_json(),
             "stranded_blocks": self.stranded_blocks,
         }
 
@@ -108,6 +113,7 @@ class ConnectorResult:
             ),
             host_dropped=tuple(int(k) for k in data.get("host_dropped", ())),
             host_gone=tuple((int(k), int(v)) for k, v in data.get("host_gone", ())),
+            host_lost=WindowLosses.from_json(data.get("host_lost", (0, 0, 0))),
             stranded_blocks=int(data.get("stranded_blocks", 0)),
             reported=True,
         )

@@ -44,7 +44,7 @@ from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerR
 from ragcache_core.engine.connector.result import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.engine.connector.window import EvictionWindow
-from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, StoreSpan
+from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, StoreSpan, WindowLosses
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +311,7 @@ class SchedulerSide:
                 host_copied=copied,
                 host_dropped=dropped,
                 host_gone=gone,
+                host_lost=window.take_losses() if window is not None else WindowLosses(),
                 stranded_blocks=window.stranded_blocks if window is not None else 0,
             )
         return {RESULT_KEY: result.to_json()}
@@ -370,6 +371,7 @@ class SchedulerSide:
                 self._release(key)
             if plan.lease is not None and self.window is not None:
                 self.window.take_lease(plan.lease)
+                self.window.planned(plan.keep, plan.lease)
         fault = params.get(FAULT_KEY) or {}
         tracked = _Tracked(
             plan=plan,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.plan import HostLease, KeepSpan
+from ragcache_core.plan import HostLease, KeepSpan, WindowLosses
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ class _Record:
     fail: bool
     version: int
     """The plan (lease version) that recorded it: named in its gone report."""
-    copied: bool = False
+    copied: int = 0
+    """The copy's sequence number (0: not copied)."""
+    refused: bool = False
+    """A scan found it (or a descendant) in the window with no lease room for its copy."""
 
     def intact(self) -> bool:
         """Every block still holds the KV it was recorded with (vLLM resets a block's hash when
@@ -111,11 +114,15 @@ class EvictionWindow:
         self._copied: list[tuple[int, int, tuple[int, ...]]] = []
         self._dropped: list[int] = []
         self._gone: list[tuple[int, int]] = []
-        self._host_held: OrderedDict[int, None] = OrderedDict()
-        """Keys copied whose records left (their blocks left vLLM's cache): a child's copy may
-        still follow them (their host copy is there); bounded by `HOST_HELD_LIMIT`."""
+        self._host_held: OrderedDict[int, int] = OrderedDict()
+        """Keys copied whose records left (their blocks left vLLM's cache) -> the copy's
+        sequence number: a child's copy may still follow them (their host copy is there);
+        bounded by `HOST_HELD_LIMIT`."""
         self.stranded_blocks = 0
         """Blocks found held with no copy in flight (handed back), since start."""
+        self._losses = [0, 0, 0, 0]
+        """Since the last `take_losses`: missed, no_lease, broken, unapplied
+        (`WindowLosses`)."""
 
     # ------------------------------------------------------------------ reads
 
@@ -218,12 +225,19 @@ class EvictionWindow:
                 record = self._records.get(key)
                 if record is None or record.copied or key in taken:
                     continue
+                if not record.intact():  # a step took some of its blocks from beyond here
+                    self._lose(record)
+                    self._drop(key)
+                    continue
                 chain = self._chain(record, taken)
-                if chain is None:
+                if chain is None:  # an ancestor's copy is impossible: so is its own
+                    self._losses[2] += 1
                     self._drop(key)
                     continue
                 counts = [slots_for_tokens(r.num_tokens, self.page_size) for r in chain]
                 if sum(counts) > len(self._lease):
+                    for member in chain:
+                        member.refused = True
                     continue  # let go: vLLM's LRU takes it unless a later lease has room
                 for member, count in zip(chain, counts, strict=True):
                     slots, self._lease = tuple(self._lease[:count]), self._lease[count:]
@@ -259,7 +273,7 @@ class EvictionWindow:
                 self._seq += 1
                 self._consumed[self._seq] = slots
                 self._copied.append((self._seq, key, slots))
-                record.copied = True
+                record.copied = self._seq
                 self._unindex(record)
             else:
                 self._lease.extend(s for s in slots if s in self._lease_set)
@@ -288,6 +302,28 @@ class EvictionWindow:
         dropped, self._dropped = tuple(self._dropped), []
         gone, self._gone = tuple(self._gone), []
         return copied, dropped, gone
+
+    def take_losses(self) -> WindowLosses:
+        """The kept documents that left vLLM's cache uncopied since the last call (for one
+        report, after `take_changes`, whose sweep finds them)."""
+        losses, self._losses = WindowLosses(*self._losses), [0, 0, 0, 0]
+        return losses
+
+    def planned(self, keep: tuple[KeepSpan, ...], lease: HostLease) -> None:
+        """A plan reached the engine: each document it keeps (so computes or reads from
+        vLLM's blocks) that the window copied after the tree last applied a copy
+        (`lease.applied`), and whose blocks have left vLLM's cache, is computed although the
+        host holds it: the tree had not heard of the copy (`WindowLosses.unapplied`)."""
+        if lease.epoch != self._epoch:
+            return
+        for span in keep:
+            record = self._records.get(span.key)
+            if record is not None:
+                seq = record.copied if not record.intact() else 0
+            else:
+                seq = self._host_held.get(span.key, 0)
+            if seq > lease.applied:
+                self._losses[3] += 1
 
     def reset(self, block_pool: Any) -> None:
         """vLLM's prefix cache was reset (`clear()`): forget every record; blocks held (none
@@ -339,9 +375,16 @@ class EvictionWindow:
             self._forget(key)
             self._gone.append((key, record.version))
             if record.copied:
-                self._host_held[key] = None
+                self._host_held[key] = record.copied
                 if len(self._host_held) > HOST_HELD_LIMIT:
                     self._host_held.popitem(last=False)
+            else:
+                self._lose(record)
+
+    def _lose(self, record: _Record) -> None:
+        """`record`, a document the policy wanted on the host, left vLLM's cache uncopied:
+        counted as refused a lease if the window ever refused it, else as missed."""
+        self._losses[1 if record.refused else 0] += 1
 
     def _drop(self, key: int) -> None:
         record = self._forget(key)
