@@ -127,3 +127,12 @@ def test_a_saturation_it_cannot_find_is_refused_in_one_line(
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_one_systems_answers_are_not_called_identical() -> None:
+    from ragcache_core.bench.report import _answers_line
+
+    one = {"rate_rps": 1.0, "repeat": 0, "identical": 5, "requests": 5, "systems": 1}
+    assert "not compared" in _answers_line(one) and "5/5" not in _answers_line(one)
+    two = one | {"systems": 2, "identical": 4}
+    assert _answers_line(two).endswith("4/5")

@@ -250,6 +250,8 @@ def _answers_line(a: dict[str, Any]) -> str:
             f"  {a['system']} answers equal plain vLLM's on the same ordered prompts at {at}: "
             f"{a['same_as_plain_vllm']}/{a['requests']} ({a['reordered']} reordered)"
         )
+    if a.get("systems", 2) < 2:  # one system's answers: nothing to compare them with
+        return f"  answers identical at {at}: one system serves these prompts, not compared"
     return f"  answers identical at {at}: {a['identical']}/{a['requests']}"
 
 

@@ -448,8 +448,15 @@ def _rounds(
             round_runs.append(run)
             print(_point_line(label, summary), file=engines.log, flush=True)
         same, total = identical_answers(round_runs)
+        compared = sum(not reorders(r.system) for r in round_runs)
         result.answers.append(
-            {"rate_rps": rate, "repeat": repeat, "identical": same, "requests": total}
+            {
+                "rate_rps": rate,
+                "repeat": repeat,
+                "identical": same,
+                "requests": total,
+                "systems": compared,
+            }
         )
         for run in round_runs:
             if reorders(run.system):
