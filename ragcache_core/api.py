@@ -28,7 +28,7 @@ from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import wrong_type
 from ragcache_core.loop import Emit, LoopThread, astream_from, iterate_on
-from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.query_result import QueryResult, StreamChunk
 from ragcache_core.search import SearchSource
 
 __all__ = ["RAGCacheAPI", "require_cache"]

@@ -106,7 +106,7 @@ def test_both_caches_implement_the_one_api() -> None:
 LAYERS: dict[str, int] = {
     # shared types and helpers (the top of ragcache_core)
     **dict.fromkeys(
-        ["errors", "documents", "results", "config", "plan", "capacity", "search", "loop"], 0
+        ["errors", "documents", "query_result", "config", "plan", "capacity", "search", "loop"], 0
     ),
     **dict.fromkeys(["app_prompt"], 0),
     **dict.fromkeys(["api", "trace", "data"], 0),
@@ -188,7 +188,7 @@ def test_the_client_imports_only_httpx_and_the_shared_types() -> None:
         "ragcache_core.documents",
         "ragcache_core.errors",
         "ragcache_core.loop",
-        "ragcache_core.results",
+        "ragcache_core.query_result",
         "ragcache_core.search",
     }
     assert ours <= allowed, ours - allowed

@@ -51,7 +51,7 @@ from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import SamplingConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, wrong_type
-from ragcache_core.results import QueryResult
+from ragcache_core.query_result import QueryResult
 from ragcache_core.search import SearchSource
 from ragcache_integrations.langchain.adapters import search_source
 from ragcache_integrations.langchain.documents import to_langchain, to_ragcache_all

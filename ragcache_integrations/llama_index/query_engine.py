@@ -59,7 +59,7 @@ from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.config import PromptConfig, SamplingConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, wrong_type
-from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.query_result import QueryResult, StreamChunk
 from ragcache_core.retrieval.source import CallableSource
 from ragcache_core.search import SearchSource
 from ragcache_integrations.llama_index.adapters import node_to_document, search_source
