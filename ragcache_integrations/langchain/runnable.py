@@ -141,7 +141,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
     ) -> RAGCacheRunnable:
         """A runnable that retrieves from `vectorstore` itself (input: the question, or a dict
         of the prompt's inputs with the question under `question_key`). `search_options`
-        (nprobe, plan, ef_search) go to `adapters.search_source`. A retriever (or anything but
+        (nprobe, sizing, ef_search) go to `adapters.search_source`. A retriever (or anything but
         a `VectorStore`) raises `TypeError` here, not at the first call."""
         check_vectorstore(vectorstore)
         require_cache(cache, "RAGCacheRunnable.from_vectorstore(store, cache=...)")

@@ -177,7 +177,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         final top-k (no speculation then); `filters` go to the store; `response_mode` must be
         "compact" (`conventions`); `refine_template` is reported by `get_prompts()`, never used
         (one call per query); `callback_manager` defaults to `Settings.callback_manager`, as
-        LlamaIndex's own engines. `search_options` (nprobe, plan, ef_search) go to
+        LlamaIndex's own engines. `search_options` (nprobe, sizing, ef_search) go to
         `adapters.search_source`; any other keyword is a `TypeError` listing both sets. A
         retriever, a vector store or a cache that is not a `RAGCacheAPI` raises `TypeError`
         here, naming what to pass instead."""
@@ -552,6 +552,6 @@ def as_query_engine(
     """The one-line replacement for `index.as_query_engine(**kwargs)`: LlamaIndex's keywords
     (`similarity_top_k`, `text_qa_template`, `node_postprocessors`, `response_mode`,
     `filters`, `streaming`, ...), RAGCache's (`prompt`, `sampling`, `cache_salt`) and the
-    search adapter's (`nprobe`, `plan`, `ef_search`); see `from_index`. Any other keyword is
+    search adapter's (`nprobe`, `sizing`, `ef_search`); see `from_index`. Any other keyword is
     a `TypeError` naming this call and listing both sets."""
     return RAGCacheQueryEngine.from_index(index, cache=cache, **kwargs)
