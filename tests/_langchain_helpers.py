@@ -1,8 +1,8 @@
 """Shared pieces of the LangChain integration modules (test_integration_langchain.py: the
 runnable and the LLM wrapper; test_integration_langchain_chat.py: conversations, the chat
-model and the guide): the sample corpus as LangChain documents, the stores each module builds
-once (a flat FAISS and an IVF one, searched in stages), a callback handler that records what
-LangChain reports, and the chain's own chat prompt."""
+model and the guide): the sample corpus as LangChain documents, the stores as module-scoped
+fixtures (a flat FAISS and an IVF one, searched in stages), a callback handler that records
+what LangChain reports, and the chain's own chat prompt."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+import pytest
 from _integration_helpers import corpus, questions
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document as LCDocument
@@ -38,15 +39,22 @@ RETRIEVAL_PROMPT = ChatPromptTemplate.from_messages(
 )
 
 
-def offline_embeddings() -> OfflineEmbeddings:
+# Module-scoped fixtures: a module takes them by name (`flat_store = _langchain_helpers.flat_store`)
+# and builds its own.
+
+
+@pytest.fixture(scope="module")
+def embeddings() -> OfflineEmbeddings:
     return OfflineEmbeddings(TfidfSvdEmbedder.fit([d.text for d in DOCS]))
 
 
-def flat_faiss(embeddings: OfflineEmbeddings) -> FAISS:
+@pytest.fixture(scope="module")
+def flat_store(embeddings: OfflineEmbeddings) -> FAISS:
     return FAISS.from_documents(LC_DOCS, embeddings, ids=IDS)
 
 
-def ivf_faiss(embeddings: OfflineEmbeddings) -> FAISS:
+@pytest.fixture(scope="module")
+def ivf_store(embeddings: OfflineEmbeddings) -> FAISS:
     vectors = np.asarray(embeddings.embed_documents([d.text for d in DOCS]), dtype=np.float32)
     dim = vectors.shape[1]
     ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, 4, faiss.METRIC_INNER_PRODUCT)

@@ -1,7 +1,7 @@
 """Shared pieces of the LlamaIndex integration modules (test_integration_llama_index.py: the
 query and chat engines; test_integration_llama_index_conventions.py: LlamaIndex's own
 keywords, prompt keys, postprocessors, filters, LLM events and the guide): the sample corpus as
-nodes, the indexes each module builds once (Faiss IVF, searched in stages, and
+nodes, the indexes as module-scoped fixtures (Faiss IVF, searched in stages, and
 SimpleVectorStore), and what a response's source nodes say."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+import pytest
 from _integration_helpers import corpus, questions
 from llama_index.core import StorageContext, VectorStoreIndex
 from llama_index.core.schema import TextNode
@@ -22,15 +23,21 @@ DOCS = corpus()
 QUESTIONS = questions()
 
 
-def offline_embedding() -> OfflineEmbedding:
-    return OfflineEmbedding(TfidfSvdEmbedder.fit([d.text for d in DOCS]))
-
-
 def text_nodes() -> list[TextNode]:
     return [TextNode(id_=d.id, text=d.text, metadata={"title": d.title}) for d in DOCS]
 
 
-def ivf_vector_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
+# Module-scoped fixtures: a module takes them by name (`ivf_index = _llama_index_helpers.ivf_index`)
+# and builds its own.
+
+
+@pytest.fixture(scope="module")
+def embed_model() -> OfflineEmbedding:
+    return OfflineEmbedding(TfidfSvdEmbedder.fit([d.text for d in DOCS]))
+
+
+@pytest.fixture(scope="module")
+def ivf_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
     vectors = np.asarray(embed_model.get_text_embedding_batch([d.text for d in DOCS]), "float32")
     dim = vectors.shape[1]
     ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, 4, faiss.METRIC_INNER_PRODUCT)
@@ -40,7 +47,8 @@ def ivf_vector_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
     return VectorStoreIndex(text_nodes(), storage_context=storage, embed_model=embed_model)
 
 
-def simple_vector_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
+@pytest.fixture(scope="module")
+def simple_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
     return VectorStoreIndex(text_nodes(), embed_model=embed_model)
 
 

@@ -11,17 +11,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import _integration_helpers
+import _langchain_helpers
 import pytest
-from _integration_helpers import import_with_version, reference, shared_cache
+from _integration_helpers import import_with_version, reference
 from _langchain_helpers import (
     FAISS,
     LC_DOCS,
     QUESTIONS,
     RETRIEVAL_PROMPT,
     Record,
-    flat_faiss,
-    ivf_faiss,
-    offline_embeddings,
 )
 from langchain_core.documents import Document as LCDocument
 from langchain_core.output_parsers import StrOutputParser
@@ -33,7 +32,6 @@ from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_integrations.langchain import (
-    OfflineEmbeddings,
     RAGCacheLLM,
     RAGCacheRunnable,
     document_id,
@@ -45,26 +43,11 @@ from ragcache_integrations.langchain._compat import (
     check_version,
 )
 
-
-@pytest.fixture(scope="module")
-def embeddings() -> OfflineEmbeddings:
-    return offline_embeddings()
-
-
-@pytest.fixture(scope="module")
-def flat_store(embeddings: OfflineEmbeddings) -> FAISS:
-    return flat_faiss(embeddings)
-
-
-@pytest.fixture(scope="module")
-def ivf_store(embeddings: OfflineEmbeddings) -> FAISS:
-    return ivf_faiss(embeddings)
-
-
-@pytest.fixture(scope="module")
-def cache(tiny_model: Path, engine_pool: Any) -> Any:
-    """The integration modules' shared RAGCache, cold for this module (`shared_cache`)."""
-    return shared_cache(engine_pool, tiny_model)
+# The module-scoped fixtures this module builds for itself (found by their names here).
+cache = _integration_helpers.cache
+embeddings = _langchain_helpers.embeddings
+flat_store = _langchain_helpers.flat_store
+ivf_store = _langchain_helpers.ivf_store
 
 
 def _chain(retriever: Any, cache: Any) -> Any:

@@ -10,19 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from operator import itemgetter
-from pathlib import Path
 from typing import Any
 
+import _integration_helpers
+import _langchain_helpers
 import pytest
-from _integration_helpers import REPO, GuideCache, guide_blocks, reference, shared_cache
+from _integration_helpers import REPO, GuideCache, guide_blocks, reference
 from _langchain_helpers import (
     FAISS,
     LC_DOCS,
     QUESTIONS,
     RETRIEVAL_PROMPT,
     Record,
-    flat_faiss,
-    offline_embeddings,
 )
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.chat_history import InMemoryChatMessageHistory
@@ -43,16 +42,10 @@ from ragcache_integrations.langchain import (
     to_ragcache,
 )
 
-
-@pytest.fixture(scope="module")
-def flat_store() -> FAISS:
-    return flat_faiss(offline_embeddings())
-
-
-@pytest.fixture(scope="module")
-def cache(tiny_model: Path, engine_pool: Any) -> Any:
-    """The integration modules' shared RAGCache, cold for this module (`shared_cache`)."""
-    return shared_cache(engine_pool, tiny_model)
+# The module-scoped fixtures this module builds for itself (found by their names here).
+cache = _integration_helpers.cache
+embeddings = _langchain_helpers.embeddings
+flat_store = _langchain_helpers.flat_store
 
 
 CHAT_PROMPT = ChatPromptTemplate.from_messages(

@@ -12,15 +12,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import _integration_helpers
+import _llama_index_helpers
 import faiss
 import pytest
-from _integration_helpers import CONFIG, import_with_version, reference, shared_cache
+from _integration_helpers import CONFIG, import_with_version, reference
 from _llama_index_helpers import (
     QUESTIONS,
-    ivf_vector_index,
-    offline_embedding,
     response_documents,
-    simple_vector_index,
     source_ids,
     text_nodes,
 )
@@ -58,26 +57,11 @@ from ragcache_integrations.llama_index._compat import (
 )
 from ragcache_integrations.llama_index.prompt import app_prompt as li_app_prompt
 
-
-@pytest.fixture(scope="module")
-def embed_model() -> OfflineEmbedding:
-    return offline_embedding()
-
-
-@pytest.fixture(scope="module")
-def ivf_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
-    return ivf_vector_index(embed_model)
-
-
-@pytest.fixture(scope="module")
-def simple_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
-    return simple_vector_index(embed_model)
-
-
-@pytest.fixture(scope="module")
-def cache(tiny_model: Path, engine_pool: Any) -> Any:
-    """The integration modules' shared RAGCache, cold for this module (`shared_cache`)."""
-    return shared_cache(engine_pool, tiny_model)
+# The module-scoped fixtures this module builds for itself (found by their names here).
+cache = _integration_helpers.cache
+embed_model = _llama_index_helpers.embed_model
+ivf_index = _llama_index_helpers.ivf_index
+simple_index = _llama_index_helpers.simple_index
 
 
 # ---------------------------------------------------------------------- with the engine

@@ -10,15 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import _integration_helpers
+import _llama_index_helpers
 import pytest
-from _integration_helpers import GuideCache, guide_blocks, reference, shared_cache
+from _integration_helpers import GuideCache, guide_blocks, reference
 from _llama_index_helpers import (
     DOCS,
     QUESTIONS,
-    ivf_vector_index,
-    offline_embedding,
     response_documents,
-    simple_vector_index,
     source_ids,
 )
 from llama_index.core import VectorStoreIndex
@@ -36,31 +35,16 @@ from pydantic import Field, PrivateAttr
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
 from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError, InputError
-from ragcache_integrations.llama_index import OfflineEmbedding, as_query_engine
+from ragcache_integrations.llama_index import as_query_engine
 from ragcache_integrations.llama_index.adapters import search_source
 from ragcache_integrations.llama_index.events import formatted
 from ragcache_integrations.llama_index.prompt import app_prompt as li_app_prompt
 
-
-@pytest.fixture(scope="module")
-def embed_model() -> OfflineEmbedding:
-    return offline_embedding()
-
-
-@pytest.fixture(scope="module")
-def ivf_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
-    return ivf_vector_index(embed_model)
-
-
-@pytest.fixture(scope="module")
-def simple_index(embed_model: OfflineEmbedding) -> VectorStoreIndex:
-    return simple_vector_index(embed_model)
-
-
-@pytest.fixture(scope="module")
-def cache(tiny_model: Path, engine_pool: Any) -> Any:
-    """The integration modules' shared RAGCache, cold for this module (`shared_cache`)."""
-    return shared_cache(engine_pool, tiny_model)
+# The module-scoped fixtures this module builds for itself (found by their names here).
+cache = _integration_helpers.cache
+embed_model = _llama_index_helpers.embed_model
+ivf_index = _llama_index_helpers.ivf_index
+simple_index = _llama_index_helpers.simple_index
 
 
 # ---------------------------------------------------------------------- LlamaIndex's conventions
