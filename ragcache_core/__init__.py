@@ -1,7 +1,7 @@
 """RAGCache: a knowledge cache for retrieval-augmented generation on vLLM.
 
 The package tree follows the pipeline (see docs/architecture.md): shared types at the top
-(`api`, `config`, `documents`, `errors`, `plan`, `results`, `search`, `loop`, ...); `tree/`,
+(`api`, `config`, `documents`, `errors`, `plan`, `query_result`, `search`, `loop`, ...); `tree/`,
 `policy/`, `cost/` (control plane, pure Python); `storage/` and `engine/` (data plane on
 vLLM); `retrieval/` (staged vector search); `runtime/` (the request path: the `RAGCache`
 facade, admission, speculation, the lifecycle); `client/` (the same API over HTTP); `serve/`
@@ -35,16 +35,16 @@ if TYPE_CHECKING:
     from ragcache_core.config import CacheConfig, PromptConfig, SamplingConfig
     from ragcache_core.documents import Document
     from ragcache_core.engine.logs import quiet_vllm
-    from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+    from ragcache_core.query_result import CacheHits, QueryResult, StreamChunk
     from ragcache_core.runtime.ragcache import RAGCache
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "RAGCache": "ragcache_core.runtime.ragcache",
-    "QueryResult": "ragcache_core.results",
-    "CacheHits": "ragcache_core.results",
-    "StreamChunk": "ragcache_core.results",
+    "QueryResult": "ragcache_core.query_result",
+    "CacheHits": "ragcache_core.query_result",
+    "StreamChunk": "ragcache_core.query_result",
     "CacheConfig": "ragcache_core.config",
     "PromptConfig": "ragcache_core.config",
     "SamplingConfig": "ragcache_core.config",

@@ -22,7 +22,7 @@ from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 from ragcache_core.errors import CacheClosedError
-from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.query_result import QueryResult, StreamChunk
 
 T = TypeVar("T")
 

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ragcache_core.results import CacheHits
-from ragcache_core.tree.results import TreeCounters
+from ragcache_core.query_result import CacheHits
+from ragcache_core.tree.stats import TreeCounters
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -11,6 +11,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.retrieval.corpus import load_corpus, load_questions
@@ -43,6 +45,13 @@ def shared_cache(engine_pool: Any, model: Path) -> Any:
     cache = engine_pool.hold(key, lambda: RAGCache(model, CONFIG))
     cache.clear()
     return cache
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_model: Path, engine_pool: Any) -> Any:
+    """The integration modules' fixture (each takes it as `cache = _integration_helpers.cache`):
+    the shared RAGCache, cold for each module (`shared_cache`)."""
+    return shared_cache(engine_pool, tiny_model)
 
 
 def plain_tokens(cache: Any, ids: Sequence[int], sampling: SamplingConfig) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from ragcache_core.loop import Emit, LoopThread, astream_from, iterate_on
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.query_result import CacheHits, QueryResult, StreamChunk
 from ragcache_core.runtime.speculation import relay
 
 

@@ -5,7 +5,7 @@ Prometheus collector together; the tree's counters arrive as deltas, across a `c
 from __future__ import annotations
 
 from ragcache_core.metrics import Metrics
-from ragcache_core.results import CacheHits
+from ragcache_core.query_result import CacheHits
 from ragcache_core.tree import TreeCounters
 
 

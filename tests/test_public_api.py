@@ -106,7 +106,7 @@ def test_both_caches_implement_the_one_api() -> None:
 LAYERS: dict[str, int] = {
     # shared types and helpers (the top of ragcache_core)
     **dict.fromkeys(
-        ["errors", "documents", "results", "config", "plan", "capacity", "search", "loop"], 0
+        ["errors", "documents", "query_result", "config", "plan", "capacity", "search", "loop"], 0
     ),
     **dict.fromkeys(["app_prompt"], 0),
     **dict.fromkeys(["api", "trace", "data"], 0),
@@ -188,7 +188,7 @@ def test_the_client_imports_only_httpx_and_the_shared_types() -> None:
         "ragcache_core.documents",
         "ragcache_core.errors",
         "ragcache_core.loop",
-        "ragcache_core.results",
+        "ragcache_core.query_result",
         "ragcache_core.search",
     }
     assert ours <= allowed, ours - allowed
@@ -217,6 +217,113 @@ def _fake_api() -> Any:
             raise NotImplementedError("not used here")
 
     return Fake()
+
+
+def test_the_answering_calls_take_their_keywords_from_one_declaration() -> None:
+    """query, generate, stream and their async forms take the keywords of `AnswerOptions` /
+    `QueryOptions` / `StreamOptions` (declared once in api.py): each keyword reaches the bodies
+    as the spelled-out signatures passed it, left-out ones take their defaults, and an unknown
+    keyword is Python's TypeError (its words), before anything runs."""
+    import asyncio
+
+    from ragcache_core import AppPrompt, CacheConfig, RAGCacheAPI, SamplingConfig
+    from ragcache_core.api import ANSWER_KEYWORDS, QUERY_KEYWORDS, STREAM_KEYWORDS
+    from ragcache_core.app_prompt import Framing
+    from ragcache_core.documents import Document
+    from ragcache_core.loop import LoopThread
+    from ragcache_core.query_result import CacheHits, QueryResult
+
+    calls: list[tuple[Any, ...]] = []
+
+    def answer(text: str) -> QueryResult:
+        return QueryResult(text, (1,), (), 0.0, 0.0, 0.0, CacheHits(), 1)
+
+    class Recording(RAGCacheAPI):
+        config = CacheConfig()
+        model = "fake"
+        _loop = LoopThread(owner="test")
+
+        def stats(self) -> dict[str, Any]:
+            return {}
+
+        def invalidate(self, doc_id: str) -> int:
+            return 0
+
+        def close(self) -> None:
+            self._loop.stop()
+
+        async def _query(self, question: str, *args: Any) -> QueryResult:
+            calls.append(("query", question, *args[:3], args[4]))
+            return answer("q")
+
+        async def _answer(self, question: str, *args: Any) -> QueryResult:
+            calls.append(("answer", question, *args[:2], args[3]))
+            return answer("a")
+
+    assert {
+        "sampling",
+        "prompt",
+        "cache_salt",
+        "return_prompt",
+        "document_order",
+    } == ANSWER_KEYWORDS
+    assert ANSWER_KEYWORDS | {"search", "top_k"} == QUERY_KEYWORDS
+    assert QUERY_KEYWORDS | {"documents"} == STREAM_KEYWORDS
+    sampling, app, docs = (
+        SamplingConfig(max_tokens=3),
+        AppPrompt(text="{context} {question}"),
+        [Document("d", "text")],
+    )
+    framed = Framing(app, "tenant", True, "cache")
+    every = {
+        "sampling": sampling,
+        "prompt": app,
+        "cache_salt": "tenant",
+        "return_prompt": True,
+        "document_order": "cache",
+    }
+    with Recording() as cache:
+        assert cache.query("q1", top_k=3, **every).answer == "q"
+        assert asyncio.run(cache.aquery("q2")).answer == "q"
+        assert cache.generate("g1", docs, **every).answer == "a"
+        assert asyncio.run(cache.agenerate("g2", docs, sampling=sampling)).answer == "a"
+        assert [c.delta for c in cache.stream("s1", documents=docs, cache_salt="tenant")] == [""]
+        assert [c.result.answer for c in cache.stream("s2", top_k=1) if c.result] == ["q"]
+
+        async def astream() -> list[Any]:
+            return [c async for c in cache.astream("s3", search=None, **every)]
+
+        assert asyncio.run(astream())[-1].result.answer == "q"
+        assert calls == [
+            ("query", "q1", None, 3, sampling, framed),
+            ("query", "q2", None, None, None, Framing()),
+            ("answer", "g1", docs, sampling, framed),
+            ("answer", "g2", docs, sampling, Framing()),
+            ("answer", "s1", docs, None, Framing(cache_salt="tenant")),
+            ("query", "s2", None, 1, None, Framing()),
+            ("query", "s3", None, None, sampling, framed),
+        ]
+        calls.clear()
+        wrong = "RAGCacheAPI\\.a?[a-z]+\\(\\) got an unexpected keyword argument"
+        for call in (
+            lambda: cache.query("q", topk=3),
+            lambda: cache.generate("q", docs, top_k=3),
+            lambda: cache.stream("q", document=docs),
+        ):
+            with pytest.raises(TypeError, match=wrong):
+                call()  # type: ignore[call-arg]
+
+        async def first_chunk() -> Any:
+            return await anext(cache.astream("q", salt="x"))  # type: ignore[call-arg]
+
+        for awaited in (
+            lambda: cache.aquery("q", k=1),
+            lambda: cache.agenerate("q", docs, search=None),
+            first_chunk,
+        ):
+            with pytest.raises(TypeError, match=wrong):
+                asyncio.run(awaited())  # type: ignore[call-arg]
+        assert calls == []
 
 
 def test_the_langchain_llm_takes_cache_and_the_old_keyword_warns() -> None:

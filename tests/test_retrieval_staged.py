@@ -80,7 +80,7 @@ def test_ivf_last_stage_equals_plain_search(base, metric, nq, plan) -> None:
     queries = _queries(base, nq, seed=nq)
     for k in (1, 4, 10):
         expected_d, expected_i = index.search(queries, k)
-        stages = list(StagedIVF(index, plan=plan).stages(queries, k))
+        stages = list(StagedIVF(index, sizing=plan).stages(queries, k))
         assert [s.is_last for s in stages] == [False] * (len(stages) - 1) + [True]
         assert [s.index for s in stages] == list(range(len(stages)))
         np.testing.assert_array_equal(stages[-1].ids, expected_i)
@@ -93,11 +93,29 @@ def test_ivf_last_stage_equals_plain_search(base, metric, nq, plan) -> None:
 
 def test_ivf_stages_scan_chunks_and_speculation_sees_early_results(base) -> None:
     index = _ivf(base, faiss.METRIC_INNER_PRODUCT, nprobe=12)
-    stages = list(StagedIVF(index, plan=ListsPerStage(3)).stages(base[:5], 1))
+    stages = list(StagedIVF(index, sizing=ListsPerStage(3)).stages(base[:5], 1))
     # A stored vector is its own best match: its list is ranked first, so stage 0 already has it.
     assert len(stages) == 4
     np.testing.assert_array_equal(stages[0].ids[:, 0], np.arange(5))
     assert all(b.elapsed_s >= a.elapsed_s for a, b in itertools.pairwise(stages))
+
+
+def test_stage_sizing_keeps_its_old_keyword_and_name(base) -> None:
+    """`sizing=` was `plan=` (a word that means the copy plan everywhere else): the old keyword
+    still sizes the stages the same, with a DeprecationWarning; both at once is refused."""
+    from ragcache_core.retrieval import StagePlan, StageSizing
+
+    assert StagePlan is StageSizing
+    index = _ivf(base, faiss.METRIC_INNER_PRODUCT, nprobe=12)
+    with pytest.warns(DeprecationWarning, match="plan= is now sizing="):
+        old = StagedIVF(index, plan=ListsPerStage(3))
+    with pytest.warns(DeprecationWarning, match="staged_search_for: plan= is now sizing="):
+        picked = staged_search_for(index, plan=ListsPerStage(3))
+    for staged in (old, picked):
+        assert isinstance(staged, StagedIVF) and staged.sizing == ListsPerStage(3)
+        assert len(list(staged.stages(base[:5], 1))) == 4
+    with pytest.raises(TypeError, match="give sizing= only"):
+        StagedIVF(index, sizing=ListsPerStage(3), plan=ListsPerStage(2))
 
 
 def test_ivf_explicit_nprobe_equals_search_with_that_nprobe(base) -> None:
@@ -125,7 +143,7 @@ def test_ivf_exactness_property(nlist, nprobe, per_stage, k, nq, seed) -> None:
     index = _ivf(xb, faiss.METRIC_INNER_PRODUCT, nlist=nlist, nprobe=min(nprobe, nlist))
     queries = np.concatenate([_vectors(nq, seed + 1), xb[20:21]])
     _, expected_i = index.search(queries, k)
-    staged = StagedIVF(index, plan=ListsPerStage(per_stage))
+    staged = StagedIVF(index, sizing=ListsPerStage(per_stage))
     reach = staged._vectors_reached(index.quantizer.search(queries, staged.nprobe)[1])
     if np.any(reach[:, -1] < k):
         with pytest.raises(InputError, match="fewer than k"):

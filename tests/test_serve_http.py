@@ -32,7 +32,7 @@ from ragcache_core.config import (
 )
 from ragcache_core.errors import ConfigError
 from ragcache_core.metrics import Metrics
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.query_result import CacheHits, QueryResult, StreamChunk
 from ragcache_core.serve.app import create_app, sole_owner
 from ragcache_core.serve.auth import read_key_file
 from ragcache_core.serve.listen import adopt_socket, bind_socket

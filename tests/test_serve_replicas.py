@@ -30,7 +30,7 @@ from ragcache_core.config import CacheConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError
 from ragcache_core.metrics import Metrics
-from ragcache_core.results import CacheHits, QueryResult
+from ragcache_core.query_result import CacheHits, QueryResult
 from ragcache_core.serve.app import create_app
 from ragcache_core.serve.state import ServeSettings
 

@@ -29,7 +29,7 @@ from ragcache_core.config import (
 )
 from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError, InputError, SamplingError
-from ragcache_core.results import CacheHits, Candidate, QueryResult, TokenLogprobs
+from ragcache_core.query_result import CacheHits, Candidate, QueryResult, TokenLogprobs
 from ragcache_core.serve.errors import ServeError
 from ragcache_core.serve.jobs import (
     COMPLETION_MAX_TOKENS,

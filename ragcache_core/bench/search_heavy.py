@@ -305,7 +305,7 @@ def _ratio(bench: Bench, ratio: float, rate: float | None) -> dict[str, Any]:
     return {
         "ratio": ratio,
         "nprobe": staged.nprobe,
-        "lists_per_stage": getattr(staged.plan, "lists", None),
+        "lists_per_stage": getattr(staged.sizing, "lists", None),
         "reference": reference,
         "reference_light_ttft_mean_s": ttft,
         "reference_light_search_mean_s": search,

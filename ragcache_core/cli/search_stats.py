@@ -41,8 +41,8 @@ def _run(args: argparse.Namespace) -> int:
     questions = load_questions(
         args.questions, question_fields=args.question_field, limit=args.limit
     )
-    plan = ListsPerStage(args.lists_per_stage) if args.lists_per_stage else None
-    staged = index.staged(nprobe=args.nprobe, plan=plan, ef_search=args.ef_search)
+    sizing = ListsPerStage(args.lists_per_stage) if args.lists_per_stage else None
+    staged = index.staged(nprobe=args.nprobe, sizing=sizing, ef_search=args.ef_search)
     vectors = index.embedder.embed([q.text for q in questions])  # [n, d]
     index.embedder.embed_query("warm-up")  # first-call costs stay out of the timings
     records = record_queries(staged, vectors, args.top_k)

@@ -53,7 +53,7 @@ from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document, checked_documents
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.loop import Emit, LoopThread
-from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.query_result import QueryResult, StreamChunk
 from ragcache_core.search import SearchSource, final_result
 
 QUERY = "/v1/rag/query"

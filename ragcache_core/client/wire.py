@@ -28,7 +28,7 @@ from ragcache_core.config import (
 )
 from ragcache_core.documents import Document, DocumentTemplate
 from ragcache_core.errors import InputError
-from ragcache_core.results import CacheHits, Candidate, QueryResult, TokenLogprobs
+from ragcache_core.query_result import CacheHits, Candidate, QueryResult, TokenLogprobs
 
 
 def jsonable(value: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.settings import EngineSettings
 from ragcache_core.errors import RAGCacheError
-from ragcache_core.results import TokenLogprobs
+from ragcache_core.query_result import TokenLogprobs
 
 ENGINE_EXIT_TIMEOUT_S = 30.0
 """How long `close` waits for the engine core to exit by itself before vLLM kills it. vLLM's

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ragcache_core.engine.connector.config import ConnectorConfig
-from ragcache_core.engine.connector.result import ConnectorResult
+from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.llm import Engine
 from ragcache_core.engine.sampling import GreedySampling, sampling_params, token_logprobs
 from ragcache_core.engine.settings import (

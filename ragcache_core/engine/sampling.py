@@ -21,7 +21,7 @@ from typing import Any
 
 from ragcache_core.config import RepetitionDetection, SamplingConfig, StructuredOutputs
 from ragcache_core.errors import InputError
-from ragcache_core.results import Candidate, TokenLogprobs
+from ragcache_core.query_result import Candidate, TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,13 @@ from ragcache_core.retrieval.embedder import EmbedderConfig, TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import MatrixFlat, SingleStage, staged_search_for
 from ragcache_core.retrieval.hnsw import StagedHNSW
 from ragcache_core.retrieval.index_store import IndexSettings, LocalIndex, build_index
-from ragcache_core.retrieval.ivf import ListsPerStage, StagedIVF, StagePlan, TargetStageTime
+from ragcache_core.retrieval.ivf import (
+    ListsPerStage,
+    StagedIVF,
+    StagePlan,
+    StageSizing,
+    TargetStageTime,
+)
 from ragcache_core.retrieval.source import CallableSource, StagedSource
 from ragcache_core.search import SearchSource, StageResult, astages, final_result
 
@@ -37,6 +43,7 @@ __all__ = [
     "Stage",
     "StagePlan",
     "StageResult",
+    "StageSizing",
     "StagedHNSW",
     "StagedIVF",
     "StagedSearch",

@@ -13,7 +13,7 @@ from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.retrieval.base import Metric, Stage, StagedSearch, metric_of
 
 if TYPE_CHECKING:
-    from ragcache_core.retrieval.ivf import StagePlan
+    from ragcache_core.retrieval.ivf import StageSizing
 
 
 class SingleStage(StagedSearch):
@@ -89,22 +89,26 @@ def staged_search_for(
     index: Any,
     *,
     nprobe: int | None = None,
-    plan: StagePlan | None = None,
+    sizing: StageSizing | None = None,
     ef_search: int | None = None,
+    plan: StageSizing | None = None,
 ) -> StagedSearch:
     """The staged search that fits a Faiss index: IVF, HNSW, else a single stage.
 
-    `nprobe` and `plan` apply to IVF, `ef_search` to HNSW (None: the index's own setting).
+    `nprobe` and `sizing` apply to IVF, `ef_search` to HNSW (None: the index's own setting;
+    `plan`: `sizing`'s old name, deprecated).
     Wrappers such as IndexIDMap or IndexPreTransform get a single stage.
     """
     import faiss
 
     from ragcache_core.retrieval.hnsw import StagedHNSW
-    from ragcache_core.retrieval.ivf import ListsPerStage, StagedIVF
+    from ragcache_core.retrieval.ivf import StagedIVF, sizing_or_plan
 
     concrete = faiss.downcast_index(index)  # a non-owning proxy: pass the caller's object on
     if isinstance(concrete, faiss.IndexIVF):
-        return StagedIVF(index, nprobe=nprobe, plan=plan or ListsPerStage())
+        return StagedIVF(
+            index, nprobe=nprobe, sizing=sizing_or_plan(sizing, plan, "staged_search_for")
+        )
     if isinstance(concrete, faiss.IndexHNSW):
         return StagedHNSW(index, ef_search=ef_search)
     return SingleStage(index)

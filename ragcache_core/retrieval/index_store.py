@@ -29,7 +29,7 @@ from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.retrieval.base import StagedSearch
 from ragcache_core.retrieval.embedder import Embedder, EmbedderConfig, TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import staged_search_for
-from ragcache_core.retrieval.ivf import ListsPerStage, StagePlan, default_nlist
+from ragcache_core.retrieval.ivf import ListsPerStage, StageSizing, default_nlist, sizing_or_plan
 from ragcache_core.retrieval.source import StagedSource
 
 IndexKind = Literal["ivf", "hnsw", "flat"]
@@ -119,15 +119,18 @@ class LocalIndex:
         self,
         *,
         nprobe: int | None = None,
-        plan: StagePlan | None = None,
+        sizing: StageSizing | None = None,
         ef_search: int | None = None,
+        plan: StageSizing | None = None,
     ) -> StagedSearch:
-        """A staged search over this index (defaults from the build settings)."""
+        """A staged search over this index (defaults from the build settings; `plan`:
+        `sizing`'s old name, deprecated)."""
+        sizing = sizing_or_plan(sizing, plan, "LocalIndex.staged")
         s = self.settings
         return staged_search_for(
             self.faiss_index,
             nprobe=s.nprobe if nprobe is None else nprobe,
-            plan=plan or ListsPerStage(s.lists_per_stage),
+            sizing=sizing or ListsPerStage(s.lists_per_stage),
             ef_search=s.ef_search if ef_search is None else ef_search,
         )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,27 @@ class TargetStageTime:
             )
 
 
-StagePlan = ListsPerStage | TargetStageTime
+StageSizing = ListsPerStage | TargetStageTime
+"""How many lists each stage scans (`sizing=`)."""
+StagePlan = StageSizing
+"""The old name of `StageSizing`, kept for imports: "plan" is the copy plan (`plan.Plan`)
+everywhere else."""
+
+
+def sizing_or_plan(
+    sizing: StageSizing | None, plan: StageSizing | None, call: str
+) -> StageSizing | None:
+    """`sizing`, or `plan` (its old keyword, with a DeprecationWarning); both is a TypeError."""
+    if plan is None:
+        return sizing
+    if sizing is not None:
+        raise TypeError(f"{call}: give sizing= only (plan= is its old name)")
+    warnings.warn(
+        f"{call}: plan= is now sizing= (the stage sizing; a plan is the copy plan)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return plan
 
 
 class StagedIVF(StagedSearch):
@@ -77,8 +98,15 @@ class StagedIVF(StagedSearch):
     """
 
     def __init__(
-        self, index: Any, *, nprobe: int | None = None, plan: StagePlan = ListsPerStage()
+        self,
+        index: Any,
+        *,
+        nprobe: int | None = None,
+        sizing: StageSizing | None = None,
+        plan: StageSizing | None = None,
     ) -> None:
+        """`sizing`: how many lists each stage scans (default `ListsPerStage()`); `plan`: its
+        old name (deprecated)."""
         import faiss
 
         # downcast_index returns a second, non-owning proxy: keep the caller's object alive too.
@@ -94,7 +122,7 @@ class StagedIVF(StagedSearch):
         self.nprobe = min(int(ivf.nprobe if nprobe is None else nprobe), int(ivf.nlist))
         if self.nprobe < 1:
             raise ConfigError(f"nprobe must be >= 1, got {nprobe}")
-        self.plan = plan
+        self.sizing: StageSizing = sizing_or_plan(sizing, plan, "StagedIVF") or ListsPerStage()
         self._sizes: tuple[int, npt.NDArray[np.int64]] | None = None
 
     @property
@@ -147,14 +175,14 @@ class StagedIVF(StagedSearch):
     def _next_stop(
         self, start: int, min_stop: int, per_rank: npt.NDArray[np.int64], scan_rate: float
     ) -> int:
-        plan = self.plan
-        if isinstance(plan, ListsPerStage):
-            stop = start + plan.lists
+        sizing = self.sizing
+        if isinstance(sizing, ListsPerStage):
+            stop = start + sizing.lists
         elif start == 0 or scan_rate <= 0:
-            stop = start + plan.first_lists
+            stop = start + sizing.first_lists
         else:
-            # Enough lists that their vectors take about plan.seconds at the measured rate.
-            wanted = plan.seconds / scan_rate
+            # Enough lists that their vectors take about sizing.seconds at the measured rate.
+            wanted = sizing.seconds / scan_rate
             cumulative = np.cumsum(per_rank[start:])
             stop = start + int(np.searchsorted(cumulative, wanted)) + 1
         return min(max(stop, min_stop, start + 1), self.nprobe)

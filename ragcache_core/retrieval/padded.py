@@ -212,7 +212,7 @@ class PaddedIndex:
             raise ConfigError(f"stages must be >= 1, got {stages}")
         nprobe = max(1, round(ratio * self.nlist))
         per_stage = max(1, -(-nprobe // stages))
-        return StagedIVF(self.faiss_index, nprobe=nprobe, plan=ListsPerStage(per_stage))
+        return StagedIVF(self.faiss_index, nprobe=nprobe, sizing=ListsPerStage(per_stage))
 
     def source(
         self,

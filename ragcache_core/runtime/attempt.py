@@ -31,7 +31,7 @@ from typing import Any
 from ragcache_core.config import SamplingConfig
 from ragcache_core.loop import Emit
 from ragcache_core.plan import Plan
-from ragcache_core.results import CacheHits, StreamChunk, TokenLogprobs
+from ragcache_core.query_result import CacheHits, StreamChunk, TokenLogprobs
 from ragcache_core.runtime.prompt import BuiltPrompt
 from ragcache_core.tree import RequestHandle
 

@@ -36,7 +36,7 @@ from ragcache_core.errors import InputError, PromptTooLong, RAGCacheError, check
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.query_result import CacheHits, QueryResult, StreamChunk
 from ragcache_core.runtime.admission import Admission
 from ragcache_core.runtime.attempt import Attempt
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits

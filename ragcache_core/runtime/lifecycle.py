@@ -31,10 +31,10 @@ from __future__ import annotations
 import logging
 
 from ragcache_core.engine.connector.config import ConnectorConfig
-from ragcache_core.engine.connector.result import ConnectorResult
+from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.plan import Plan, Tier
-from ragcache_core.results import CacheHits
+from ragcache_core.query_result import CacheHits
 from ragcache_core.runtime.prompt import BuiltPrompt
 from ragcache_core.tree import KnowledgeTree, RequestHandle
 from ragcache_core.tree.request import RequestState

@@ -39,7 +39,7 @@ from ragcache_core.engine.settings import check_model_folder
 from ragcache_core.errors import wrong_type
 from ragcache_core.loop import Emit, LoopThread, astream_from
 from ragcache_core.metrics import Metrics
-from ragcache_core.results import CacheHits, QueryResult, StreamChunk
+from ragcache_core.query_result import CacheHits, QueryResult, StreamChunk
 from ragcache_core.runtime.generation import Generator
 from ragcache_core.runtime.lifecycle import Lifecycle
 from ragcache_core.runtime.main_guard import check_main_guard, vllm_spawns

@@ -29,7 +29,7 @@ from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
-from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.query_result import QueryResult, StreamChunk
 from ragcache_core.runtime.admission import Admission
 from ragcache_core.runtime.attempt import Attempt
 from ragcache_core.runtime.generation import Generator

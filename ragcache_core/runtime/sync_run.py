@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.engine.cached import CachedEngine
-from ragcache_core.engine.connector.result import ConnectorResult
+from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.sampling import GreedySampling
 from ragcache_core.errors import check_fits_context
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits

@@ -26,7 +26,7 @@ from ragcache_core.engine.async_engine import EngineDied
 from ragcache_core.errors import InputError, check_fits_context
 from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
-from ragcache_core.results import CacheHits, QueryResult
+from ragcache_core.query_result import CacheHits, QueryResult
 from ragcache_core.runtime.admission import Admission
 from ragcache_core.runtime.attempt import Attempt
 from ragcache_core.runtime.generation import check_retry, follow

@@ -44,7 +44,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ragcache_core.results import QueryResult, StreamChunk, TokenLogprobs
+from ragcache_core.query_result import QueryResult, StreamChunk, TokenLogprobs
 from ragcache_core.serve.errors import STATUS_KEY, ServeError, as_serve_error
 from ragcache_core.serve.jobs import CachedJob, Job
 from ragcache_core.serve.limits import Place

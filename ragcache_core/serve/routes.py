@@ -45,7 +45,7 @@ from ragcache_core.client.wire import config_to_json, logprobs_to_json, result_t
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, PromptTooLong, check_fits_context
-from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.query_result import QueryResult, StreamChunk
 from ragcache_core.serve import responses
 from ragcache_core.serve.errors import ServeError, bad_request, error_body, require_json
 from ragcache_core.serve.fields import lone_surrogate

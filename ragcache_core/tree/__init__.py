@@ -1,6 +1,6 @@
 """Knowledge tree: prefix tree over document ids, placed over GPU and host slot tiers.
 
-`KnowledgeTree` (cache.py) is the entry point (match, begin_request -> Plan, confirm/abort,
+`KnowledgeTree` (knowledge_tree.py) is the entry point (match, begin_request -> Plan, confirm/abort,
 invalidate, clear, drop_tier, counters, check_integrity), a manager over three parts: the
 prefix structure (prefix.py), the placement over tiers (placement.py, over tier_slots.py and
 allocator.py) and the planner (planner.py). Pure Python: it never touches tensors.
@@ -19,9 +19,10 @@ from ragcache_core.tree.allocator import SlotAllocator
 from ragcache_core.tree.integrity import IntegrityError
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.knowledge_tree import KnowledgeTree
+from ragcache_core.tree.match import MatchResult, TierHit
 from ragcache_core.tree.order import apply_order, cache_order
 from ragcache_core.tree.request import RequestHandle, RequestState
-from ragcache_core.tree.results import CacheStats, MatchResult, TierHit, TreeCounters
+from ragcache_core.tree.stats import CacheStats, TreeCounters
 
 __all__ = [
     "CacheStats",

@@ -32,6 +32,7 @@ from ragcache_core.policy import make_policy
 from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
+from ragcache_core.tree.match import MatchResult
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.order import ordered_hits
 from ragcache_core.tree.placement import Placement
@@ -39,7 +40,7 @@ from ragcache_core.tree.planner import STORE_POLICIES, Planner
 from ragcache_core.tree.prefix import PrefixTree, match_result, readable_prefix
 from ragcache_core.tree.protected import ProtectedSet
 from ragcache_core.tree.request import RequestHandle, RequestState
-from ragcache_core.tree.results import CacheStats, MatchResult, TreeCounters
+from ragcache_core.tree.stats import CacheStats, TreeCounters
 
 
 class KnowledgeTree:

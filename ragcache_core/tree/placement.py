@@ -19,7 +19,7 @@ from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.prefix import PrefixTree
 from ragcache_core.tree.request import RequestHandle
-from ragcache_core.tree.results import TreeCounters
+from ragcache_core.tree.stats import TreeCounters
 from ragcache_core.tree.tier_slots import TierSlots
 
 

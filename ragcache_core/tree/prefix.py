@@ -13,8 +13,8 @@ from ragcache_core.plan import Tier
 from ragcache_core.policy.base import NodeStats
 from ragcache_core.tree.integrity import fail
 from ragcache_core.tree.keys import DocKey, RootKey
+from ragcache_core.tree.match import MatchResult, TierHit
 from ragcache_core.tree.node import Node
-from ragcache_core.tree.results import MatchResult, TierHit
 
 
 def readable_prefix(path: Sequence[Node]) -> list[tuple[Node, Tier]]:

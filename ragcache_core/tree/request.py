@@ -7,8 +7,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from ragcache_core.plan import Plan, SlotCopy, Tier
+from ragcache_core.tree.match import MatchResult
 from ragcache_core.tree.node import Node
-from ragcache_core.tree.results import MatchResult
 
 if TYPE_CHECKING:
     from ragcache_core.tree.host_writes import Shadow

@@ -44,7 +44,7 @@ from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
-from ragcache_core.results import QueryResult
+from ragcache_core.query_result import QueryResult
 from ragcache_integrations.langchain.llm import FOUND_ORDER, DocumentMemory, say_uncached, watched
 from ragcache_integrations.langchain.prompts import message_dict
 from ragcache_integrations.langchain.traces import ai_message, response_metadata, usage_metadata

@@ -49,7 +49,7 @@ from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
-from ragcache_core.results import QueryResult
+from ragcache_core.query_result import QueryResult
 from ragcache_integrations.langchain.documents import to_ragcache
 
 logger = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from ragcache_core.app_prompt import NO_FRAMING, Framing
 from ragcache_core.config import SamplingConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, wrong_type
-from ragcache_core.results import QueryResult
+from ragcache_core.query_result import QueryResult
 from ragcache_core.search import SearchSource
 from ragcache_integrations.langchain.adapters import search_source
 from ragcache_integrations.langchain.documents import to_langchain, to_ragcache_all
@@ -141,7 +141,7 @@ class RAGCacheRunnable(RunnableSerializable[RunnableInput, str]):
     ) -> RAGCacheRunnable:
         """A runnable that retrieves from `vectorstore` itself (input: the question, or a dict
         of the prompt's inputs with the question under `question_key`). `search_options`
-        (nprobe, plan, ef_search) go to `adapters.search_source`. A retriever (or anything but
+        (nprobe, sizing, ef_search) go to `adapters.search_source`. A retriever (or anything but
         a `VectorStore`) raises `TypeError` here, not at the first call."""
         check_vectorstore(vectorstore)
         require_cache(cache, "RAGCacheRunnable.from_vectorstore(store, cache=...)")

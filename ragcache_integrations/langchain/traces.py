@@ -21,7 +21,7 @@ from langchain_core.messages import AIMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, LLMResult
 
-from ragcache_core.results import QueryResult
+from ragcache_core.query_result import QueryResult
 
 
 def usage_metadata(result: QueryResult) -> UsageMetadata:

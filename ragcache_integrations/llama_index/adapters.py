@@ -36,7 +36,7 @@ from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError, InputError, wrong_type
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import MatrixFlat, staged_search_for
-from ragcache_core.retrieval.ivf import StagePlan
+from ragcache_core.retrieval.ivf import StageSizing, sizing_or_plan
 from ragcache_core.retrieval.source import CallableSource, StagedSource
 from ragcache_core.search import SearchSource, StageResult
 
@@ -75,16 +75,19 @@ def search_source(
     *,
     embed_model: BaseEmbedding | None = None,
     nprobe: int | None = None,
-    plan: StagePlan | None = None,
+    sizing: StageSizing | None = None,
     ef_search: int | None = None,
+    plan: StageSizing | None = None,
     filters: MetadataFilters | None = None,
 ) -> SearchSource:
     """A `SearchSource` over `index` (see the module docstring for what each store gets).
 
-    `nprobe` / `plan` (IVF) and `ef_search` (HNSW) default to the Faiss index's own settings,
-    so the last stage equals the store's own query. `filters` go to the store (`ConfigError`
-    for a `FaissVectorStore`, which has none; `TypeError` for anything but `MetadataFilters`).
+    `nprobe` / `sizing` (IVF) and `ef_search` (HNSW) default to the Faiss index's own settings,
+    so the last stage equals the store's own query (`plan`: `sizing`'s old name, deprecated).
+    `filters` go to the store (`ConfigError` for a `FaissVectorStore`, which has none;
+    `TypeError` for anything but `MetadataFilters`).
     """
+    sizing = sizing_or_plan(sizing, plan, "search_source(index)")
     if filters is not None:
         return _filtered_source(index, filters, embed_model)
     model = embed_model or index._embed_model
@@ -96,7 +99,7 @@ def search_source(
 
     faiss_index = _faiss_index_of(store)
     if faiss_index is not None:
-        staged = staged_search_for(faiss_index, nprobe=nprobe, plan=plan, ef_search=ef_search)
+        staged = staged_search_for(faiss_index, nprobe=nprobe, sizing=sizing, ef_search=ef_search)
         return StagedSource(embed, staged, lambda rows: lookup([str(r) for r in rows]))
     if isinstance(store, SimpleVectorStore):
         return _SimpleStoreSource(store, embed, lookup)

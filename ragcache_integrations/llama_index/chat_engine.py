@@ -53,7 +53,7 @@ from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
 from ragcache_core.config import SamplingConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
-from ragcache_core.results import QueryResult
+from ragcache_core.query_result import QueryResult
 from ragcache_integrations.llama_index.adapters import node_to_document
 from ragcache_integrations.llama_index.events import LLMCall, formatted
 

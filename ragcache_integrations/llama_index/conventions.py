@@ -5,7 +5,7 @@
 takes the same names where RAGCache does what they mean, and refuses the others by name:
 
 - `check_keywords`: an unknown keyword is a `TypeError` naming the public call and listing
-  the engine's keywords and the search adapter's (`nprobe`, `plan`, `ef_search`), so it never
+  the engine's keywords and the search adapter's (`nprobe`, `sizing`, `ef_search`), so it never
   reaches an internal function.
 - `check_response_mode`: "compact" (LlamaIndex's default) is served: one LLM call with every
   node in the QA template, nodes joined by a blank line, which is what `CompactAndRefine`
@@ -35,7 +35,7 @@ from llama_index.core.response_synthesizers.type import ResponseMode
 
 from ragcache_core.errors import ConfigError, wrong_type
 
-SEARCH_KEYWORDS = ("embed_model", "nprobe", "plan", "ef_search")
+SEARCH_KEYWORDS = ("embed_model", "nprobe", "sizing", "ef_search", "plan")
 """The search adapter's own keywords (`adapters.search_source`: the question's embed model, as
 the stock engine passes it to its retriever, and the Faiss IVF / HNSW settings)."""
 _HINTS = {

@@ -43,7 +43,7 @@ from llama_index.core.instrumentation.events.llm import (
 
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
 from ragcache_core.documents import Document, render_document
-from ragcache_core.results import QueryResult
+from ragcache_core.query_result import QueryResult
 
 dispatcher = instrument.get_dispatcher(__name__)
 

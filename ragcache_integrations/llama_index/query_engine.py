@@ -59,7 +59,7 @@ from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.config import PromptConfig, SamplingConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, wrong_type
-from ragcache_core.results import QueryResult, StreamChunk
+from ragcache_core.query_result import QueryResult, StreamChunk
 from ragcache_core.retrieval.source import CallableSource
 from ragcache_core.search import SearchSource
 from ragcache_integrations.llama_index.adapters import node_to_document, search_source
@@ -177,7 +177,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
         final top-k (no speculation then); `filters` go to the store; `response_mode` must be
         "compact" (`conventions`); `refine_template` is reported by `get_prompts()`, never used
         (one call per query); `callback_manager` defaults to `Settings.callback_manager`, as
-        LlamaIndex's own engines. `search_options` (nprobe, plan, ef_search) go to
+        LlamaIndex's own engines. `search_options` (nprobe, sizing, ef_search) go to
         `adapters.search_source`; any other keyword is a `TypeError` listing both sets. A
         retriever, a vector store or a cache that is not a `RAGCacheAPI` raises `TypeError`
         here, naming what to pass instead."""
@@ -552,6 +552,6 @@ def as_query_engine(
     """The one-line replacement for `index.as_query_engine(**kwargs)`: LlamaIndex's keywords
     (`similarity_top_k`, `text_qa_template`, `node_postprocessors`, `response_mode`,
     `filters`, `streaming`, ...), RAGCache's (`prompt`, `sampling`, `cache_salt`) and the
-    search adapter's (`nprobe`, `plan`, `ef_search`); see `from_index`. Any other keyword is
+    search adapter's (`nprobe`, `sizing`, `ef_search`); see `from_index`. Any other keyword is
     a `TypeError` naming this call and listing both sets."""
     return RAGCacheQueryEngine.from_index(index, cache=cache, **kwargs)

@@ -15,7 +15,7 @@ from ragcache_core.engine.connector.config import (
     RESULT_KEY,
     ConnectorConfig,
 )
-from ragcache_core.engine.connector.result import ConnectorResult
+from ragcache_core.engine.connector.report import ConnectorResult
 
 __all__ = [
     "CONNECTOR_CLASS",

@@ -41,7 +41,7 @@ from typing import Any
 
 from ragcache_core.engine.connector.config import FAULT_KEY, RESULT_KEY, ConnectorConfig
 from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerReport
-from ragcache_core.engine.connector.result import ConnectorResult
+from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.engine.connector.window import EvictionWindow
 from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, StoreSpan, WindowLosses
