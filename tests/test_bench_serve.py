@@ -363,6 +363,7 @@ def test_smoke_serves_every_request_with_identical_answers(
         "repeat": 0,
         "identical": total,
         "requests": total,
+        "systems": 2,
     }
     for name in ("ttft_vs_rate.png", "ttft_cdf.png", "throughput_slo.png", "hit_rates.png"):
         assert (tmp_path / name).stat().st_size > 1000
