@@ -14,14 +14,9 @@ from typing import Any
 import pytest
 
 import ragcache_core.bench.sweep as sweep
+from ragcache_core.bench.saturation import SATURATED_OVER, Saturation, saturated_rate
 from ragcache_core.bench.serve import Outcome, PointRun
-from ragcache_core.bench.sweep import (
-    MODES,
-    SATURATED_OVER,
-    Saturation,
-    saturated_rate,
-    sweep_workload,
-)
+from ragcache_core.bench.sweep import MODES, sweep_workload
 from ragcache_core.bench.workloads import Request, Workload
 
 

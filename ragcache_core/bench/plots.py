@@ -48,7 +48,7 @@ def plot_cdf(ax: Any, points: Sequence[dict[str, Any]], rate: float, title: str)
 
 
 def _ttft_vs_rate(ax: Any, w: dict[str, Any]) -> None:
-    from ragcache_core.bench.sweep import spread
+    from ragcache_core.bench.compare import spread
 
     points = w["points"]
     for i, system in enumerate(sorted({p["system"] for p in points})):

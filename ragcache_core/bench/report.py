@@ -256,7 +256,7 @@ def _answers_line(a: dict[str, Any]) -> str:
 
 
 def _rate_table(points: list[dict[str, Any]], out: TextIO) -> None:
-    from ragcache_core.bench.sweep import spread
+    from ragcache_core.bench.compare import spread
 
     header = (
         f"  {'rate':>6} {'system':<19}{'TTFT mean ms (min..max)':>26}"

@@ -9,8 +9,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from ragcache_core.bench.compare import spread
 from ragcache_core.bench.serve import Outcome
-from ragcache_core.bench.sweep import spread
 from ragcache_core.retrieval.padded import SearchRecord
 
 SPEC, NOSPEC, VLLM = "ragcache", "ragcache-nospec", "vllm"

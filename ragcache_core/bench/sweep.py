@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import statistics
 import subprocess
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -39,6 +38,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
+from ragcache_core.bench.compare import compare, sustained
+from ragcache_core.bench.saturation import (
+    SATURATED_OVER,
+    SATURATED_TTFT,
+    Saturation,
+    saturated_rate,
+)
 from ragcache_core.bench.serve import (
     SYSTEMS,
     PointRun,
@@ -56,11 +62,6 @@ from ragcache_core.search import SearchSource
 
 SATURATION_FACTOR = 10.0
 """A system is saturated when its TTFT p95 passes this multiple of its light-load p95."""
-SATURATED_TTFT = 2.0
-"""`--saturate`: the saturated rate is where the system's mean TTFT is this multiple of its
-light-load mean TTFT (issue 39)."""
-SATURATED_OVER = 1.5
-"""`--saturate` measures every system at the saturated rate and at this multiple of it."""
 SCHEMA = "ragcache-bench-serve/2"
 """/2: comparisons name what they compare against (`against`, `spread_against_s`; /1 had
 `spread_ragcache_s`), ablations are compared with their parent."""
@@ -223,47 +224,6 @@ class Engines:
 
 Recorder = Callable[[str, int], Callable[[int], None]]
 """(label, total requests) -> a progress callback (a tqdm bar in the CLI)."""
-
-
-@dataclass(frozen=True)
-class Saturation:
-    """Where one system saturates (`--saturate`): its light-load mean TTFT, the ladder of that
-    system alone (rate, mean TTFT), and the rate at which the mean reaches `SATURATED_TTFT` x
-    the light-load mean (None when the ladder never got there: the rates then are its last
-    rung and `SATURATED_OVER` x it)."""
-
-    system: str
-    light_ttft_mean_s: float
-    ladder: list[tuple[float, float]]
-    rate_rps: float | None
-
-    def line(self) -> str:
-        rungs = ", ".join(f"{r:.2f}/s {t * 1000:.0f} ms" for r, t in self.ladder)
-        where = (
-            f"{self.rate_rps:.2f}/s"
-            if self.rate_rps is not None
-            else "not reached by the ladder (its last rung is used)"
-        )
-        return (
-            f"saturated rate of {self.system} (mean TTFT {SATURATED_TTFT:g}x its light-load "
-            f"{self.light_ttft_mean_s * 1000:.0f} ms): {where}; ladder: {rungs}"
-        )
-
-
-def saturated_rate(ladder: Sequence[tuple[float, float]], limit_s: float) -> float | None:
-    """The rate at which the mean TTFT reaches `limit_s`, on a ladder of (rate, mean TTFT) in
-    rising rate order: interpolated between the last rung below and the first at or above it,
-    linearly in log(rate) (the rungs are geometric); the first rung's rate when it is already
-    above; None when no rung reaches it."""
-    for i, (rate, ttft) in enumerate(ladder):
-        if ttft < limit_s:
-            continue
-        if i == 0:
-            return rate
-        low_rate, low_ttft = ladder[i - 1]
-        share = (limit_s - low_ttft) / (ttft - low_ttft)
-        return round(low_rate * (rate / low_rate) ** share, 3)
-    return None
 
 
 @dataclass
@@ -508,74 +468,6 @@ def _saturated(runs: Sequence[PointRun], light: PointRun | None) -> bool:
         return False
     limit = SATURATION_FACTOR * light.summary()["ttft_p95_s"]
     return all(r.summary()["ttft_p95_s"] > limit for r in runs)
-
-
-def sustained(points: Sequence[dict[str, Any]], slo_s: float) -> dict[str, dict[str, float] | None]:
-    """Per system: the highest rate up to which every rate's TTFT p95 met the SLO in every
-    repeat (the ladder stops at the first rate that misses), with the lowest throughput of that
-    rate's repeats; None when the first rate already missed."""
-    by: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    for p in points:
-        by.setdefault((p["system"], p["rate_rps"]), []).append(p)
-    out: dict[str, dict[str, float] | None] = {}
-    missed: set[str] = set()
-    for (system, rate), reps in sorted(by.items(), key=lambda kv: kv[0][1]):
-        out.setdefault(system, None)
-        if system in missed:
-            continue
-        if slo_s > 0 and all(r["ttft_p95_s"] <= slo_s for r in reps):
-            out[system] = {
-                "rate_rps": rate,
-                "throughput_rps": min(r["throughput_rps"] for r in reps),
-            }
-        else:
-            missed.add(system)
-    return out
-
-
-def spread(points: Sequence[dict[str, Any]], system: str, rate: float, key: str) -> list[float]:
-    """[min, median, max] of `key` over the repeats of one system at one rate ([] if none)."""
-    values = sorted(p[key] for p in points if p["system"] == system and p["rate_rps"] == rate)
-    return [values[0], statistics.median(values), values[-1]] if values else []
-
-
-def _count(points: Sequence[dict[str, Any]], system: str, rate: float) -> int:
-    return sum(1 for p in points if p["system"] == system and p["rate_rps"] == rate)
-
-
-def compare(
-    points: Sequence[dict[str, Any]],
-    target: str = "ragcache",
-    others: Sequence[str] | None = None,
-) -> list[dict[str, Any]]:
-    """`target` (RAGCache) against every other system (or `others`) at every shared rate: the
-    ratio of median TTFT means (other / target; above 1 the target is faster) and whether the
-    spreads of at least 2 repeats each are apart (only then is the ratio a claim)."""
-    rows = []
-    rates = sorted({p["rate_rps"] for p in points if p["system"] == target})
-    if others is None:
-        others = sorted({p["system"] for p in points} - {target})
-    for rate in rates:
-        mine = spread(points, target, rate, "ttft_mean_s")
-        for other in others:
-            theirs = spread(points, other, rate, "ttft_mean_s")
-            if not theirs or not mine[1]:
-                continue
-            repeats = min(_count(points, target, rate), _count(points, other, rate))
-            # One run has no spread: it can show a difference, never claim one.
-            apart = repeats >= 2 and (mine[2] < theirs[0] or theirs[2] < mine[0])
-            rows.append(
-                {
-                    "rate_rps": rate,
-                    "system": other,
-                    "against": target,
-                    "ratio_ttft_mean": theirs[1] / mine[1],
-                    "spread_other_s": [theirs[0], theirs[2]],
-                    "spread_against_s": [mine[0], mine[2]],
-                    "spreads_apart": apart,
-                }
-            )
-    return rows
 
 
 def ablation_rate(result: WorkloadResult) -> float:
