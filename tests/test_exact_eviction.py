@@ -84,6 +84,7 @@ def _tree(rig: Rig, lease_slots: int = LEASE_SLOTS) -> KnowledgeTree:
         page_size=PAGE,
         host_write="eviction",
         host_lease_slots=lease_slots,
+        host_lease_max_slots=lease_slots,  # a fixed lease: the refusal test needs it to stay
     )
 
 
@@ -204,8 +205,9 @@ def test_clear_forgets_what_the_window_would_copy_and_holds_no_block(rig: Rig) -
 def test_a_document_the_lease_has_no_room_for_is_counted_lost_and_recomputed_exactly(
     rig: Rig,
 ) -> None:
-    """A lease of 4 slots: the root (2 slots) fits, no 96-token document (6) ever does. Every
-    kept document leaves vLLM's blocks uncopied, and the reports say why (`no_lease`)."""
+    """A lease of 4 slots, fixed (it does not grow): the root (2 slots) fits, no 96-token
+    document (6) ever does. Every kept document leaves vLLM's blocks uncopied, and the reports
+    say why (`no_lease`)."""
     c, rng = _computed(rig, "refused", 6, lease_slots=4)
     system, refused, question, ref, tree = c.system, c.doc, c.question, c.ref, c.tree
     # Twice: with nothing copied nothing is handed back to the queue's head, and each request's

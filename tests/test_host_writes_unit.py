@@ -9,7 +9,7 @@ import pytest
 
 from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.errors import ConfigError
-from ragcache_core.plan import KeepSpan, Plan, Tier
+from ragcache_core.plan import KeepSpan, Plan, Tier, WindowLosses
 from ragcache_core.tree import KnowledgeTree
 from ragcache_core.tree.integrity import IntegrityError
 from tests._tree_helpers import ROOT, cached_paths, doc
@@ -161,6 +161,60 @@ def test_the_lease_is_at_most_half_the_host_tier() -> None:
     tree.check_integrity()
 
 
+def test_the_lease_grows_while_copies_outrun_it_and_shrinks_back_while_it_idles() -> None:
+    tree = _tree(host_slots=64, lease=4)
+    writes = tree.host_writes
+    assert writes is not None and writes.max_lease_slots == 16
+
+    def lease_of_next_plan() -> int:
+        handle = tree.begin_request(4, [doc(f"d{lease_of_next_plan.n}", 8)], 3)
+        lease_of_next_plan.n += 1
+        tree.confirm(handle)
+        assert handle.plan.lease is not None
+        return len(handle.plan.lease.slots)
+
+    lease_of_next_plan.n = 0  # type: ignore[attr-defined]
+    assert lease_of_next_plan() == 4
+    # Each report of a refusal doubles it, up to 4 times its start; lent slots stay lent.
+    for expected in (8, 16, 16):
+        tree.apply_host_writes([], [], lost=WindowLosses(no_lease=1))
+        assert writes.lease_slots == expected and lease_of_next_plan() == expected
+    assert writes.lease_peak == 16
+    # Reports without refusals, the lease unused: a quarter of its growth back each time, and
+    # never below its start; the lent slots are not taken back (only the top-ups stop).
+    sizes = []
+    for _ in range(12):
+        tree.apply_host_writes([], [])
+        sizes.append(writes.lease_slots)
+    assert sizes[:3] == [13, 11, 10] and sizes[-1] == 4 and sorted(sizes, reverse=True) == sizes
+    assert lease_of_next_plan() == 16  # nothing freed
+    tree.clear()
+    assert writes.lease_slots == 4 and writes.lease_peak == 4
+    tree.check_integrity()
+
+
+def test_a_lease_in_use_does_not_shrink() -> None:
+    """A report without refusals but with most of the lease used up keeps its size."""
+    tree = _tree(host_slots=64, lease=4, host_lease_max_slots=8)
+    writes = tree.host_writes
+    assert writes is not None
+    tree.apply_host_writes([], [], lost=WindowLosses(no_lease=2))
+    handle = tree.begin_request(4, [doc("a", 8), doc("b", 8), doc("c", 8)], 3)
+    tree.confirm(handle)
+    assert handle.plan.lease is not None and len(handle.plan.lease.slots) == 8
+    lent = list(handle.plan.lease.slots)
+    copies = []  # one report: the root (1 slot), a and b (2 each): 5 of the 8 used
+    for seq, span in enumerate(handle.plan.keep[:3], start=1):
+        count = -(-span.num_tokens // PAGE)
+        copies.append((seq, span.key, tuple(lent[:count])))
+        del lent[:count]
+    tree.apply_host_writes(copies, [])
+    assert len(writes.lease) == 3 and writes.lease_slots == 8
+    tree.apply_host_writes([], [])  # 3 of 8 unused: still in use
+    assert writes.lease_slots == 8
+    tree.check_integrity()
+
+
 def test_an_engine_report_of_stranded_blocks_fails_the_integrity_check() -> None:
     tree = _tree()
     tree.apply_host_writes([], [], stranded_blocks=3)
@@ -173,6 +227,8 @@ def test_settings_are_checked() -> None:
         _tree().__class__(ROOT, gpu_slots=0, host_slots=8, page_size=PAGE, host_write="lazy")
     with pytest.raises(ConfigError, match="no GPU slots"):
         KnowledgeTree(ROOT, gpu_slots=4, host_slots=8, page_size=PAGE, host_write="eviction")
+    with pytest.raises(ConfigError, match="host_lease_max_slots"):
+        _tree(lease=8, host_lease_max_slots=4)
 
 
 def test_keep_spans_are_checked_by_the_connector() -> None:

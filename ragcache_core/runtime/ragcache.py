@@ -331,6 +331,8 @@ class RAGCache(RAGCacheAPI):
                 "lost_broken": writes.lost.broken,
                 "unapplied_copies": writes.lost.unapplied,
                 "concurrent_computes": writes.concurrent_computes,
+                "lease_slots": writes.lease_slots,
+                "lease_peak_slots": writes.lease_peak,
             }
         data["queue_waiting"] = self.admission.waiting
         data["in_prefill"] = self.admission.in_prefill

@@ -6,7 +6,13 @@ engine's window copies and reports; the tree then holds the copies:
 
     plan(handle, ...)   keep spans for the request's path past the host-readable prefix (a key
                         per path, stable across requests), and the lease topped up to its size
-                        (host leaves evicted by the policy to make room), stated whole
+                        (host leaves evicted by the policy to make room), stated whole. The size
+                        starts at one window's take and adapts: it doubles (up to
+                        `LEASE_GROWTH` times) on a report of kept documents refused for lack of
+                        lease room, and gives back a quarter of its growth on a report without
+                        refusals that finds at least half of it unused; it is never shrunk by
+                        freeing lent slots (the engine may be copying into them), only by not
+                        topping it up
     settle(handle)      the request confirmed (its first token: its prompt is in vLLM's
                         blocks): its kept paths are nodes held by vLLM's blocks
                         (`Node.resident`), attached if absent, so the tree knows both tiers
@@ -40,6 +46,10 @@ from ragcache_core.tree.prefix import PrefixTree
 from ragcache_core.tree.request import RequestHandle
 
 SHADOW_LIMIT = 1 << 16
+LEASE_GROWTH = 4
+"""The most the lease grows to, in multiples of its starting size (one window's take):
+at 4 the long-shuffled refusals measured at 6.64/s were gone with three windows' worth
+(docs/benchmarks.md, "The lease that grows")."""
 
 
 @dataclass(slots=True)
@@ -55,12 +65,27 @@ class Shadow:
 
 class HostWrites:
     """Shadows, the lease and what the engine reported (see the module docstring).
-    `lease_slots`: the lease's size in host slots."""
+    `lease_slots`: the lease's starting size in host slots; `max_lease_slots`: the most it
+    grows to (default `LEASE_GROWTH` times the start; never more than half the host tier)."""
 
-    def __init__(self, prefixes: PrefixTree, placement: Placement, *, lease_slots: int) -> None:
+    def __init__(
+        self,
+        prefixes: PrefixTree,
+        placement: Placement,
+        *,
+        lease_slots: int,
+        max_lease_slots: int | None = None,
+    ) -> None:
         self._prefixes = prefixes
         self._placement = placement
+        self.base_lease_slots = lease_slots
+        self.max_lease_slots = (
+            LEASE_GROWTH * lease_slots if max_lease_slots is None else max_lease_slots
+        )
         self.lease_slots = lease_slots
+        """The lease's size now (adapted by the reports: `_adapt_lease`)."""
+        self.lease_peak = lease_slots
+        """The largest `lease_slots` since the last `reset_counters`."""
         self._keys: dict[tuple[RootKey, tuple[DocKey, ...]], int] = {}
         self._shadows: OrderedDict[int, Shadow] = OrderedDict()
         self._next_key = 0
@@ -147,6 +172,7 @@ class HostWrites:
         """`clear()`: the loss counters restart (`copies`, `wasted`, `dropped` do not)."""
         self.lost = WindowLosses()
         self.concurrent_computes = 0
+        self.lease_slots = self.lease_peak = self.base_lease_slots
 
     def settle(self, handle: RequestHandle) -> None:
         """`handle` confirmed: vLLM's blocks hold the paths its plan kept (root first). Each
@@ -201,6 +227,22 @@ class HostWrites:
             node = self._node_of(shadow) if shadow is not None else None
             if node is not None:
                 placement.set_resident(node, False, version)
+        self._adapt_lease(lost.no_lease)
+
+    def _adapt_lease(self, refused: int) -> None:
+        """Grow the lease while copies outrun it, shrink it back while it idles: `refused`
+        kept documents (this report's) found no lease room, so it doubles (up to
+        `max_lease_slots`); none did and at least half the lease is unused (the tree's lease
+        less the copies applied: what the engine has not used), so a quarter of its growth goes.
+        Only the next top-ups see it: lent slots are never taken back."""
+        if refused:
+            self.lease_slots = min(2 * self.lease_slots, self.max_lease_slots)
+            self.lease_peak = max(self.lease_peak, self.lease_slots)
+        elif (
+            self.lease_slots > self.base_lease_slots
+            and 2 * len(self._placement.host_lease) >= self.lease_slots
+        ):
+            self.lease_slots -= max(1, (self.lease_slots - self.base_lease_slots) // 4)
 
     def forget(self, doc_id: str | None = None) -> None:
         """Forget the shadows of paths through `doc_id` (None: all, at `clear()`): a copy

@@ -62,7 +62,8 @@ class KnowledgeTree:
     tokens each; default `page_size`) the policy keeps from vLLM's eviction (0: none).
     `host_write` is when the host tier is written: "compute" (as documents are computed: plans
     store them) or "eviction" (as they leave vLLM's blocks: plans keep them and lend
-    `host_lease_slots` host slots for the copies; `HostWrites`, docs/design.md 2.2); the store
+    `host_lease_slots` host slots for the copies, a lease that grows to `host_lease_max_slots`
+    while copies outrun it; `HostWrites`, docs/design.md 2.2); the store
     policy decides which documents are stored or kept either way.
     Raises `ConfigError` for settings out of range.
     """
@@ -84,6 +85,7 @@ class KnowledgeTree:
         block_size: int | None = None,
         host_write: str = "compute",
         host_lease_slots: int = 0,
+        host_lease_max_slots: int | None = None,
     ) -> None:
         if protected_tokens < 0:
             raise ConfigError(f"protected_tokens cannot be negative, got {protected_tokens}")
@@ -97,6 +99,11 @@ class KnowledgeTree:
             raise ConfigError("eviction-time host writes are the engine's: a tree of no GPU slots")
         if host_lease_slots < 0:
             raise ConfigError(f"host_lease_slots cannot be negative, got {host_lease_slots}")
+        if host_lease_max_slots is not None and host_lease_max_slots < host_lease_slots:
+            raise ConfigError(
+                f"host_lease_max_slots ({host_lease_max_slots}) is below host_lease_slots "
+                f"({host_lease_slots})"
+            )
         if store_policy not in STORE_POLICIES:
             raise ConfigError(
                 f"unknown store_policy {store_policy!r}; choose one of {', '.join(STORE_POLICIES)}"
@@ -113,7 +120,12 @@ class KnowledgeTree:
             page_size=page_size,
         )
         self.host_writes: HostWrites | None = (
-            HostWrites(self._prefixes, self._placement, lease_slots=host_lease_slots)
+            HostWrites(
+                self._prefixes,
+                self._placement,
+                lease_slots=host_lease_slots,
+                max_lease_slots=host_lease_max_slots,
+            )
             if host_write == "eviction"
             else None
         )
