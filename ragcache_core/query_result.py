@@ -79,7 +79,9 @@ class QueryResult:
     """Where the request's time went, in seconds: `plan` (tree walk, eviction, plan check and
     serialization), `engine_first_token` (submit to first token: scheduling, copies, prefill),
     `load_copy` / `store_copy` (the worker's copies in this request's steps, shared with the
-    other requests of those steps), `settle` (the final report applied)."""
+    other requests of those steps), `window_copy` (the eviction-time host writes that ran after
+    the forward passes of the steps computing this request's prompt), `settle` (the final report
+    applied)."""
     logprobs: tuple[TokenLogprobs, ...] = ()
     """One per generated token when `SamplingConfig.logprobs` (or `logprob_token_ids`) asked
     for them, else empty."""

@@ -310,6 +310,23 @@ def test_a_store_not_sent_is_not_stored() -> None:
     assert not result.store_scheduled and not result.stored
 
 
+def test_the_windows_copy_time_counts_for_the_requests_the_step_prefilled() -> None:
+    """The window's copies run after a step's forward pass: they delay the first token of the
+    requests that step computed prompt tokens of, and of no request already decoding."""
+    side, _ = _side()
+    for req_id in ("a", "b"):
+        side.track_and_count_loads(req_id, {PLAN_KEY: PLAN.to_json()}, 30, 0)
+        side.after_alloc(req_id, 16)
+    side.build_step(_output([("a", [0, 1, 2], 16)], {"a": 14}))  # completes a's prompt
+    side.on_worker_report(WorkerReport(window_copy_s=0.25))
+    # Next step: a decodes (its prompt is computed), b prefills.
+    side.build_step(_output([("b", [4, 5, 6], 16)], {"a": 1, "b": 8}, _cached("a", None, 30)))
+    side.on_worker_report(WorkerReport(window_copy_s=0.5))
+    a = ConnectorResult.from_transfer_params(side.finished("a"))
+    b = ConnectorResult.from_transfer_params(side.finished("b"))
+    assert (a.window_copy_s, b.window_copy_s) == (0.25, 0.5)
+
+
 def test_worker_reports_merge_across_workers() -> None:
     one = WorkerReport({"a": 2}, {"a", "b"}, {"a": (0.1, 0.0), "b": (0.0, 0.3)})
     two = WorkerReport({"a": 1}, {"b"}, {"b": (0.0, 0.5)})
@@ -317,6 +334,8 @@ def test_worker_reports_merge_across_workers() -> None:
     assert isinstance(merged, WorkerReport)
     assert merged.load_failures == {"a": 1} and merged.stored == {"b"}
     assert merged.copy_s == {"a": (0.1, 0.0), "b": (0.0, 0.5)}
+    timed = WorkerReport(window_copy_s=0.2).aggregate(WorkerReport(window_copy_s=0.3))
+    assert isinstance(timed, WorkerReport) and timed.window_copy_s == 0.3  # the slowest worker
 
 
 def test_scheduler_side_never_loads_all_prompt_tokens() -> None:
@@ -581,5 +600,6 @@ def test_worker_host_writes_copy_held_blocks_to_leased_slots_and_report_failures
     assert torch.equal(_pool_rows(host.tensor, good.slots, 5), want)
     report = side.report()
     assert report is not None and report.host_written == {3}
+    assert report.window_copy_s > 0.0  # the window's copies are timed
     side.begin_step()
     assert side.report() is None  # a step without host writes reports nothing

@@ -88,8 +88,10 @@ def _tree(rig: Rig, lease_slots: int = LEASE_SLOTS) -> KnowledgeTree:
     )
 
 
-def _push_out(rig: Rig, tree: KnowledgeTree, system: list[int], rng: random.Random) -> None:
-    """Enough requests with new documents that every block not in use is taken once."""
+def _push_out(rig: Rig, tree: KnowledgeTree, system: list[int], rng: random.Random) -> float:
+    """Enough requests with new documents that every block not in use is taken once; the
+    seconds of the window's copies that ran in their prefill steps."""
+    window_s = 0.0
     for i in range(NUM_BLOCKS // 4 + 2):
         got = run_request(
             rig.engine,
@@ -100,7 +102,9 @@ def _push_out(rig: Rig, tree: KnowledgeTree, system: list[int], rng: random.Rand
             sampling=SAMPLING,
         )
         assert got.connector.store_copy_s == 0.0 and not got.connector.store_scheduled
+        window_s += got.connector.window_copy_s
         tree.check_integrity()
+    return window_s
 
 
 def _host_docs(tree: KnowledgeTree) -> set[str]:
@@ -156,8 +160,9 @@ def test_a_document_pushed_out_of_vllms_blocks_is_copied_on_its_way_out_and_serv
     assert not first.connector.store_scheduled and first.connector.store_copy_s == 0.0
     assert _host_docs(tree) == set()
     assert _vllm_docs(tree) == {"kept"}  # the tree knows vLLM's blocks hold it
-    _push_out(rig, tree, system, rng)
+    window_s = _push_out(rig, tree, system, rng)
     assert "kept" in _host_docs(tree)  # copied as it reached the head of vLLM's free queue
+    assert window_s > 0.0  # the copy ran in a step that prefilled a pushing request
     # The engine reported its blocks gone from vLLM's cache after the copy.
     assert "kept" not in _vllm_docs(tree)
     assert tree.host_writes is not None and tree.host_writes.copies >= 2  # root, then it

@@ -70,6 +70,9 @@ class Outcome:
     `document_order="cache"` it may differ from retrieval's)."""
     retrieval_ranks: tuple[int, ...] = ()
     """Each served document's retrieval rank (RAGCache only)."""
+    copy_s: float = 0.0
+    """The host tier's copies in the steps before this request's first token: its loads and
+    stores and the window's eviction-time writes (`QueryResult.timings`; RAGCache only)."""
 
     @property
     def reordered(self) -> bool:
@@ -290,6 +293,7 @@ class RAGCacheSystem:
             result.search_hidden_s,
             result.sources,
             result.retrieval_ranks,
+            sum(result.timings.get(k, 0.0) for k in ("load_copy", "store_copy", "window_copy")),
         )
 
     async def same_as_plain_vllm(
@@ -435,6 +439,10 @@ class PointRun:
             out["host_doc_hit_rate"] = sum(o.host_docs for o in measured) / docs
             out["doc_hit_rate"] = out["gpu_doc_hit_rate"] + out["host_doc_hit_rate"]
             out["speculative_answers"] = sum(o.speculative for o in measured)
+            # The share of TTFT the host tier's copies took (loads, stores, the window's writes,
+            # in the steps before each first token; a step's copies count for each request in it).
+            out["copy_mean_s"] = statistics.fmean(o.copy_s for o in measured) if measured else 0.0
+            out["copy_ttft_share"] = sum(o.copy_s for o in measured) / max(1e-9, sum(ttfts))
             out["counters_with_warmup"] = self.counters
             # Host bytes over every request of the point (the counter includes the warm-up).
             written = float(self.counters.get("host_bytes_written", 0))

@@ -414,6 +414,7 @@ class Generator:
         result = ConnectorResult.from_transfer_params(report)
         timings["load_copy"] = result.load_copy_s
         timings["store_copy"] = result.store_copy_s
+        timings["window_copy"] = result.window_copy_s
         # No connector report after a first token: vLLM's front end ended the request (a
         # stop string) and the engine core saw an abort, which reports nothing. The first
         # token proved the stores ran, so its confirmation stands. Its hit counts read 0:

@@ -54,6 +54,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
     copy_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     host_written: set[int] = field(default_factory=set)
     """Keys of the step's `HostWrite`s that ran (the others failed)."""
+    window_copy_s: float = 0.0
+    """Seconds the step spent on the window's eviction-time copies (after the forward pass:
+    they delay the output of every request in the step)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge the reports of several workers (tensor parallel): a failure anywhere counts,
@@ -71,4 +74,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
             self.stored & other.stored,
             copy_s,
             self.host_written & other.host_written,
+            max(self.window_copy_s, other.window_copy_s),
         )

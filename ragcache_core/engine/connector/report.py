@@ -30,7 +30,9 @@ class ConnectorResult:
     whose copy failed (vLLM recomputed from the block holding the failed span's first token).
     `rejected` lists why a plan was ignored (then nothing was copied at all). `load_copy_s` /
     `store_copy_s`: seconds the worker spent copying in the steps that ran this request's copies
-    (shared with the other requests of those steps). `protected`: the plan's protect entries
+    (shared with the other requests of those steps); `window_copy_s`: seconds of the window's
+    eviction-time copies in the steps that computed this request's prompt (they ran after
+    those steps' forward passes, before its first token). `protected`: the plan's protect entries
     the scheduler side holds now (held before, or taken at this request's finish); a protect
     entry missing from it is not held. `released`: entries let go of since the previous report
     (this plan's `release`, or `reset_cache`), whichever request's plan named them.
@@ -58,6 +60,7 @@ class ConnectorResult:
     rejected: tuple[str, ...] = ()
     load_copy_s: float = 0.0
     store_copy_s: float = 0.0
+    window_copy_s: float = 0.0
     protected: tuple[int, ...] = ()
     released: tuple[int, ...] = ()
     host_copied: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
@@ -83,6 +86,7 @@ class ConnectorResult:
             "rejected": list(self.rejected),
             "load_copy_s": self.load_copy_s,
             "store_copy_s": self.store_copy_s,
+            "window_copy_s": self.window_copy_s,
             "protected": list(self.protected),
             "released": list(self.released),
             "host_copied": [[seq, key, list(slots)] for seq, key, slots in self.host_copied],
@@ -105,6 +109,7 @@ class ConnectorResult:
             rejected=tuple(str(p) for p in data["rejected"]),
             load_copy_s=float(data["load_copy_s"]),
             store_copy_s=float(data["store_copy_s"]),
+            window_copy_s=float(data.get("window_copy_s", 0.0)),
             protected=tuple(int(k) for k in data["protected"]),
             released=tuple(int(k) for k in data["released"]),
             host_copied=tuple(

@@ -78,6 +78,9 @@ class _Tracked:
     step that stored (`finished`)."""
     load_copy_s: float = 0.0
     store_copy_s: float = 0.0
+    window_copy_s: float = 0.0
+    """Seconds of the window's eviction-time copies in the steps that computed this request's
+    prompt (they ran after those steps' forward passes)."""
 
     @property
     def num_loadable(self) -> int:
@@ -95,6 +98,8 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._unconfirmed_stores: set[str] = set()
         """Requests reported stored at `finished` before their step's worker report came."""
+        self._prefilling: set[str] = set()
+        """The requests that the last built step computes prompt tokens of."""
         self.block_pool: Any = None
         """vLLM's `BlockPool`, bound by vLLM at scheduler start (`bind_block_pool`)."""
         self._protected: dict[int, tuple[float, list[Any]]] = {}
@@ -188,12 +193,15 @@ class SchedulerSide:
         set relieved when memory runs short, `relieve`), and the eviction window's."""
         self.relieve(scheduler_output)
         step = StepOps()
+        self._prefilling = set()
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
+            if new.num_computed_tokens < tracked.prompt_len:
+                self._prefilling.add(new.req_id)
             ops = self._ops(new.req_id, tracked, new.num_computed_tokens, num_scheduled)
             if ops is not None:
                 step.requests.append(ops)
@@ -208,6 +216,8 @@ class SchedulerSide:
                 tracked.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 tracked.block_ids.extend(new_blocks[0])
+            if cached.num_computed_tokens[i] < tracked.prompt_len:
+                self._prefilling.add(req_id)
             ops = self._ops(req_id, tracked, cached.num_computed_tokens[i], num_scheduled)
             if ops is not None:
                 step.requests.append(ops)
@@ -238,6 +248,11 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.load_copy_s += load_s
                 tracked.store_copy_s += store_s
+        if report.window_copy_s:
+            for req_id in self._prefilling:
+                tracked = self._tracked.get(req_id)
+                if tracked is not None:
+                    tracked.window_copy_s += report.window_copy_s
         for req_id in report.stored:
             tracked = self._tracked.get(req_id)
             if tracked is not None:
@@ -433,6 +448,7 @@ def _result(
         rejected=tracked.problems,
         load_copy_s=tracked.load_copy_s,
         store_copy_s=tracked.store_copy_s,
+        window_copy_s=tracked.window_copy_s,
         protected=protected,
         released=released,
     )

@@ -62,6 +62,7 @@ class WorkerSide:
         self._copy_s: dict[str, tuple[float, float]] = {}
         self._host_written: set[int] = set()
         self._host_writes = False
+        self._window_s = 0.0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build token access to vLLM's paged cache and map the host pool.
@@ -119,6 +120,7 @@ class WorkerSide:
         self._copy_s = {}
         self._host_written = set()
         self._host_writes = False
+        self._window_s = 0.0
 
     def load(self, step: StepOps) -> None:
         """Copies before the forward pass: every load of the step, in one index."""
@@ -162,6 +164,7 @@ class WorkerSide:
         run (with every copy of the step) and does not fail the step. `fail` copies run, then
         are reported not run (test hook: written slots that must never be read)."""
         self._host_writes = True
+        started = time.perf_counter()
         ops, paged = self._ready()
         refs = [
             SpanRef(w.slots, w.token_start, w.num_tokens, 0, 1 << 62, w.block_ids) for w in writes
@@ -175,6 +178,8 @@ class WorkerSide:
         except Exception:
             logger.exception("RAGCache: eviction-time copies to the host pool failed")
             return
+        finally:
+            self._window_s += time.perf_counter() - started
         for write in writes:
             if write.fail:
                 logger.error("RAGCache: injected failure in the host write of key %d", write.key)
@@ -214,6 +219,7 @@ class WorkerSide:
             set(self._stored),
             dict(self._copy_s),
             set(self._host_written),
+            self._window_s,
         )
 
     def close(self) -> None:
