@@ -403,6 +403,12 @@ class CacheConfig:
     and the two tiers hold different documents) or "tail" (vLLM's `free_blocks`, as its own
     lazy offload does: the document gets a second turn in vLLM's LRU; measured worse,
     docs/benchmarks.md "Eviction-time host writes")."""
+    host_report_interval_s: float = 1.0
+    """With `host_write="eviction"`: the engine's eviction-time changes (copies done, documents
+    let go) reach the tree with the next report of any request. When none has come for this
+    long while requests run, or since the last one finished, a one-token probe request
+    fetches them (`runtime/report_probe.py`), so a lease's slots and the copies do not wait for
+    a request to finish. 0 turns the probe off."""
     max_cached_depth: int | None = None
     """Cache only the first j documents of a sequence (paper 2.7); None caches all."""
     document_order: str = "retrieval"
@@ -482,6 +488,10 @@ class CacheConfig:
         if self.host_write_return not in ("tail", "head"):
             raise ConfigError(
                 f"unknown host_write_return {self.host_write_return!r}; choose 'tail' or 'head'"
+            )
+        if not self.host_report_interval_s >= 0:  # NaN too
+            raise ConfigError(
+                f"host_report_interval_s cannot be negative, got {self.host_report_interval_s}"
             )
         if self.host_write_window_tokens is not None and self.host_write_window_tokens < 1:
             raise ConfigError(

@@ -322,7 +322,7 @@ class RAGCacheSystem:
         counted["host_bytes_written"] = self.cache.tree.counters.host_slots_written * slot_bytes
         counted["host_evictions"] = stats["tree"]["evictions_host"]
         for key, value in stats.get("host_writes", {}).items():  # eviction-time host writes
-            if key != "copies":  # not reset by clear()
+            if key not in ("copies", "report_probes"):  # not reset by clear()
                 counted[f"host_{key}"] = value
         return counted
 

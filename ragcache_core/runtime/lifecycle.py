@@ -128,14 +128,20 @@ class Lifecycle:
             tree.abandon_protection(handle)
         confirmed = self._settle_copies(handle, result)
         if result.reported:
-            tree.apply_host_writes(
-                result.host_copied,
-                result.host_dropped,
-                result.stranded_blocks,
-                result.host_gone,
-                result.host_lost,
-            )
+            self.apply_host_writes(result)
         return confirmed
+
+    def apply_host_writes(self, result: ConnectorResult) -> None:
+        """The eviction-time host writes a report carries (any request's, or the report
+        probe's: `runtime/report_probe.py`) become host copies; see
+        `KnowledgeTree.apply_host_writes`."""
+        self.tree.apply_host_writes(
+            result.host_copied,
+            result.host_dropped,
+            result.stranded_blocks,
+            result.host_gone,
+            result.host_lost,
+        )
 
     def _settle_copies(self, handle: RequestHandle, result: ConnectorResult) -> bool:
         """`settle`'s confirmation or abort of `handle`, and the removal of a failed load's

@@ -44,6 +44,7 @@ from ragcache_core.runtime.generation import Generator
 from ragcache_core.runtime.lifecycle import Lifecycle
 from ragcache_core.runtime.main_guard import check_main_guard, vllm_spawns
 from ragcache_core.runtime.prompt import PromptBuilder
+from ragcache_core.runtime.report_probe import ReportProbe
 from ragcache_core.runtime.speculation import SpeculativeQuery
 from ragcache_core.runtime.supervisor import EngineState, EngineSupervisor
 from ragcache_core.runtime.uncached import UncachedRunner
@@ -104,6 +105,8 @@ class RAGCache(RAGCacheAPI):
             self._loop.stop()
             self._release_resources()
             raise
+        if self._report_probe.enabled:
+            self._loop.submit(self._report_probe.run())
         # A program that forgets close() still shuts the engine down cleanly at exit (before
         # multiprocessing's own exit hook, which atexit runs later: it was registered first).
         atexit.register(self._close_at_exit)
@@ -152,6 +155,7 @@ class RAGCache(RAGCacheAPI):
             metrics=self.metrics,
         )
         self._uncached = UncachedRunner(config, self._engines, self.admission, self.metrics)
+        self._report_probe = ReportProbe(self.lifecycle, self._engines, config)
 
     @property
     def tree(self) -> KnowledgeTree:
@@ -240,16 +244,17 @@ class RAGCache(RAGCacheAPI):
         never wrong)."""
 
         async def clear() -> None:
-            self.metrics.record_tree(self.tree.counters)  # evictions before the clear count
-            self.lifecycle.clear()
-            if not self.engine.is_dead:
-                reset = await self.engine.reset_prefix_cache()
-                self.lifecycle.engine_released_protection()
-                if not reset:
-                    logger.warning(
-                        "RAGCache.clear(): vLLM kept its prefix cache (requests are running)"
-                    )
-            self.metrics.reset()
+            async with self._report_probe.lock:  # no probe in the engine while it resets
+                self.metrics.record_tree(self.tree.counters)  # evictions before the clear
+                self.lifecycle.clear()
+                if not self.engine.is_dead:
+                    reset = await self.engine.reset_prefix_cache()
+                    self.lifecycle.engine_released_protection()
+                    if not reset:
+                        logger.warning(
+                            "RAGCache.clear(): vLLM kept its prefix cache (requests are running)"
+                        )
+                self.metrics.reset()
 
         self._loop.run(clear())
 
@@ -333,6 +338,7 @@ class RAGCache(RAGCacheAPI):
                 "concurrent_computes": writes.concurrent_computes,
                 "lease_slots": writes.lease_slots,
                 "lease_peak_slots": writes.lease_peak,
+                "report_probes": self._report_probe.probes,
             }
         data["queue_waiting"] = self.admission.waiting
         data["in_prefill"] = self.admission.in_prefill

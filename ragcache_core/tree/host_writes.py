@@ -94,6 +94,9 @@ class HostWrites:
         """This tree's name in its leases (another tree on the same engine has another)."""
         self.applied = 0
         """The highest copy sequence number applied (this engine's)."""
+        self.reports = 0
+        """Engine reports applied (`apply`; never reset): how the report probe sees that one
+        came (`runtime/report_probe.py`)."""
         self.copies = 0
         """Copies attached as host copies (counter)."""
         self.wasted = 0
@@ -208,6 +211,7 @@ class HostWrites:
         """One report's host writes (any request's; each copy once, by sequence number), then
         the paths it reports gone from vLLM's blocks (`gone`: key and plan version); `lost`:
         the report's count of kept documents that left uncopied (added up)."""
+        self.reports += 1
         self.stranded_blocks = max(self.stranded_blocks, stranded_blocks)
         self.lost += lost
         self.dropped += len(dropped)
