@@ -103,13 +103,11 @@ def build_tree(
     )
     return KnowledgeTree(
         root_key,
-        gpu_slots=0,
         host_slots=connector.host_slots,
         page_size=config.page_size,
         policy=config.policy,
         cost_model=cost_model,
         max_depth=config.max_cached_depth,
-        backup_root=True,  # the system prompt survives a worker failure (paper 2.6)
         store_policy=config.store_policy,
         protected_tokens=protected_budget(config, connector, settings),
         block_size=settings.block_size,

@@ -32,8 +32,8 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
     slot count matches its tokens; every slot is inside the host pool; stores lie in the
     prompt; protect and keep spans lie in the prompt in order (a keep span's parent is an
     earlier one); lease slots are in the host pool, once each. The engine has no GPU pool (its
-    GPU tier is vLLM's own KV cache), so any GPU-pool part of a plan (swap_out, promote, a GPU
-    load or store) is refused.
+    GPU tier is vLLM's own KV cache), so a GPU load or store (the simulator's two pools) is
+    refused.
     """
     problems: list[str] = []
 
@@ -55,11 +55,6 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
     if plan.page_size != page_size:
         problems.append(f"plan page size {plan.page_size} != pool page size {page_size}")
         return problems
-    if plan.swap_out or plan.promote:
-        problems.append(
-            "swap_out/promote copy between pools: the engine has no GPU pool (vLLM's own KV "
-            "cache is the GPU tier)"
-        )
     position = 0
     for i, load in enumerate(plan.load):
         if load.token_start != position:
