@@ -75,32 +75,6 @@ class StoreSpan:
 
 
 @dataclass(frozen=True, slots=True)
-class ProtectSpan:
-    """Once the request finishes, hold vLLM's cached blocks of prompt positions
-    [token_start, token_start + num_tokens) as protected entry `key` of the *protected set*
-    (docs/design.md 2.2): the knowledge tree's choice of documents vLLM must not evict. The
-    blocks held are those whose last token lies in the span (`protected_blocks`); a block
-    across a document seam goes to the later document, which needs it to hit. `rank` is the
-    policy's priority of the document when protected: under memory pressure the engine lets go
-    of the lowest-ranked entries first (`SchedulerSide.relieve`)."""
-
-    key: int
-    token_start: int
-    num_tokens: int
-    rank: float = 0.0
-
-    def blocks(self, block_size: int) -> range:
-        """Indices, in the request's block table, of the blocks this span holds."""
-        return protected_blocks(self.token_start, self.num_tokens, block_size)
-
-
-def protected_blocks(token_start: int, num_tokens: int, block_size: int) -> range:
-    """Block indices whose last token is in [token_start, token_start + num_tokens): block i
-    covers tokens [i * block_size, (i + 1) * block_size)."""
-    return range(token_start // block_size, (token_start + num_tokens) // block_size)
-
-
-@dataclass(frozen=True, slots=True)
 class KeepSpan:
     """Eviction-time host writes (`CacheConfig.host_write="eviction"`, docs/design.md 2.2):
     prompt positions [token_start, token_start + num_tokens) are a document (or the root) the
@@ -168,17 +142,14 @@ NO_LOSSES = WindowLosses()
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Everything the connector does for one request, in execution order. `protect` and
-    `release` are the protected set's changes (the GPU tier's policy, docs/design.md 2.2):
-    `release` names entries to let go of when the request is first seen, `protect` the
-    entries to hold when it finishes (not when it is aborted). `keep` and `lease` are the
-    eviction-time host writes' parts (`KeepSpan`, `HostLease`): such a plan has no `store`."""
+    """Everything the connector does for one request, in execution order. `keep` and `lease`
+    are the eviction-time host writes' parts (`KeepSpan`, `HostLease`, docs/design.md 2.2):
+    such a plan has no `store`. The plan is the policy's decision on the host tier only: what
+    leaves vLLM's blocks is vLLM's LRU's to decide."""
 
     page_size: int
     load: tuple[LoadSpan, ...] = ()
     store: tuple[StoreSpan, ...] = ()
-    protect: tuple[ProtectSpan, ...] = ()
-    release: tuple[int, ...] = ()
     keep: tuple[KeepSpan, ...] = ()
     lease: HostLease | None = None
 
@@ -189,9 +160,7 @@ class Plan:
 
     @property
     def is_empty(self) -> bool:
-        return not (
-            self.load or self.store or self.protect or self.release or self.keep or self.lease
-        )
+        return not (self.load or self.store or self.keep or self.lease)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -200,8 +169,6 @@ class Plan:
             "store": [
                 [str(s.tier), list(s.slots), s.token_start, s.num_tokens] for s in self.store
             ],
-            "protect": [[s.key, s.token_start, s.num_tokens, s.rank] for s in self.protect],
-            "release": list(self.release),
             "keep": [[s.key, s.parent, s.token_start, s.num_tokens] for s in self.keep],
             "lease": None
             if self.lease is None
@@ -225,11 +192,6 @@ class Plan:
                 StoreSpan(Tier(t), tuple(slots), int(start), int(n))
                 for t, slots, start, n in data["store"]
             ),
-            protect=tuple(
-                ProtectSpan(int(key), int(start), int(n), float(rank))
-                for key, start, n, rank in data["protect"]
-            ),
-            release=tuple(int(key) for key in data["release"]),
             keep=tuple(
                 KeepSpan(int(key), None if parent is None else int(parent), int(start), int(n))
                 for key, parent, start, n in data.get("keep", ())

@@ -227,31 +227,6 @@ def test_served_hits_counts_a_doc_whose_tail_block_was_recomputed_as_a_gpu_hit()
     life.tree.check_integrity()
 
 
-@pytest.mark.parametrize("confirmed_first", [True, False])
-def test_a_request_without_a_report_releases_what_it_asked_to_protect(
-    confirmed_first: bool,
-) -> None:
-    """No report (vLLM's front end aborted the request, e.g. at a stop string): whether the
-    engine holds its protect entries is unknown, so the next plan releases them; none is left
-    counted as held, or silently forgotten while the engine holds its blocks."""
-    tree = KnowledgeTree(ROOT, host_slots=64, page_size=PAGE, protected_tokens=64)
-    life = Lifecycle(tree, _connector())
-    handle, plan = life.open(_prompt("a"), final=True)
-    assert plan is not None and plan.protect
-    keys = {span.key for span in plan.protect}
-    if confirmed_first:
-        life.first_token(handle)
-        life.abort(handle)  # what `Generator._settle` does for a confirmed handle, no report
-    else:
-        assert not life.settle(handle, ConnectorResult())  # unreported: not stored
-    assert len(tree.protected) == 0
-    assert tree.protected.releasing_tokens == 4 * 4  # the root's 6 and a's 10 tokens: 4 blocks
-    nxt, _ = life.open(_prompt("b"), final=True)
-    assert keys <= set(nxt.plan.release)
-    life.abort(nxt)
-    tree.check_integrity()
-
-
 def test_a_cache_ordered_request_is_scored_in_the_order_it_will_be_served() -> None:
     # Issue 40: the queue scores a document_order="cache" request by the hits of the order
     # that follows the tree now, not of the order its prompt was first built in.

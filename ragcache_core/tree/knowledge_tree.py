@@ -9,8 +9,11 @@ parts, each of which changes only what its docstring says:
   * `Placement` (placement.py): copies over the host tier (and a GPU pool's, `GpuPool`), pins,
     make room, eviction (slots: tier_slots.py, allocator.py);
   * `Planner` (planner.py): `begin_request` and its steps, access statistics, store policy;
-  * `ProtectedSet` (protected.py): the documents the policy keeps in vLLM's blocks (the
-    engine's GPU tier), carried to the engine by the plans' protect/release parts.
+  * `HostWrites` (host_writes.py): eviction-time host writes (keeps, the host lease, reports).
+
+Who decides what: the policy decides host admission (with the store policy) and host eviction;
+vLLM's LRU decides what leaves vLLM's blocks (the tree only hears of it, `Node.resident`); the
+connector executes the plans.
 
 Request lifecycle:
 
@@ -22,7 +25,6 @@ Request lifecycle:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 
 from ragcache_core.capacity import slots_in_tokens
@@ -40,7 +42,6 @@ from ragcache_core.tree.order import ordered_hits
 from ragcache_core.tree.placement import Placement
 from ragcache_core.tree.planner import STORE_POLICIES, Planner
 from ragcache_core.tree.prefix import PrefixTree, match_result, readable_prefix
-from ragcache_core.tree.protected import ProtectedSet
 from ragcache_core.tree.request import RequestHandle, RequestState
 from ragcache_core.tree.stats import CacheStats, TreeCounters
 
@@ -62,8 +63,7 @@ class KnowledgeTree:
     `store_policy` decides which computed documents are stored: "always" (the paper), "second"
     (only a document met before at the same prefix: one-off documents never cost a store or
     an eviction) or "no_evict" (only while free room is left: stores never evict).
-    `protected_tokens` is the protected set's budget: tokens of vLLM's blocks (`block_size`
-    tokens each; default `page_size`) the policy keeps from vLLM's eviction (0: none).
+    `block_size` is vLLM's block size (default `page_size`).
     `host_write` is when the host tier is written: "compute" (as documents are computed: plans
     store them) or "eviction" (as they leave vLLM's blocks: plans keep them and lend
     `host_lease_slots` host slots for the copies, a lease that grows to `host_lease_max_slots`
@@ -84,14 +84,11 @@ class KnowledgeTree:
         frequency_window: int | None = None,
         gpu_pool: GpuPool | None = None,
         store_policy: str = "always",
-        protected_tokens: int = 0,
         block_size: int | None = None,
         host_write: str = "compute",
         host_lease_slots: int = 0,
         host_lease_max_slots: int | None = None,
     ) -> None:
-        if protected_tokens < 0:
-            raise ConfigError(f"protected_tokens cannot be negative, got {protected_tokens}")
         if max_depth is not None and max_depth < 0:
             raise ConfigError(f"max_depth cannot be negative, got {max_depth}")
         if frequency_window is not None and frequency_window <= 0:
@@ -145,8 +142,6 @@ class KnowledgeTree:
         )
         self.block_size = block_size or page_size
         """vLLM's block size (the GPU tier's unit; the host page size where none is given)."""
-        self.protected = ProtectedSet(protected_tokens, self.block_size, self.policy)
-        """The protected set (read freely; changed only through the methods below)."""
         self._next_request_id = 0
         self._open: dict[int, RequestHandle] = {}
 
@@ -253,8 +248,6 @@ class KnowledgeTree:
             open_requests=len(self._open),
             page_size=self.page_size,
             roots=self.num_roots,
-            protected_nodes=len(self.protected),
-            protected_tokens=self.protected.protected_tokens,
         )
 
     def iter_nodes(self) -> Iterator[Node]:
@@ -290,9 +283,6 @@ class KnowledgeTree:
             final=final,
         )
         self._next_request_id += 1
-        protect, release = self.protected.plan(handle)
-        if protect or release:
-            handle.plan = dataclasses.replace(handle.plan, protect=protect, release=release)
         self._open[handle.request_id] = handle
         self._placement.compact()
         return handle
@@ -315,19 +305,6 @@ class KnowledgeTree:
         self._check_open(handle)
         self._placement.discard_written(handle)
         self._finish(handle, RequestState.ABORTED)
-        self.protected.sweep()
-
-    def settle_protection(
-        self, handle: RequestHandle, protected: Sequence[int], released: Sequence[int]
-    ) -> None:
-        """The connector's report on `handle`'s protect entries and on releases
-        (`ProtectedSet.settle`). For open and ended handles alike; once per handle."""
-        self.protected.settle(handle, tuple(protected), tuple(released))
-
-    def abandon_protection(self, handle: RequestHandle) -> None:
-        """`handle` ended without a connector report: its protect entries, if any are still
-        unsettled, are released by the next plan (`ProtectedSet.abandon`)."""
-        self.protected.abandon(handle)
 
     def apply_host_writes(
         self,
@@ -359,11 +336,8 @@ class KnowledgeTree:
         for handle in list(self._open.values()):
             self.abort(handle)
         self._placement.drop_tier(tier)
-        if tier is Tier.GPU:
-            self.protected.forget_engine()
-            if self.host_writes is not None:
-                self.host_writes.engine_lost()
-        self.protected.sweep()
+        if tier is Tier.GPU and self.host_writes is not None:
+            self.host_writes.engine_lost()
 
     def invalidate(self, doc_id: str) -> int:
         """Drop every node of document `doc_id` (any content hash, any prefix) and their
@@ -396,7 +370,6 @@ class KnowledgeTree:
         self._placement.clear()
         if self.host_writes is not None:
             self.host_writes.forget()
-        self.protected.release_all()
         self.policy.reset()
         self._planner.reset()
         self._placement.reset_counters()
@@ -409,7 +382,6 @@ class KnowledgeTree:
         self._prefixes.check()
         self._placement.check(OpenHoldings.of(self._open.values()))
         self._planner.check()
-        self.protected.check()
         if self.host_writes is not None:
             self.host_writes.check()
         for request_id, handle in self._open.items():
@@ -426,7 +398,6 @@ class KnowledgeTree:
         for node in nodes:
             if node.attached:
                 self._placement.remove(node)
-        self.protected.sweep()
         return before - self._prefixes.num_doc_nodes
 
     def _finish(self, handle: RequestHandle, state: RequestState) -> None:

@@ -32,8 +32,6 @@ class RequestLedger:
     - `held_gpu_slots`: GPU slots freed by its swap-outs (a GPU pool of the tree's own),
       which only this request may reuse until it completes (its own plan reads them before
       it writes them; anyone else might write them first);
-    - `protecting`: the protected-set entries its plan asks the engine to hold, until the
-      connector's report says which it holds (`ProtectedSet.settle`) or it ends without one;
     - `keeps`: the paths its plan keeps (eviction-time host writes), root first: vLLM's blocks
       hold them once it confirms (`HostWrites.settle`);
     - `computing`: the keys of those it computes (vLLM's blocks did not hold them, as last
@@ -44,7 +42,6 @@ class RequestLedger:
     pins: list[Node] = field(default_factory=list)
     pending: list[tuple[Node, Tier]] = field(default_factory=list)
     held_gpu_slots: list[int] = field(default_factory=list)
-    protecting: tuple[int, ...] = ()
     keeps: list[Shadow] = field(default_factory=list)
     computing: list[int] = field(default_factory=list)
 

@@ -18,10 +18,6 @@ class CacheStats:
     page_size: int
     roots: int = 1
     """Roots holding a copy (one per template/system prompt/salt in use)."""
-    protected_nodes: int = 0
-    """Nodes in the protected set (held in vLLM's blocks, or asked for)."""
-    protected_tokens: int = 0
-    """Their tokens, in whole vLLM blocks (at most the set's budget)."""
 
 
 @dataclass(frozen=True, slots=True)
