@@ -366,13 +366,11 @@ class CacheConfig:
     """Refused (kept only to name what replaced it): there is no GPU pool any more. The GPU
     tier is vLLM's own KV cache with its prefix caching on, sized by `vllm_kv_cache_gib`
     (docs/design.md 3.1)."""
-    protected_gpu_tokens: int | None = 0
-    """The protected set's budget: tokens of vLLM's cached blocks that the policy keeps from
-    vLLM's LRU eviction, given to the documents PGDSF ranks highest (docs/design.md 2.2).
-    0 (the default: measured, it tied or lost, docs/benchmarks.md "The protected set") leaves
-    the GPU tier to vLLM's LRU. None: half of vLLM's KV cache, less whatever would leave under
-    two `max_model_len` requests' room beside it (`runtime.assembly.protected_budget`; 0 when
-    vLLM sizes its KV cache itself: CUDA without `vllm_kv_cache_gib`)."""
+    protected_gpu_tokens: int | None = None
+    """Refused unless 0 (kept only to name its removal): the protected set is gone (measured
+    on the eviction-time host tier, it lost to vLLM's LRU alone, docs/benchmarks.md "The
+    protected set"). vLLM's LRU decides what leaves its blocks; 0 (an older configuration's
+    "off") is accepted and means nothing."""
     host_pool_tokens: int = 65_536
     """Capacity of the host-tier pool (shared memory) in tokens; 0 turns the host tier off."""
     page_size: int = 16
@@ -467,9 +465,11 @@ class CacheConfig:
                 "more, vLLM's own prefix-cached blocks are the GPU tier; size it with "
                 "vllm_kv_cache_gib (GiB of vLLM KV cache; on CUDA, or gpu_memory_utilization)"
             )
-        if self.protected_gpu_tokens is not None and self.protected_gpu_tokens < 0:
+        if self.protected_gpu_tokens:
             raise ConfigError(
-                f"protected_gpu_tokens cannot be negative, got {self.protected_gpu_tokens}"
+                "protected_gpu_tokens is gone: the protected set was removed (it lost to vLLM's "
+                "own LRU, docs/benchmarks.md 'The protected set'); vLLM's LRU decides what "
+                "leaves its blocks and the policy decides the host tier. Leave it unset"
             )
         if self.host_pool_tokens < 0:
             raise ConfigError(f"host_pool_tokens cannot be negative, got {self.host_pool_tokens}")

@@ -19,16 +19,16 @@ In the engine the GPU tier is vLLM's own block pool with its prefix caching on (
 3.1): vLLM matches its cached blocks first, and the connector loads from the host pool only
 the tokens past vLLM's hit (none on a full GPU hit: no byte moves). The engine's plans
 therefore load the host tier and either store it (write-through) or keep documents for the
-eviction window with a lease of host slots (`keep`, `lease`: the default). The GPU-pool
-parts below (swap_out, promote, GPU loads and stores) are the tree's two-pool model, used by
-the simulator; the engine's connector refuses them (`engine.connector.spans.plan_problems`).
+eviction window with a lease of host slots (`keep`, `lease`: the default). GPU loads and
+stores belong to the simulator's two pools (`sim/two_pools.py`, whose plans are bookkeeping
+only); the engine's connector refuses them (`engine.connector.spans.plan_problems`).
 
 Execution order in the worker (docs/design.md 3.2):
-  1. swap_out: GPU slots -> host slots (first eviction of a node from the GPU pool),
-  2. promote:  host slots -> GPU slots,
-  3. load:     pool slots -> the request's token positions in vLLM's paged cache,
-  4. (forward pass computes the remaining tokens)
-  5. store:    the request's token range -> pool slots.
+  1. load:     host slots -> the request's token positions in vLLM's paged cache,
+  2. (forward pass computes the remaining tokens)
+  3. store:    the request's token range -> host slots (write-through), or
+     keep:     nothing now; the scheduler side's window copies the kept documents into the
+               lease's host slots as they leave vLLM's blocks.
 Frees are allocator bookkeeping in the app process and never appear here.
 """
 
@@ -48,21 +48,6 @@ class Tier(StrEnum):
 
     GPU = "gpu"
     HOST = "host"
-
-
-@dataclass(frozen=True, slots=True)
-class SlotCopy:
-    """Copy whole pages: `src_slots[i]` of one pool to `dst_slots[i]` of the other."""
-
-    src_slots: tuple[int, ...]
-    dst_slots: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.src_slots) != len(self.dst_slots):
-            raise ValueError(
-                f"SlotCopy needs as many source as destination slots "
-                f"({len(self.src_slots)} != {len(self.dst_slots)})"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,32 +72,6 @@ class StoreSpan:
     slots: tuple[int, ...]
     token_start: int
     num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ProtectSpan:
-    """Once the request finishes, hold vLLM's cached blocks of prompt positions
-    [token_start, token_start + num_tokens) as protected entry `key` of the *protected set*
-    (docs/design.md 2.2): the knowledge tree's choice of documents vLLM must not evict. The
-    blocks held are those whose last token lies in the span (`protected_blocks`); a block
-    across a document seam goes to the later document, which needs it to hit. `rank` is the
-    policy's priority of the document when protected: under memory pressure the engine lets go
-    of the lowest-ranked entries first (`SchedulerSide.relieve`)."""
-
-    key: int
-    token_start: int
-    num_tokens: int
-    rank: float = 0.0
-
-    def blocks(self, block_size: int) -> range:
-        """Indices, in the request's block table, of the blocks this span holds."""
-        return protected_blocks(self.token_start, self.num_tokens, block_size)
-
-
-def protected_blocks(token_start: int, num_tokens: int, block_size: int) -> range:
-    """Block indices whose last token is in [token_start, token_start + num_tokens): block i
-    covers tokens [i * block_size, (i + 1) * block_size)."""
-    return range(token_start // block_size, (token_start + num_tokens) // block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,19 +142,14 @@ NO_LOSSES = WindowLosses()
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Everything the connector does for one request, in execution order. `protect` and
-    `release` are the protected set's changes (the GPU tier's policy, docs/design.md 2.2):
-    `release` names entries to let go of when the request is first seen, `protect` the
-    entries to hold when it finishes (not when it is aborted). `keep` and `lease` are the
-    eviction-time host writes' parts (`KeepSpan`, `HostLease`): such a plan has no `store`."""
+    """Everything the connector does for one request, in execution order. `keep` and `lease`
+    are the eviction-time host writes' parts (`KeepSpan`, `HostLease`, docs/design.md 2.2):
+    such a plan has no `store`. The plan is the policy's decision on the host tier only: what
+    leaves vLLM's blocks is vLLM's LRU's to decide."""
 
     page_size: int
-    swap_out: tuple[SlotCopy, ...] = ()
-    promote: tuple[SlotCopy, ...] = ()
     load: tuple[LoadSpan, ...] = ()
     store: tuple[StoreSpan, ...] = ()
-    protect: tuple[ProtectSpan, ...] = ()
-    release: tuple[int, ...] = ()
     keep: tuple[KeepSpan, ...] = ()
     lease: HostLease | None = None
 
@@ -206,28 +160,15 @@ class Plan:
 
     @property
     def is_empty(self) -> bool:
-        return not (
-            self.swap_out
-            or self.promote
-            or self.load
-            or self.store
-            or self.protect
-            or self.release
-            or self.keep
-            or self.lease
-        )
+        return not (self.load or self.store or self.keep or self.lease)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "page_size": self.page_size,
-            "swap_out": [[list(c.src_slots), list(c.dst_slots)] for c in self.swap_out],
-            "promote": [[list(c.src_slots), list(c.dst_slots)] for c in self.promote],
             "load": [[str(s.tier), list(s.slots), s.token_start, s.num_tokens] for s in self.load],
             "store": [
                 [str(s.tier), list(s.slots), s.token_start, s.num_tokens] for s in self.store
             ],
-            "protect": [[s.key, s.token_start, s.num_tokens, s.rank] for s in self.protect],
-            "release": list(self.release),
             "keep": [[s.key, s.parent, s.token_start, s.num_tokens] for s in self.keep],
             "lease": None
             if self.lease is None
@@ -243,8 +184,6 @@ class Plan:
     def from_json(cls, data: dict[str, Any]) -> Plan:
         return cls(
             page_size=int(data["page_size"]),
-            swap_out=tuple(SlotCopy(tuple(s), tuple(d)) for s, d in data["swap_out"]),
-            promote=tuple(SlotCopy(tuple(s), tuple(d)) for s, d in data["promote"]),
             load=tuple(
                 LoadSpan(Tier(t), tuple(slots), int(start), int(n))
                 for t, slots, start, n in data["load"]
@@ -253,11 +192,6 @@ class Plan:
                 StoreSpan(Tier(t), tuple(slots), int(start), int(n))
                 for t, slots, start, n in data["store"]
             ),
-            protect=tuple(
-                ProtectSpan(int(key), int(start), int(n), float(rank))
-                for key, start, n, rank in data["protect"]
-            ),
-            release=tuple(int(key) for key in data["release"]),
             keep=tuple(
                 KeepSpan(int(key), None if parent is None else int(parent), int(start), int(n))
                 for key, parent, start, n in data.get("keep", ())

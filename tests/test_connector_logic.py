@@ -23,7 +23,7 @@ from ragcache_core.engine.connector.scheduler_side import SchedulerSide
 from ragcache_core.engine.connector.spans import plan_problems, span_index
 from ragcache_core.engine.connector.worker_side import WorkerSide
 from ragcache_core.errors import ConfigError
-from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, StoreSpan, Tier
 from ragcache_core.storage.host_pool import HostPool
 from ragcache_core.storage.pool_layout import PoolLayout
 
@@ -78,13 +78,8 @@ def test_plan_problems_are_named() -> None:
 
 
 def test_plan_problems_refuse_every_gpu_pool_part() -> None:
-    """The engine's GPU tier is vLLM's own KV cache: a plan that copies between pools or
-    loads/stores a GPU pool is refused, part by part, whatever its slots."""
-    swap = Plan(PAGE, swap_out=(SlotCopy((0,), (1,)),))
-    (problem,) = _problems(swap)
-    assert "swap_out/promote" in problem and "the engine has no GPU pool" in problem
-    promote = Plan(PAGE, promote=(SlotCopy((1,), (0,)),))
-    assert "the engine has no GPU pool" in _problems(promote)[0]
+    """The engine's GPU tier is vLLM's own KV cache: a plan that loads or stores a GPU pool
+    (the simulator's two pools) is refused, part by part, whatever its slots."""
     gpu_load = Plan(PAGE, load=(LoadSpan(Tier.GPU, (0, 1), 0, 6),))
     (problem,) = _problems(gpu_load)
     assert problem.startswith("load[0] uses the gpu pool: the engine has none")
@@ -415,12 +410,10 @@ def test_rejected_plan_runs_nothing_and_says_why() -> None:
 @pytest.mark.parametrize(
     "plan",
     [
-        Plan(PAGE, swap_out=(SlotCopy((0,), (1,)),), load=PLAN.load),
-        Plan(PAGE, promote=(SlotCopy((1,), (0,)),), load=PLAN.load),
         Plan(PAGE, load=(LoadSpan(Tier.GPU, (0, 1), 0, 6),)),
         Plan(PAGE, store=(StoreSpan(Tier.GPU, (5, 6), 16, 5),)),
     ],
-    ids=["swap_out", "promote", "gpu-load", "gpu-store"],
+    ids=["gpu-load", "gpu-store"],
 )
 def test_a_gpu_pool_plan_is_refused_and_runs_nothing(plan: Plan) -> None:
     """The old two-pool plans (the simulator's) reach the engine's connector refused: no load

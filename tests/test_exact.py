@@ -21,7 +21,7 @@ from ragcache_core.engine.connector import FAULT_KEY
 from ragcache_core.engine.llm import GreedySampling
 from ragcache_core.engine.settings import EngineSpec
 from ragcache_core.errors import ConfigError, InputError
-from ragcache_core.plan import LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
 from ragcache_core.runtime.sync_run import TokenizedDocument, run_request
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
 
@@ -53,7 +53,7 @@ def _doc(name: str, tokens: list[int]) -> TokenizedDocument:
 def _new_cache(rig: Rig) -> KnowledgeTree:
     return KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v1", "float32"),
-        gpu_slots=0,  # the engine's tree: vLLM's prefix cache is the GPU tier
+        # the engine's tree: vLLM's prefix cache is the GPU tier
         host_slots=rig.engine.host_slots,
         page_size=PAGE,
     )
@@ -202,7 +202,7 @@ def test_hand_built_host_plans_are_exact_and_gpu_pool_plans_refused(rig: Rig) ->
     _assert_same(rig, host_hit.token_ids, host_hit.logprobs, ref)
     rig.engine.reset_prefix_cache()
     for plan in (
-        Plan(PAGE, swap_out=(SlotCopy((0,), (40,)),), load=loads),
+        Plan(PAGE, load=loads, store=(StoreSpan(Tier.GPU, host_d, 37, 90),)),
         Plan(PAGE, load=(LoadSpan(Tier.GPU, host_a, 0, 37),)),
     ):
         refused = rig.engine.run(prompt, plan, SAMPLING)
@@ -220,7 +220,6 @@ def test_cache_driven_host_eviction_stays_exact(rig: Rig) -> None:
     docs = [_doc(f"s{i}", _tokens(rng, 70 + 7 * i)) for i in range(3)]
     cache = KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v2", "float32"),
-        gpu_slots=0,
         host_slots=3 + 5 + 6 + 1,  # root + one sequence's two documents, about
         page_size=PAGE,
     )
@@ -319,7 +318,6 @@ def test_pools_full_and_pinned_runs_uncached(rig: Rig) -> None:
     f0, f1 = _doc("f0", _tokens(rng, 50)), _doc("f1", _tokens(rng, 50))
     cache = KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v3", "float32"),
-        gpu_slots=0,
         host_slots=6,
         page_size=PAGE,
     )

@@ -79,7 +79,6 @@ def _doc(name: str, rng: random.Random, n: int = 96) -> TokenizedDocument:
 def _tree(rig: Rig, lease_slots: int = LEASE_SLOTS) -> KnowledgeTree:
     return KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v1", "float32"),
-        gpu_slots=0,
         host_slots=rig.engine.host_slots,
         page_size=PAGE,
         host_write="eviction",

@@ -13,6 +13,7 @@ from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
 from ragcache_core.plan import Tier
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
 from ragcache_core.runtime.prompt import BuiltPrompt
+from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.storage.pool_layout import PoolLayout
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RequestState, RootKey
 
@@ -27,9 +28,10 @@ def _connector(host_slots: int = 64) -> ConnectorConfig:
 
 
 def _lifecycle(host_slots: int = 64, tree_gpu_slots: int = 0) -> Lifecycle:
-    """A lifecycle over a fresh tree of 64 host slots (and, like the engine's, no GPU slots
-    unless `tree_gpu_slots`); its connector view has `host_slots`."""
-    tree = KnowledgeTree(ROOT, gpu_slots=tree_gpu_slots, host_slots=64, page_size=PAGE)
+    """A lifecycle over a fresh tree of 64 host slots (and, like the engine's, no GPU pool
+    unless `tree_gpu_slots`: the simulator's two pools); its connector view has `host_slots`."""
+    pool = TwoPools(tree_gpu_slots) if tree_gpu_slots else None
+    tree = KnowledgeTree(ROOT, gpu_pool=pool, host_slots=64, page_size=PAGE)
     return Lifecycle(tree, _connector(host_slots))
 
 
@@ -54,7 +56,6 @@ def test_a_request_confirmed_at_its_first_token_serves_the_next() -> None:
     assert plan is handle.plan and plan.store
     # No GPU tier in the tree: the root and the document are stored on the host tier.
     assert [span.tier for span in plan.store] == [Tier.HOST, Tier.HOST]
-    assert not (plan.swap_out or plan.promote)
     life.first_token(handle)
     assert handle.state is RequestState.CONFIRMED
     assert tree.stats().pinned_nodes == 0
@@ -226,31 +227,6 @@ def test_served_hits_counts_a_doc_whose_tail_block_was_recomputed_as_a_gpu_hit()
     life.tree.check_integrity()
 
 
-@pytest.mark.parametrize("confirmed_first", [True, False])
-def test_a_request_without_a_report_releases_what_it_asked_to_protect(
-    confirmed_first: bool,
-) -> None:
-    """No report (vLLM's front end aborted the request, e.g. at a stop string): whether the
-    engine holds its protect entries is unknown, so the next plan releases them; none is left
-    counted as held, or silently forgotten while the engine holds its blocks."""
-    tree = KnowledgeTree(ROOT, gpu_slots=0, host_slots=64, page_size=PAGE, protected_tokens=64)
-    life = Lifecycle(tree, _connector())
-    handle, plan = life.open(_prompt("a"), final=True)
-    assert plan is not None and plan.protect
-    keys = {span.key for span in plan.protect}
-    if confirmed_first:
-        life.first_token(handle)
-        life.abort(handle)  # what `Generator._settle` does for a confirmed handle, no report
-    else:
-        assert not life.settle(handle, ConnectorResult())  # unreported: not stored
-    assert len(tree.protected) == 0
-    assert tree.protected.releasing_tokens == 4 * 4  # the root's 6 and a's 10 tokens: 4 blocks
-    nxt, _ = life.open(_prompt("b"), final=True)
-    assert keys <= set(nxt.plan.release)
-    life.abort(nxt)
-    tree.check_integrity()
-
-
 def test_a_cache_ordered_request_is_scored_in_the_order_it_will_be_served() -> None:
     # Issue 40: the queue scores a document_order="cache" request by the hits of the order
     # that follows the tree now, not of the order its prompt was first built in.
@@ -268,7 +244,7 @@ def test_a_report_of_its_own_documents_gone_is_applied_after_the_confirmation() 
     """The synchronous path confirms at the report: a span the engine could not follow, which
     the same report names gone, must not stay marked as held in vLLM's blocks."""
     tree = KnowledgeTree(
-        ROOT, gpu_slots=0, host_slots=64, page_size=PAGE, host_write="eviction", host_lease_slots=8
+        ROOT, host_slots=64, page_size=PAGE, host_write="eviction", host_lease_slots=8
     )
     life = Lifecycle(tree, _connector())
     handle, plan = life.open(_prompt("a"), final=True)

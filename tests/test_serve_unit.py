@@ -180,6 +180,15 @@ def test_results_and_configs_survive_the_wire() -> None:
     assert result_from_json(json.loads(json.dumps(result_to_json(with_logprobs)))) == with_logprobs
 
 
+@pytest.mark.parametrize("budget", [0, None, 4096])
+def test_a_client_reads_an_older_servers_protected_set_budget(budget: int | None) -> None:
+    """An older server still sends `protected_gpu_tokens` (the protected set, since removed):
+    the client ignores it, whatever its value, rather than failing to read the config."""
+    config = CacheConfig(top_k=3)
+    older = {**config_to_json(config), "protected_gpu_tokens": budget}
+    assert config_from_json(json.loads(json.dumps(older))) == config
+
+
 EVERY_FIELD: dict[str, Any] = {
     "max_tokens": 9,
     "temperature": 0.7,

@@ -5,10 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from _tree_helpers import ROOT, cached_paths, doc, node_path, record_evictions, run
+from _tree_helpers import (
+    ROOT,
+    cached_paths,
+    doc,
+    gpu_used,
+    node_path,
+    record_evictions,
+    run,
+    two_pools,
+)
 
 from ragcache_core.errors import ConfigError, InputError, RAGCacheError
 from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
+from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import (
     DocKey,
     DocSpec,
@@ -25,7 +35,9 @@ from ragcache_core.tree import (
 
 
 def make(gpu: int = 100, host: int = 0, page: int = 4, **kw: object) -> KnowledgeTree:
-    return KnowledgeTree(ROOT, gpu_slots=gpu, host_slots=host, page_size=page, **kw)  # type: ignore[arg-type]
+    """A tree over the simulator's two pools (`gpu` GPU slots; 0: the engine's tree)."""
+    pool = TwoPools(gpu) if gpu else None
+    return KnowledgeTree(ROOT, gpu_pool=pool, host_slots=host, page_size=page, **kw)  # type: ignore[arg-type]
 
 
 def test_first_request_stores_root_then_docs_with_prompt_offsets() -> None:
@@ -82,16 +94,17 @@ def test_swap_out_only_once_then_zero_copy_and_promote() -> None:
     # Room for the root + one document on GPU, plenty on host.
     cache = make(gpu=2, host=10, page=4)
     run(cache, doc("a", 4), root=4)
+    pool = two_pools(cache)
     first = cache.begin_request(4, [doc("b", 4)], 0)  # evicts a: first time -> swap out
-    assert len(first.plan.swap_out) == 1
+    assert (pool.swap_outs, pool.promotions) == (1, 0)
     cache.confirm(first)
-    promote = cache.begin_request(4, [doc("a", 4)], 0)  # host hit: promoted, b zero-copy out
-    assert len(promote.plan.promote) == 1 and promote.plan.swap_out[0:1] != ()
+    promote = cache.begin_request(4, [doc("a", 4)], 0)  # host hit: promoted, b swapped out
+    assert (pool.swap_outs, pool.promotions) == (2, 1)
     assert promote.hits.docs_on(Tier.HOST) == 1
     assert promote.plan.load[1].tier is Tier.GPU
     cache.confirm(promote)
     again = cache.begin_request(4, [doc("b", 4)], 0)  # a already on host: no copy out
-    assert again.plan.swap_out == () and len(again.plan.promote) == 1
+    assert (pool.swap_outs, pool.promotions, pool.evictions) == (2, 2, 3)
     cache.confirm(again)
     assert cached_paths(cache)[("a",)] == {"host"}
     cache.check_integrity()
@@ -110,7 +123,12 @@ def test_host_eviction_frees_and_parent_before_child(monkeypatch: pytest.MonkeyP
     (freeing its slot, the node leaves the tree) and keeps a, although a's priority is the
     lower one: a host copy is never evicted while a child still has a host copy."""
     cache = KnowledgeTree(
-        ROOT, gpu_slots=3, host_slots=3, page_size=4, policy="gdsf", cost_model=_PerRequest()
+        ROOT,
+        gpu_pool=TwoPools(3),
+        host_slots=3,
+        page_size=4,
+        policy="gdsf",
+        cost_model=_PerRequest(),
     )
     evictions = record_evictions(monkeypatch)
     run(cache, doc("a", 8), doc("b", 4))  # GPU full: a (2 slots), b (1)
@@ -168,26 +186,26 @@ def test_zero_gpu_capacity_stores_on_the_host_tier_and_loads_from_it() -> None:
             LoadSpan(Tier.HOST, (0,), 0, 4),
             LoadSpan(Tier.HOST, (1,), 4, 4),
         )
-        assert plan.store == () and plan.swap_out == () and plan.promote == ()
+        assert plan.store == ()
         assert handle.cached_tokens == 8 and handle.hits.docs_on(Tier.HOST) == 1
         cache.confirm(handle)
     stats = cache.stats()
-    assert (stats.gpu_used_slots, stats.host_used_slots) == (0, 2)
+    assert (gpu_used(cache), stats.host_used_slots) == (0, 2)
     cache.check_integrity()
 
 
 def test_a_host_only_tree_never_promotes_an_empty_root() -> None:
     """A root of 0 tokens (an empty system prompt, no BOS) on the engine's host-only tree: the
-    second request must get a plan the connector accepts (no promote at all), not one that
+    second request must get a plan the connector accepts (no GPU part at all), not one that
     `plan_problems` refuses and that then runs uncached."""
     from ragcache_core.engine.connector.spans import plan_problems
 
     cache = make(gpu=0, host=10)
     cache.confirm(cache.begin_request(0, [doc("a", 4)], 1))
     handle = cache.begin_request(0, [doc("a", 4)], 1)
-    assert handle.plan.promote == ()
+    assert all(span.tier is Tier.HOST for span in handle.plan.load)
     assert plan_problems(handle.plan, prompt_len=5, page_size=4, host_slots=10) == []
-    assert cache.stats().gpu_used_slots == 0
+    assert gpu_used(cache) == 0
     cache.confirm(handle)
     cache.check_integrity()
 
@@ -204,9 +222,9 @@ def test_no_capacity_at_all_stores_nothing() -> None:
 def test_abort_discards_unconfirmed_nodes_and_frees_slots() -> None:
     cache = make(gpu=10, host=0)
     handle = cache.begin_request(4, [doc("a", 4), doc("b", 4)], 0)
-    assert cache.stats().gpu_used_slots == 3
+    assert gpu_used(cache) == 3
     cache.abort(handle)
-    assert cache.stats().gpu_used_slots == 0 and cache.num_nodes == 0
+    assert gpu_used(cache) == 0 and cache.num_nodes == 0
     with pytest.raises(RAGCacheError, match="already aborted"):
         cache.confirm(handle)
     cache.check_integrity()
@@ -216,7 +234,7 @@ def test_abort_of_a_swap_out_drops_the_victim() -> None:
     cache = make(gpu=2, host=4, page=4)
     run(cache, doc("a", 4), root=4)
     handle = cache.begin_request(4, [doc("b", 4)], 0)
-    assert handle.plan.swap_out
+    assert two_pools(cache).swap_outs == 1
     cache.abort(handle)
     assert ("a",) not in cached_paths(cache)
     cache.check_integrity()
@@ -245,13 +263,13 @@ def test_invalidate_while_pinned_frees_slots_on_release() -> None:
     cache = make(gpu=10)
     run(cache, doc("a", 8), root=4)
     reader = cache.begin_request(4, [doc("a", 8)], 0)
-    used = cache.stats().gpu_used_slots
+    used = gpu_used(cache)
     cache.invalidate("a")
     assert cache.match([doc("a", 8)]).doc_hits == ()
-    assert cache.stats().gpu_used_slots == used  # still being read
+    assert gpu_used(cache) == used  # still being read
     cache.check_integrity()
     cache.confirm(reader)
-    assert cache.stats().gpu_used_slots == 1  # the root only
+    assert gpu_used(cache) == 1  # the root only
     cache.check_integrity()
 
 
@@ -263,7 +281,7 @@ def test_clear_resets_everything_and_open_requests_finish_cleanly() -> None:
     assert cache.num_nodes == 0 and cache.match([doc("a")]).hits == ()
     cache.confirm(writer)  # its nodes were detached: confirmation makes nothing readable
     assert cache.match([doc("b")]).hits == ()
-    assert cache.stats().gpu_used_slots == 0
+    assert gpu_used(cache) == 0
     cache.check_integrity()
 
 
@@ -278,29 +296,6 @@ def test_drop_gpu_keeps_only_confirmed_host_copies_with_a_surviving_parent() -> 
     # The root was only on GPU: nothing can survive below it.
     assert cache.num_nodes == 0 and cache.stats().host_used_slots == 0
     cache.check_integrity()
-
-
-def test_drop_gpu_with_root_on_host_keeps_host_nodes() -> None:
-    """With a host copy of the root (backup_root), losing the GPU tier keeps every confirmed
-    host copy readable and drops the GPU-only nodes."""
-    cache = make(gpu=2, host=10, page=4, backup_root=True)
-    run(cache, doc("a", 4), root=4)
-    run(cache, doc("b", 4), root=4)  # the root is backed up to host; a swapped out
-    run(cache, doc("c", 4), root=4)  # b swapped out; c on GPU only
-    assert cached_paths(cache) == {
-        (): {"gpu", "host"},
-        ("a",): {"host"},
-        ("b",): {"host"},
-        ("c",): {"gpu"},
-    }
-    cache.drop_tier(Tier.GPU)
-    cache.check_integrity()
-    assert cached_paths(cache) == {(): {"host"}, ("a",): {"host"}, ("b",): {"host"}}
-    for name in "ab":
-        hits = cache.match([doc(name, 4)]).hits
-        assert [h.tier for h in hits] == [Tier.HOST, Tier.HOST]
-    assert cache.match([doc("c", 4)]).doc_hits == ()
-    assert cache.stats().gpu_used_slots == 0 and cache.stats().host_used_slots == 3
 
 
 def test_mark_final_counts_frequency_once() -> None:
@@ -417,13 +412,13 @@ def test_check_integrity_detects_each_parts_corruption(
 
 
 def test_counters_count_victims_and_swap_outs_until_clear() -> None:
-    cache = KnowledgeTree(ROOT, gpu_slots=10, host_slots=10, page_size=1, policy="lru")
+    pool = TwoPools(10)
+    cache = KnowledgeTree(ROOT, gpu_pool=pool, host_slots=10, page_size=1, policy="lru")
     assert cache.counters == TreeCounters()
     seen = []
     for name in "abacd":
         run(cache, doc(name, 10))
-        c = cache.counters
-        seen.append((c.evictions_gpu, c.evictions_host, c.swap_outs))
+        seen.append((pool.evictions, cache.counters.evictions_host, pool.swap_outs))
     assert seen == [
         (0, 0, 0),
         (1, 0, 1),  # a leaves the GPU: first eviction, copied to host
@@ -433,21 +428,22 @@ def test_counters_count_victims_and_swap_outs_until_clear() -> None:
     ]
     cache.clear()
     assert cache.counters == TreeCounters()
+    assert (pool.evictions, pool.swap_outs, pool.promotions) == (0, 0, 0)
 
 
 def test_counters_never_decrease_between_clears() -> None:
-    cache = KnowledgeTree(ROOT, gpu_slots=12, host_slots=20, page_size=2, policy="pgdsf")
-    previous = cache.counters
+    pool = TwoPools(12)
+    cache = KnowledgeTree(ROOT, gpu_pool=pool, host_slots=20, page_size=2, policy="pgdsf")
+    previous = (0, 0, 0)
     for i in range(200):
         names = [f"d{(i * 7 + j * 3) % 11}" for j in range(1 + i % 3)]
         handle = cache.begin_request(3, [doc(n, 3 + len(n)) for n in names], 1)
         (cache.confirm if i % 5 else cache.abort)(handle)
-        now = cache.counters
-        assert now.evictions_gpu >= previous.evictions_gpu
-        assert now.evictions_host >= previous.evictions_host
-        assert previous.swap_outs <= now.swap_outs <= now.evictions_gpu
+        now = (pool.evictions, cache.counters.evictions_host, pool.swap_outs)
+        assert now[0] >= previous[0] and now[1] >= previous[1]
+        assert previous[2] <= now[2] <= now[0]
         previous = now
-    assert previous.evictions_gpu > 0 and previous.swap_outs > 0 and previous.evictions_host > 0
+    assert min(previous) > 0
     cache.check_integrity()
 
 
@@ -457,8 +453,8 @@ def test_capacity_helpers() -> None:
     assert tokens_for_bytes(8 * 2**30, per_token) == 65536
     assert bytes_for_tokens(65536, per_token) == 8 * 2**30
     assert slots_for_tokens(33, 16) == 3 and slots_for_tokens(0, 16) == 0
-    cache = KnowledgeTree.from_tokens(ROOT, gpu_tokens=100, host_tokens=33, page_size=16)
-    assert cache.stats().gpu_slots == 6 and cache.stats().host_slots == 2
+    cache = KnowledgeTree.from_tokens(ROOT, host_tokens=33, page_size=16)
+    assert cache.stats().host_slots == 2
     with pytest.raises(ConfigError):
         kv_bytes_per_token(num_layers=0, num_kv_heads=1, head_dim=1, dtype_bytes=1)
 
@@ -477,7 +473,7 @@ def test_allocator_double_free_and_exhaustion() -> None:
 def test_different_roots_never_share_kv() -> None:
     other = RootKey("model", "tokenizer", "another system prompt", "float16")
     assert other != ROOT
-    a, b = make(), KnowledgeTree(other, gpu_slots=10, host_slots=0, page_size=4)
+    a, b = make(), KnowledgeTree(other, gpu_pool=TwoPools(10), host_slots=0, page_size=4)
     run(a, doc("x"), root=4)
     assert b.match([doc("x")]).hits == ()
 
@@ -494,25 +490,6 @@ def test_load_and_store_spans_tile_the_prompt_prefix() -> None:
         position += span.num_tokens
     assert position == 4 + 5 + 7 + 2
     cache.confirm(handle)
-
-
-def test_root_backup_keeps_a_host_copy_of_the_system_prompt() -> None:
-    """Paper 2.6: the root is copied to host beside its GPU copy, so it survives a GPU loss."""
-    from ragcache_core.tree.knowledge_tree import KnowledgeTree
-
-    cache = KnowledgeTree(
-        ROOT, gpu_slots=4, host_slots=4, page_size=4, policy="lru", backup_root=True
-    )
-    run(cache, doc("a", 4), root=4)
-    second = cache.begin_request(4, [doc("a", 4)], 1)
-    assert len(second.plan.swap_out) == 1  # the root's backup copy
-    cache.confirm(second)
-    cache.check_integrity()
-    cache.drop_tier(Tier.GPU)
-    cache.check_integrity()
-    after = cache.match([doc("a", 4)])
-    assert after.root_cached and after.hits[0].tier is Tier.HOST
-    assert not after.doc_hits  # the document had no host copy: gone with the GPU
 
 
 def test_a_failed_load_removes_only_the_node_it_read() -> None:
@@ -537,7 +514,7 @@ def test_a_failed_root_load_empties_the_tree_but_keeps_the_policys_clocks() -> N
     cache.invalidate_loads(reader, [0])
     assert cache.num_nodes == 0 and cache.policy.clocks[Tier.GPU] == clock  # type: ignore[attr-defined]
     cache.confirm(reader)  # its pinned nodes are freed now
-    assert cache.stats().gpu_used_slots == 0
+    assert gpu_used(cache) == 0
     cache.check_integrity()
 
 
@@ -624,7 +601,7 @@ def test_roots_share_one_budget_and_are_evicted_with_their_subtrees() -> None:
     for name in "cdefghi":  # 1 + 7 x 2 slots: no room left for the old root
         _run_under(cache, new, doc(name, 8))
     assert old not in {n.key for n in cache.iter_nodes()}
-    assert cache.num_roots == 1 and cache.counters.evictions_gpu >= 3
+    assert cache.num_roots == 1 and two_pools(cache).evictions >= 3
     assert cache.match([doc("a")], old).hits == ()
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from _tree_helpers import ROOT, doc
+from _tree_helpers import ROOT, doc, gpu_used
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES
+from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import KnowledgeTree, RequestHandle
 from ragcache_core.tree.node import Node
 
@@ -74,7 +75,6 @@ def _check_no_orphans(cache: KnowledgeTree) -> None:
     page=st.integers(1, 4),
     root_tokens=st.integers(0, 6),
     max_depth=st.one_of(st.none(), st.integers(0, 3)),
-    backup_root=st.booleans(),
     ops=st.lists(operation, min_size=1, max_size=40),
 )
 def test_random_lifecycles_keep_invariants(
@@ -84,17 +84,15 @@ def test_random_lifecycles_keep_invariants(
     page: int,
     root_tokens: int,
     max_depth: int | None,
-    backup_root: bool,
     ops: list[tuple[Any, ...]],
 ) -> None:
     cache = KnowledgeTree(
         ROOT,
-        gpu_slots=gpu,
+        gpu_pool=TwoPools(gpu) if gpu else None,  # the simulator's two pools
         host_slots=host,
         page_size=page,
         policy=policy,
         max_depth=max_depth,
-        backup_root=backup_root,
     )
     open_handles: list[tuple[RequestHandle, Any]] = []
     for op in ops:
@@ -109,7 +107,6 @@ def test_random_lifecycles_keep_invariants(
             for span in (*plan.load, *plan.store):
                 assert all(s < (gpu if span.tier is Tier.GPU else host) for s in span.slots)
             if gpu == 0:  # the engine's tree: one host tier, never a copy between pools
-                assert not (plan.swap_out or plan.promote)
                 assert all(span.tier is Tier.HOST for span in (*plan.load, *plan.store))
             open_handles.append((handle, _held(handle, open_handles)))
         elif kind in ("confirm", "abort") and open_handles:
@@ -123,7 +120,7 @@ def test_random_lifecycles_keep_invariants(
             cache.drop_tier(Tier.GPU)
             assert all(not h.is_open for h, _ in open_handles)
             open_handles = []
-            assert cache.stats().gpu_used_slots == 0
+            assert gpu_used(cache) == 0
         elif kind == "clear":
             cache.clear()
         cache.check_integrity()
@@ -147,7 +144,8 @@ def test_sequential_stream_hits_equal_match_before_begin(
 ) -> None:
     """With one request at a time, what `match` reports is exactly what the request loads."""
     gpu, host = tiers
-    cache = KnowledgeTree(ROOT, gpu_slots=gpu, host_slots=host, page_size=2, policy=policy)
+    pool = TwoPools(gpu) if gpu else None
+    cache = KnowledgeTree(ROOT, gpu_pool=pool, host_slots=host, page_size=2, policy=policy)
     for ids in stream:
         docs = [DOCS[i] for i in ids]
         predicted = cache.match(docs)

@@ -142,7 +142,7 @@ def test_the_next_report_carries_the_losses_and_the_tree_adds_them_up() -> None:
     assert first.host_lost == WindowLosses(missed=2)
     assert report("t").host_lost == WindowLosses()  # carried once
     tree = KnowledgeTree(
-        ROOT, gpu_slots=0, host_slots=32, page_size=PAGE, host_write="eviction", host_lease_slots=8
+        ROOT, host_slots=32, page_size=PAGE, host_write="eviction", host_lease_slots=8
     )
     tree.apply_host_writes((), (), lost=first.host_lost)
     tree.apply_host_writes((), (), lost=WindowLosses(no_lease=1, broken=3))
@@ -162,7 +162,7 @@ def test_the_losses_survive_the_report_json() -> None:
 
 def _tree() -> KnowledgeTree:
     return KnowledgeTree(
-        ROOT, gpu_slots=0, host_slots=64, page_size=PAGE, host_write="eviction", host_lease_slots=8
+        ROOT, host_slots=64, page_size=PAGE, host_write="eviction", host_lease_slots=8
     )
 
 

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from ragcache_core.runtime.reorder import CacheAwareQueue
+from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
 
 _ROOT = RootKey("bench", "bench", "bench", "bench")
@@ -60,7 +61,7 @@ def measure(
     total_slots = nodes * avg_slots
     tree = KnowledgeTree(
         _ROOT,
-        gpu_slots=total_slots // 4,
+        gpu_pool=TwoPools(total_slots // 4),
         host_slots=total_slots - total_slots // 4,
         page_size=page,
         policy=policy,

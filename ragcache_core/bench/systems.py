@@ -18,8 +18,7 @@
 | `ragcache-offload-proxy-lazy` | as SimpleCPUOffloadConnector lazy_offload: eviction-time     |
 |                   | writes, LRU, copied blocks back at the free queue's tail, FCFS          |
 | `ragcache-docorder` | RAGCache, `document_order="cache"` (its prompts differ: not compared) |
-| `ragcache-nohost` / `-protect` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, |
-|                   | the protected set on, LRU, ...)                                         |
+| `ragcache-nohost` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, LRU, ...)    |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
 
 The proxies are RAGCache with the same memory layout as `ragcache`, each standing for one of
@@ -154,13 +153,6 @@ SYSTEMS: dict[str, SystemSpec] = {
             "ragcache",
             "RAGCache, host tier off",
             {"host_pool_tokens": 0},
-            parent="ragcache",
-        ),
-        SystemSpec(
-            "ragcache-protect",
-            "ragcache",
-            "RAGCache with the protected set (its automatic budget; off by default)",
-            {"protected_gpu_tokens": None},
             parent="ragcache",
         ),
         SystemSpec(

@@ -171,7 +171,9 @@ def config_from_json(data: Mapping[str, Any]) -> CacheConfig:
         prompt = dict(data["prompt"])
         prompt["document"] = DocumentTemplate(**prompt["document"])
         fields = {f.name for f in dataclasses.fields(CacheConfig)}
-        rest = {k: v for k, v in data.items() if k in fields and k not in ("prompt", "sampling")}
+        # An older server's `protected_gpu_tokens` (the protected set, removed) is ignored.
+        skip = ("prompt", "sampling", "protected_gpu_tokens")
+        rest = {k: v for k, v in data.items() if k in fields and k not in skip}
         return CacheConfig(
             **rest,
             prompt=PromptConfig(**prompt),

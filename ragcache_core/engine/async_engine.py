@@ -149,15 +149,12 @@ class AsyncEngine:
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine core died: {exc}") from exc
 
-    async def reset_prefix_cache(self, *, release_protected: bool = True) -> bool:
+    async def reset_prefix_cache(self) -> bool:
         """Empty vLLM's own prefix cache (when it is on). False when vLLM refused: a block is
-        held (vLLM's `BlockPool.reset_prefix_cache`), by a running request or, with
-        `release_protected` off, by RAGCache's protected set. With it on (the default) the
-        connector lets go of the protected set first (`reset_connector`: vLLM resets its pool
-        before the connector, so a refused first try is tried once more)."""
+        held (vLLM's `BlockPool.reset_prefix_cache`) by a running request. The connector lets
+        go of the blocks its eviction window holds first (`reset_connector`: vLLM resets its
+        pool before the connector, so a refused first try is tried once more)."""
         engine = self._engine
-        if not release_protected:
-            return bool(await engine.reset_prefix_cache())
         if await engine.reset_prefix_cache(reset_connector=True):
             return True
         return bool(await engine.reset_prefix_cache())

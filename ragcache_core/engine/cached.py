@@ -199,8 +199,8 @@ class CachedEngine:
 
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's own prefix cache (when on), so the next run cannot hit it; the
-        connector's protected set lets go of its blocks first (`AsyncEngine.reset_prefix_cache`
-        says why twice)."""
+        connector's eviction window lets go of its blocks first
+        (`AsyncEngine.reset_prefix_cache` says why twice)."""
         llm = self.engine.llm
         if not llm.reset_prefix_cache(reset_connector=True):
             llm.reset_prefix_cache()

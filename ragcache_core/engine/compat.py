@@ -127,12 +127,11 @@ def check_block_pool_hooks() -> None:
     scheduler start), the pool can drop hashes of blocks in use (`BlockPool.evict_blocks`),
     and it takes and gives back references on a flat list of blocks (`touch`, `free_blocks`).
 
-    The connector needs the first two to keep a failed load from being matched by a later
-    request (`SchedulerSide.on_worker_report`), the last two for the protected set
-    (`SchedulerSide._protect`). Present in vllm 0.32 and 0.33; the connector API is
-    experimental (vllm-project/vllm#53067 would replace the binding with a scheduler
-    context), so a vLLM without them is refused at engine start, not discovered at the
-    first failed load."""
+    The connector needs the first two to keep a failed load from being matched by a later request
+    (`SchedulerSide.on_worker_report`), the last two to hold blocks while the eviction window copies
+    them (`EvictionWindow`). Present in vllm 0.32 and 0.33; the connector API is experimental
+    (vllm-project/vllm#53067 would replace the binding with a scheduler context), so a vLLM without
+    them is refused at engine start, not discovered at the first failed load."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.block_pool import BlockPool
 
@@ -152,7 +151,7 @@ def check_block_pool_hooks() -> None:
     if missing:
         raise ConfigError(
             f"vLLM {vllm_version()} lacks {', '.join(missing)}: RAGCache's connector needs them "
-            "to evict failed loads from vLLM's prefix cache and hold the protected set "
+            "to evict failed loads from vLLM's prefix cache and hold blocks while it copies them "
             f"(supported: {SUPPORTED_VLLM})"
         )
 

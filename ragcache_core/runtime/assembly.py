@@ -69,21 +69,6 @@ def window_blocks(config: CacheConfig) -> int:
     return -(-window_tokens(config) // config.block_size)
 
 
-def protected_budget(
-    config: CacheConfig, connector: ConnectorConfig, settings: EngineSettings
-) -> int:
-    """The protected set's budget in tokens (`CacheConfig.protected_gpu_tokens`, default 0;
-    None: half of vLLM's KV cache, capped so that two `max_model_len` requests always fit
-    beside it, in whole vLLM blocks; 0 when vLLM sizes its KV cache itself)."""
-    if config.protected_gpu_tokens is not None:
-        return config.protected_gpu_tokens
-    if settings.kv_cache_space_gib is None:
-        return 0
-    kv_tokens = int(settings.kv_cache_space_gib * 2**30) // connector.layout.token_bytes
-    budget = min(kv_tokens // 2, kv_tokens - 2 * settings.max_model_len)
-    return max(0, budget - budget % settings.block_size)
-
-
 def build_tree(
     config: CacheConfig,
     root_key: RootKey,
@@ -92,8 +77,8 @@ def build_tree(
 ) -> KnowledgeTree:
     """The knowledge tree over the host pool, with the configured policy and cost model. It
     has no GPU tier of slots: vLLM's prefix cache holds the GPU-resident KV, so the tree
-    stores computed documents on the host tier (`Planner.store_tier`), and its protected set
-    (`protected_budget`) is the policy's say over vLLM's blocks."""
+    stores computed documents on the host tier (`Planner.store_tier`); vLLM's LRU decides what
+    leaves vLLM's blocks."""
     from ragcache_core.cost import CostProfile, InterpolatedCostModel, default_cost_model
 
     cost_model = (
@@ -103,15 +88,12 @@ def build_tree(
     )
     return KnowledgeTree(
         root_key,
-        gpu_slots=0,
         host_slots=connector.host_slots,
         page_size=config.page_size,
         policy=config.policy,
         cost_model=cost_model,
         max_depth=config.max_cached_depth,
-        backup_root=True,  # the system prompt survives a worker failure (paper 2.6)
         store_policy=config.store_policy,
-        protected_tokens=protected_budget(config, connector, settings),
         block_size=settings.block_size,
         host_write=config.host_write,
         host_lease_slots=-(-window_tokens(config) // config.page_size)

@@ -421,8 +421,6 @@ class Generator:
         # without the report vLLM's count cannot be split into its own hit and the loads.
         if report is not None or handle.is_open:
             self._lifecycle.settle(handle, result)
-        else:  # confirmed at its first token; what it protected is unknown: released
-            self._lifecycle.abort(handle)
         if report is not None or attempt.plan is None:
             attempt.hits, attempt.doc_hit_tokens = served_hits(
                 handle,

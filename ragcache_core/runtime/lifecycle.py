@@ -11,11 +11,9 @@ engine), goes through it; everything else in `runtime/` only asks it.
                     copies become readable and its pins go
         ▼  finish: the connector's report (`ConnectorResult`)
     settle          a failed load removes the node it read; a handle still open (no first
-                    token seen) is confirmed or aborted by the report; the protect entries
-                    the engine reports held join the protected set; the eviction-time host
-                    writes the report carries (any request's) become host copies
+                    token seen) is confirmed or aborted by the report; the eviction-time
+                    host writes the report carries (any request's) become host copies
     abort           the request died before its first token: its unconfirmed copies go
-                    (and, at any point without a report, its protect entries are released)
     adopt           a speculation became the answer: it counts toward PGDSF frequency
 
 `served_hits` (what the request read, per tier) only reads a handle and a report.
@@ -99,7 +97,6 @@ class Lifecycle:
         if problems:
             logger.error("RAGCache built an invalid plan (%s); running uncached", problems)
             tree.abort(handle)
-            tree.abandon_protection(handle)
             return handle, None
         return handle, handle.plan
 
@@ -122,10 +119,6 @@ class Lifecycle:
         applied last: what it says left vLLM's blocks may be this request's own documents,
         which its confirmation marks as held there."""
         tree = self.tree
-        if result.reported:
-            tree.settle_protection(handle, result.protected, result.released)
-        else:  # the engine may hold its protect entries: the next plan releases them
-            tree.abandon_protection(handle)
         confirmed = self._settle_copies(handle, result)
         if result.reported:
             self.apply_host_writes(result)
@@ -173,11 +166,9 @@ class Lifecycle:
     def abort(self, handle: RequestHandle) -> None:
         """The request ended without its stores proven (an error, a cancellation, a timeout):
         its unconfirmed copies are dropped and its pins go. A handle already ended is left
-        as it is. Protect entries it asked for and no report settled are released by the next
-        plan (it may have finished in the engine, or not)."""
+        as it is."""
         if handle.is_open:
             self.tree.abort(handle)
-        self.tree.abandon_protection(handle)
 
     def adopt(self, handle: RequestHandle) -> None:
         """A speculative generation became the answer: it counts toward PGDSF frequency like
@@ -195,14 +186,9 @@ class Lifecycle:
         """Forget every cached document (the policy's clocks and frequencies restart too)."""
         self.tree.clear()
 
-    def engine_released_protection(self) -> None:
-        """The engine let go of every protected block (`reset_prefix_cache` with the
-        connector's reset, which `clear()` sends): the protected set is empty."""
-        self.tree.protected.forget_engine()
-
     def lose_gpu_tier(self) -> None:
-        """The engine died: every GPU copy went with its worker, and its protected set with
-        it; confirmed host copies stay."""
+        """The engine died: every GPU copy went with its worker; confirmed host copies
+        stay."""
         self.tree.drop_tier(Tier.GPU)
 
     def check_integrity(self) -> None:

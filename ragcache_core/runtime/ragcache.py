@@ -238,8 +238,8 @@ class RAGCache(RAGCacheAPI):
         return self._loop.run(drop())
 
     def clear(self) -> None:
-        """Forget every cached document and reset the counters: the host tier, the protected
-        set, and vLLM's prefix cache (the GPU tier) unless a running request holds blocks
+        """Forget every cached document and reset the counters: the host tier and vLLM's
+        prefix cache (the GPU tier) unless a running request holds blocks
         (then vLLM keeps it, which is logged: its blocks are keyed by token ids, so they are
         never wrong)."""
 
@@ -249,7 +249,6 @@ class RAGCache(RAGCacheAPI):
                 self.lifecycle.clear()
                 if not self.engine.is_dead:
                     reset = await self.engine.reset_prefix_cache()
-                    self.lifecycle.engine_released_protection()
                     if not reset:
                         logger.warning(
                             "RAGCache.clear(): vLLM kept its prefix cache (requests are running)"

@@ -141,13 +141,11 @@ class EngineSimulator:
         eviction = config.host_write == "eviction"
         self.tree = KnowledgeTree(
             ENGINE_ROOT,
-            gpu_slots=0,
             host_slots=slots_in_tokens(config.host_tokens, config.page_size),
             page_size=config.page_size,
             policy=config.policy,
             cost_model=cost_model or default_cost_model(),
             max_depth=config.max_depth,
-            backup_root=True,
             store_policy=config.store_policy,
             block_size=config.block_size,
             host_write=config.host_write,

@@ -14,10 +14,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ragcache_core.capacity import slots_in_tokens
 from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import Tier
 from ragcache_core.runtime.reorder import make_queue
+from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.trace import TraceRequest
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RequestHandle, RootKey
 
@@ -88,14 +90,17 @@ def ratio(num: float, den: float) -> float:
 
 
 class Simulator:
-    """Runs traces through one `KnowledgeTree`; the tree persists across `run` calls."""
+    """Runs traces through one `KnowledgeTree` over the paper's two pools (`TwoPools`); the
+    tree persists across `run` calls."""
 
     def __init__(self, config: SimConfig, cost_model: CostModel | None = None) -> None:
         self.config = config
         self.cost_model: CostModel = cost_model or default_cost_model()
+        self.gpu_pool = TwoPools(slots_in_tokens(config.gpu_tokens, config.page_size))
+        """The paper's GPU pool (sim/two_pools.py), above the tree's host tier."""
         self.tree = KnowledgeTree.from_tokens(
             SIM_ROOT,
-            gpu_tokens=config.gpu_tokens,
+            gpu_pool=self.gpu_pool,
             host_tokens=config.host_tokens,
             page_size=config.page_size,
             policy=config.policy,

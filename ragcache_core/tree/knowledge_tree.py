@@ -1,27 +1,30 @@
-"""KnowledgeTree: the knowledge tree over two tiers, its policy, and the per-request planner.
+"""KnowledgeTree: the knowledge tree over the engine's tiers, its policy, and the per-request
+planner.
 
 The single source of truth of what is cached where (docs/design.md 2.1-2.3, 3.2). Pure bookkeeping:
 it decides and returns `Plan`s; the data plane copies the bytes. A small manager over three
 parts, each of which changes only what its docstring says:
 
   * `PrefixTree` (prefix.py): nodes by path, the walk, attach/detach, the document index;
-  * `Placement` (placement.py): copies over the GPU/host tiers, pins, make room, eviction,
-    the GPU slots held for a swap-out's request (slots: tier_slots.py, allocator.py);
+  * `Placement` (placement.py): copies over the host tier (and a GPU pool's, `GpuPool`), pins,
+    make room, eviction (slots: tier_slots.py, allocator.py);
   * `Planner` (planner.py): `begin_request` and its steps, access statistics, store policy;
-  * `ProtectedSet` (protected.py): the documents the policy keeps in vLLM's blocks (the
-    engine's GPU tier), carried to the engine by the plans' protect/release parts.
+  * `HostWrites` (host_writes.py): eviction-time host writes (keeps, the host lease, reports).
+
+Who decides what: the policy decides host admission (with the store policy) and host eviction;
+vLLM's LRU decides what leaves vLLM's blocks (the tree only hears of it, `Node.resident`); the
+connector executes the plans.
 
 Request lifecycle:
 
     handle = cache.begin_request(root_tokens, docs, question_tokens, root_key=key)  # plan
-    ... connector executes handle.plan: swap_out, promote, load, (forward), store ...
+    ... connector executes handle.plan: load, (forward), store or keep ...
     cache.confirm(handle)   # its stores ran: written copies become readable; unpin
     cache.abort(handle)     # or: the request died; its unconfirmed copies are dropped; unpin
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 
 from ragcache_core.capacity import slots_in_tokens
@@ -29,6 +32,7 @@ from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.errors import ConfigError, RAGCacheError
 from ragcache_core.plan import NO_LOSSES, Tier, WindowLosses
 from ragcache_core.policy import make_policy
+from ragcache_core.tree.gpu_pool import GpuPool
 from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
@@ -38,13 +42,12 @@ from ragcache_core.tree.order import ordered_hits
 from ragcache_core.tree.placement import Placement
 from ragcache_core.tree.planner import STORE_POLICIES, Planner
 from ragcache_core.tree.prefix import PrefixTree, match_result, readable_prefix
-from ragcache_core.tree.protected import ProtectedSet
 from ragcache_core.tree.request import RequestHandle, RequestState
 from ragcache_core.tree.stats import CacheStats, TreeCounters
 
 
 class KnowledgeTree:
-    """Knowledge tree + GPU/host slot tiers + replacement policy: a forest with one root per
+    """Knowledge tree + host slot tier + replacement policy: a forest with one root per
     root key (the template and system prompt before the documents, and a tenant's salt),
     under one memory budget and one policy. `root_key` is the default root, used by requests
     that name none. Roots are evicted like other nodes (a leaf root, then with its subtree
@@ -54,12 +57,13 @@ class KnowledgeTree:
     `max_depth` caches only the first j documents of a sequence (paper 2.7; None: all).
     `frequency_window` restarts PGDSF/GDSF/LFU frequencies every that many final requests
     (None: frequencies last until `clear()`).
-    `backup_root` keeps a host copy of the root beside its GPU copy (paper 2.6).
+    `gpu_pool` is a GPU slot pool of the tree's own (`GpuPool`; the simulator's two pools,
+    `sim.two_pools.TwoPools`): computed documents are stored on it and host hits promoted to
+    it. None (the engine): vLLM's blocks are the GPU tier, known as `Node.resident`.
     `store_policy` decides which computed documents are stored: "always" (the paper), "second"
     (only a document met before at the same prefix: one-off documents never cost a store or
     an eviction) or "no_evict" (only while free room is left: stores never evict).
-    `protected_tokens` is the protected set's budget: tokens of vLLM's blocks (`block_size`
-    tokens each; default `page_size`) the policy keeps from vLLM's eviction (0: none).
+    `block_size` is vLLM's block size (default `page_size`).
     `host_write` is when the host tier is written: "compute" (as documents are computed: plans
     store them) or "eviction" (as they leave vLLM's blocks: plans keep them and lend
     `host_lease_slots` host slots for the copies, a lease that grows to `host_lease_max_slots`
@@ -72,31 +76,27 @@ class KnowledgeTree:
         self,
         root_key: RootKey,
         *,
-        gpu_slots: int,
         host_slots: int,
         page_size: int,
         policy: str = "pgdsf",
         cost_model: CostModel | None = None,
         max_depth: int | None = None,
         frequency_window: int | None = None,
-        backup_root: bool = False,
+        gpu_pool: GpuPool | None = None,
         store_policy: str = "always",
-        protected_tokens: int = 0,
         block_size: int | None = None,
         host_write: str = "compute",
         host_lease_slots: int = 0,
         host_lease_max_slots: int | None = None,
     ) -> None:
-        if protected_tokens < 0:
-            raise ConfigError(f"protected_tokens cannot be negative, got {protected_tokens}")
         if max_depth is not None and max_depth < 0:
             raise ConfigError(f"max_depth cannot be negative, got {max_depth}")
         if frequency_window is not None and frequency_window <= 0:
             raise ConfigError(f"frequency_window must be positive, got {frequency_window}")
         if host_write not in ("compute", "eviction"):
             raise ConfigError(f"unknown host_write {host_write!r}; choose compute or eviction")
-        if host_write == "eviction" and gpu_slots:
-            raise ConfigError("eviction-time host writes are the engine's: a tree of no GPU slots")
+        if host_write == "eviction" and gpu_pool is not None:
+            raise ConfigError("eviction-time host writes are the engine's: a tree of no GPU pool")
         if host_lease_slots < 0:
             raise ConfigError(f"host_lease_slots cannot be negative, got {host_lease_slots}")
         if host_lease_max_slots is not None and host_lease_max_slots < host_lease_slots:
@@ -115,9 +115,9 @@ class KnowledgeTree:
         self._placement = Placement(
             self._prefixes,
             self.policy,
-            gpu_slots=gpu_slots,
             host_slots=host_slots,
             page_size=page_size,
+            gpu_pool=gpu_pool,
         )
         self.host_writes: HostWrites | None = (
             HostWrites(
@@ -137,14 +137,11 @@ class KnowledgeTree:
             cost_model=cost_model or default_cost_model(),
             max_depth=max_depth,
             frequency_window=frequency_window,
-            backup_root=backup_root,
             store_policy=store_policy,
             host_writes=self.host_writes,
         )
         self.block_size = block_size or page_size
         """vLLM's block size (the GPU tier's unit; the host page size where none is given)."""
-        self.protected = ProtectedSet(protected_tokens, self.block_size, self.policy)
-        """The protected set (read freely; changed only through the methods below)."""
         self._next_request_id = 0
         self._open: dict[int, RequestHandle] = {}
 
@@ -153,15 +150,14 @@ class KnowledgeTree:
         cls,
         root_key: RootKey,
         *,
-        gpu_tokens: int,
         host_tokens: int,
         page_size: int,
         **kwargs: object,
     ) -> KnowledgeTree:
-        """Capacities in tokens (rounded down to whole slots of `page_size` tokens)."""
+        """The host tier's capacity in tokens (rounded down to whole slots of `page_size`
+        tokens)."""
         return cls(
             root_key,
-            gpu_slots=slots_in_tokens(gpu_tokens, page_size),
             host_slots=slots_in_tokens(host_tokens, page_size),
             page_size=page_size,
             **kwargs,  # type: ignore[arg-type]
@@ -181,12 +177,13 @@ class KnowledgeTree:
         return self._planner.frequency_window
 
     @property
-    def backup_root(self) -> bool:
-        return self._planner.backup_root
-
-    @property
     def store_policy(self) -> str:
         return self._planner.store_policy
+
+    @property
+    def gpu_pool(self) -> GpuPool | None:
+        """The GPU pool of the tree's own (None: the engine's tree)."""
+        return self._placement.gpu_pool
 
     # ------------------------------------------------------------------ queries (no mutation)
 
@@ -237,24 +234,20 @@ class KnowledgeTree:
 
     @property
     def counters(self) -> TreeCounters:
-        """Evictions and swap-outs since creation or the last `clear()` (a snapshot)."""
+        """Host evictions and host slots written since creation or the last `clear()` (a
+        snapshot)."""
         return self._placement.counters
 
     def stats(self) -> CacheStats:
-        gpu = self._placement.tiers[Tier.GPU].allocator
         host = self._placement.tiers[Tier.HOST].allocator
         return CacheStats(
             nodes=self.num_nodes,
-            gpu_slots=gpu.num_slots,
-            gpu_used_slots=gpu.num_used,
             host_slots=host.num_slots,
             host_used_slots=host.num_used,
             pinned_nodes=self._placement.pinned_nodes(),
             open_requests=len(self._open),
             page_size=self.page_size,
             roots=self.num_roots,
-            protected_nodes=len(self.protected),
-            protected_tokens=self.protected.protected_tokens,
         )
 
     def iter_nodes(self) -> Iterator[Node]:
@@ -290,9 +283,6 @@ class KnowledgeTree:
             final=final,
         )
         self._next_request_id += 1
-        protect, release = self.protected.plan(handle)
-        if protect or release:
-            handle.plan = dataclasses.replace(handle.plan, protect=protect, release=release)
         self._open[handle.request_id] = handle
         self._placement.compact()
         return handle
@@ -315,19 +305,6 @@ class KnowledgeTree:
         self._check_open(handle)
         self._placement.discard_written(handle)
         self._finish(handle, RequestState.ABORTED)
-        self.protected.sweep()
-
-    def settle_protection(
-        self, handle: RequestHandle, protected: Sequence[int], released: Sequence[int]
-    ) -> None:
-        """The connector's report on `handle`'s protect entries and on releases
-        (`ProtectedSet.settle`). For open and ended handles alike; once per handle."""
-        self.protected.settle(handle, tuple(protected), tuple(released))
-
-    def abandon_protection(self, handle: RequestHandle) -> None:
-        """`handle` ended without a connector report: its protect entries, if any are still
-        unsettled, are released by the next plan (`ProtectedSet.abandon`)."""
-        self.protected.abandon(handle)
 
     def apply_host_writes(
         self,
@@ -359,11 +336,8 @@ class KnowledgeTree:
         for handle in list(self._open.values()):
             self.abort(handle)
         self._placement.drop_tier(tier)
-        if tier is Tier.GPU:
-            self.protected.forget_engine()
-            if self.host_writes is not None:
-                self.host_writes.engine_lost()
-        self.protected.sweep()
+        if tier is Tier.GPU and self.host_writes is not None:
+            self.host_writes.engine_lost()
 
     def invalidate(self, doc_id: str) -> int:
         """Drop every node of document `doc_id` (any content hash, any prefix) and their
@@ -384,9 +358,9 @@ class KnowledgeTree:
         return self._invalidate([loaded[i] for i in failed_spans if i < len(loaded)])
 
     def invalidate_written(self, handle: RequestHandle) -> int:
-        """Every copy `handle` wrote (stores, swap-outs, promotions) may not have run: the
-        nodes holding them leave the tree as in `invalidate_loads`. Returns the number of
-        nodes removed."""
+        """Every copy `handle` wrote (stores; a GPU pool's swap-outs and promotions) may not
+        have run: the nodes holding them leave the tree as in `invalidate_loads`. Returns the
+        number of nodes removed."""
         return self._invalidate(list(dict.fromkeys(node for node, _ in handle.ledger.pending)))
 
     def clear(self) -> None:
@@ -396,7 +370,6 @@ class KnowledgeTree:
         self._placement.clear()
         if self.host_writes is not None:
             self.host_writes.forget()
-        self.protected.release_all()
         self.policy.reset()
         self._planner.reset()
         self._placement.reset_counters()
@@ -409,7 +382,6 @@ class KnowledgeTree:
         self._prefixes.check()
         self._placement.check(OpenHoldings.of(self._open.values()))
         self._planner.check()
-        self.protected.check()
         if self.host_writes is not None:
             self.host_writes.check()
         for request_id, handle in self._open.items():
@@ -426,7 +398,6 @@ class KnowledgeTree:
         for node in nodes:
             if node.attached:
                 self._placement.remove(node)
-        self.protected.sweep()
         return before - self._prefixes.num_doc_nodes
 
     def _finish(self, handle: RequestHandle, state: RequestState) -> None:

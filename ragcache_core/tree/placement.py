@@ -1,20 +1,22 @@
-"""Placement over the two tiers: which slots hold each node's copies, pins, eviction.
+"""Placement over the tiers: which slots hold each node's copies, pins, eviction.
 
-Rules it keeps (checked by `check`):
+The host tier is the tree's; the GPU tier has slots only with a GPU pool of the tree's own
+(`GpuPool`, the simulator's two-pool model): the engine's GPU tier is vLLM's blocks, which the
+tree knows only as `Node.resident`. Rules it keeps (checked by `check`):
   * a node with a GPU copy has its parent on GPU; any node with a copy has a parent with a
     copy (never host-only below a freed parent);
   * eviction candidates of a tier are its unpinned leaves (no child with a copy in the tier);
-  * swap out only once: the first GPU eviction of a node copies it to host, later ones just
-    free the GPU copy; host eviction of a host-only node frees it;
-  * the GPU slots a swap-out frees are held for the request whose plan copies them out (only
-    it may reuse them) until that request completes.
+  * host eviction of a host-only node frees it; a GPU victim is the GPU pool's to place;
+  * GPU slots freed for a request's plan (`drop_copy(hold_for=...)`) are held for it (only it
+    may reuse them) until that request completes.
 """
 
 from __future__ import annotations
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.plan import SlotCopy, Tier
+from ragcache_core.plan import Tier
 from ragcache_core.policy import EvictionPolicy
+from ragcache_core.tree.gpu_pool import GpuPool
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.prefix import PrefixTree
@@ -24,13 +26,14 @@ from ragcache_core.tree.tier_slots import TierSlots
 
 
 class Placement:
-    """The copies of the nodes of `tree` over the GPU and host tiers, and their eviction.
+    """The copies of the nodes of `tree` over the host tier (and `gpu_pool`'s GPU tier, if
+    any), and their eviction.
 
     Mutates the tiers' slots, nodes' `slots`/`ready`/`pins`/`priority`/`tier_children`, the
     policy's state (on evictions) and, when a node is left without a copy, the tree (the node
     leaves it with its subtree). A `handle` argument is the request on whose behalf slots are
-    taken: evictions it causes are swapped out within its plan, and it may reuse the GPU slots
-    they free. Raises nothing but `RAGCacheError` from the allocator on a bookkeeping bug.
+    taken: it may reuse the GPU slots its evictions hold for it. Raises nothing but
+    `RAGCacheError` from the allocator on a bookkeeping bug.
 
     What the caller must hold: `make_room` evicts any unpinned leaf, so a planner pins every
     node its plan reads or writes (`pin`) before it makes room for the next copy; a pin lasts
@@ -38,11 +41,11 @@ class Placement:
     """
 
     __slots__ = (
-        "_evictions",
+        "_host_evictions",
         "_host_written",
         "_prefixes",
-        "_swap_outs",
         "detached_pinned",
+        "gpu_pool",
         "host_lease",
         "page_size",
         "policy",
@@ -54,13 +57,16 @@ class Placement:
         prefixes: PrefixTree,
         policy: EvictionPolicy,
         *,
-        gpu_slots: int,
         host_slots: int,
         page_size: int,
+        gpu_pool: GpuPool | None = None,
     ) -> None:
         self._prefixes = prefixes
         self.policy = policy
         self.page_size = page_size
+        self.gpu_pool = gpu_pool
+        """The GPU pool of the tree's own (None: the engine's tree, whose GPU tier has no slots)."""
+        gpu_slots = gpu_pool.slots if gpu_pool is not None else 0
         self.tiers = {
             Tier.GPU: TierSlots(Tier.GPU, gpu_slots, page_size, lanes=policy.lanes),
             Tier.HOST: TierSlots(Tier.HOST, host_slots, page_size, lanes=policy.lanes),
@@ -70,9 +76,10 @@ class Placement:
         self.host_lease: set[int] = set()
         """Host slots lent to the engine for eviction-time copies (`tree/host_writes.py`):
         taken from the allocator, owned by no node until a copy is reported onto them."""
-        self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
-        self._swap_outs = 0
+        self._host_evictions = 0
         self._host_written = 0
+        if gpu_pool is not None:
+            gpu_pool.bind(self)
 
     # ------------------------------------------------------------------ queries (no mutation)
 
@@ -99,9 +106,7 @@ class Placement:
     @property
     def counters(self) -> TreeCounters:
         return TreeCounters(
-            evictions_gpu=self._evictions[Tier.GPU],
-            evictions_host=self._evictions[Tier.HOST],
-            swap_outs=self._swap_outs,
+            evictions_host=self._host_evictions,
             host_slots_written=self._host_written,
         )
 
@@ -219,25 +224,16 @@ class Placement:
     def _evict(self, node: Node, tier: Tier, handle: RequestHandle) -> None:
         """Evict candidate `node` (its lowest-priority unpinned leaf) from `tier`."""
         self.policy.on_evict(tier, node.priority[tier])
-        self._evictions[tier] += 1
-        if tier is Tier.HOST or Tier.HOST in node.slots:
-            # Host eviction, or a GPU eviction of a node already on host (zero copy).
-            self.drop_copy(node, tier, evicted=True)
-            if not node.has_copy:
-                self.remove(node)
-            return
-        gpu_slots = node.slots[Tier.GPU]
-        if self.make_room(Tier.HOST, len(gpu_slots), handle):
-            # First GPU eviction: swap out once. The GPU slots stay held for this request
-            # (its plan copies them out before anything overwrites them).
-            host_slots = self.write_copy(node, Tier.HOST, len(gpu_slots), handle)
-            self.drop_copy(node, Tier.GPU, hold_for=handle, evicted=True)
-            self.pin(node, handle)
-            handle.ledger.swap_out.append(SlotCopy(gpu_slots, host_slots))
-            self.set_priority(node, Tier.HOST)
-            self._swap_outs += 1
-        else:
-            self.drop_copy(node, Tier.GPU, evicted=True)
+        if tier is Tier.HOST:
+            self._host_evictions += 1
+        else:  # only a GPU pool's tier has slots to evict
+            assert self.gpu_pool is not None
+            if Tier.HOST not in node.slots:
+                self.gpu_pool.evict(node, handle)
+                return
+            self.gpu_pool.zero_copy_eviction()
+        self.drop_copy(node, tier, evicted=True)
+        if not node.has_copy:
             self.remove(node)
 
     # ------------------------------------------------------------------ removal
@@ -293,9 +289,10 @@ class Placement:
             self.remove(node)
 
     def reset_counters(self) -> None:
-        self._evictions = {Tier.GPU: 0, Tier.HOST: 0}
-        self._swap_outs = 0
+        self._host_evictions = 0
         self._host_written = 0
+        if self.gpu_pool is not None:
+            self.gpu_pool.reset_counters()
 
     def count_host_written(self, slots: int) -> None:
         """The engine wrote `slots` host slots outside a plan's stores (an eviction-time copy)."""

@@ -5,11 +5,13 @@ begin_request(root_key, root_tokens, docs, question_tokens, final)
      leading nodes with a confirmed copy (GPU preferred)
   2. alpha = hit tokens, beta = every other prompt token; pin the hits, touch every node
      on the path, record a cost sample on the nodes this request computes
-  3. promote host hits to GPU while room can be made (`_plan_hits`); keep a host copy of
-     the root (`_plan_root_backup`); store the uncached tail on the store tier
-     (`_plan_stores`): the GPU tier, or the host tier when the tree has no GPU tier (the
-     engine's: its GPU tier is vLLM's own KV cache, docs/design.md 3.1)
-  4. plan = swap_out (made by the evictions of 3), promote, load, store
+  3. load the hit prefix (`_plan_hits`; with a GPU pool of the tree's own, host hits are
+     promoted to it while room can be made); then either store the uncached tail on the
+     store tier (`_plan_stores`): the host tier (the engine: its GPU tier is vLLM's own KV
+     cache, docs/design.md 3.1), or the GPU pool when the tree has one (the simulator's
+     two pools, `sim/two_pools.py`); or, with eviction-time host writes, keep the path past
+     the host's copies (`_plan_keeps`) and lend the host lease
+  4. plan = load, store or keep and lease
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.cost import CostModel
 from ragcache_core.errors import InputError
-from ragcache_core.plan import HostLease, KeepSpan, LoadSpan, Plan, SlotCopy, StoreSpan, Tier
+from ragcache_core.plan import HostLease, KeepSpan, LoadSpan, Plan, StoreSpan, Tier
 from ragcache_core.policy import NodeStats
 from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import fail
@@ -57,7 +59,6 @@ class Planner:
         cost_model: CostModel,
         max_depth: int | None,
         frequency_window: int | None,
-        backup_root: bool,
         store_policy: str,
         host_writes: HostWrites | None = None,
     ) -> None:
@@ -67,13 +68,13 @@ class Planner:
         self.cost_model = cost_model
         self.max_depth = max_depth
         self.frequency_window = frequency_window
-        self.backup_root = backup_root
         self.store_policy = store_policy
         self.host_writes = host_writes
         """Eviction-time host writes (None: stores as computed, on `store_tier`)."""
         self.store_tier = Tier.GPU if placement.tiers[Tier.GPU].allocator.num_slots else Tier.HOST
-        """Where computed documents are stored: the GPU tier when the tree has one, else the
-        host tier (the engine: vLLM's prefix cache keeps the computed blocks on GPU)."""
+        """Where computed documents are stored: the GPU pool when the tree has one of its own
+        (the simulator's two pools), else the host tier (the engine: vLLM's prefix cache keeps
+        the computed blocks on GPU)."""
         self.now = 0
         """Logical time: requests begun so far (never reset: nodes' `last_access` use it)."""
         self.final_requests = 0
@@ -115,9 +116,7 @@ class Planner:
         cost_per_new = self.cost_model.prefill_time(alpha, beta) / beta if beta > 0 else 0.0
         self._record_access(path, len(hits), num_cached, cost_per_new, handle)
 
-        promote, load = self._plan_hits(hits, starts, handle)
-        if self.backup_root:
-            self._plan_root_backup(hits, handle)
+        load = self._plan_hits(hits, starts, handle)
         store: list[StoreSpan] = []
         keep: list[KeepSpan] = []
         lease: HostLease | None = None
@@ -134,8 +133,6 @@ class Planner:
 
         handle.plan = Plan(
             page_size=self.page_size,
-            swap_out=tuple(handle.ledger.swap_out),
-            promote=tuple(promote),
             load=tuple(load),
             store=tuple(store),
             keep=tuple(keep),
@@ -217,48 +214,24 @@ class Planner:
             self._touch(node, handle.final)
         handle.ledger.path = list(path)
 
-    def _plan_hits(
-        self, hits: Hits, starts: list[int], handle: RequestHandle
-    ) -> tuple[list[SlotCopy], list[LoadSpan]]:
-        """Load spans for the hit prefix; promote host hits to GPU while room can be made (never
-        in a tree without GPU slots: the engine's host hits promote themselves into vLLM's
-        blocks)."""
-        placement = self._placement
-        promote: list[SlotCopy] = []
+    def _plan_hits(self, hits: Hits, starts: list[int], handle: RequestHandle) -> list[LoadSpan]:
+        """Load spans for the hit prefix. With a GPU pool of the tree's own (and GPU slots),
+        host hits are promoted to it while it can (`GpuPool.promote`); the engine's host hits
+        promote themselves into vLLM's blocks."""
+        pool = self._placement.gpu_pool
         load: list[LoadSpan] = []
-        promoting = self.store_tier is Tier.GPU
+        promoting = pool is not None and self.store_tier is Tier.GPU
         for index, (node, tier) in enumerate(hits):
             source = tier
             if tier is Tier.HOST and Tier.GPU not in node.slots and promoting:
-                parent_on_gpu = node.parent is None or placement.gpu_usable(node.parent, handle)
-                count = len(node.slots[Tier.HOST])
-                if parent_on_gpu and placement.make_room(Tier.GPU, count, handle):
-                    gpu_slots = placement.write_copy(node, Tier.GPU, count, handle)
-                    promote.append(SlotCopy(node.slots[Tier.HOST], gpu_slots))
-                    placement.refresh(node)
+                assert pool is not None
+                if pool.promote(node, handle):
                     source = Tier.GPU
                 else:
                     promoting = False  # children cannot go above a parent left on host
             if node.num_tokens:
                 load.append(LoadSpan(source, node.slots[source], starts[index], node.num_tokens))
-        return promote, load
-
-    def _plan_root_backup(self, hits: Hits, handle: RequestHandle) -> None:
-        """Keep a host copy of the root (the system prompt) beside its GPU copy (paper 2.6):
-        the host pool outlives a GPU worker, so after a worker failure the most shared node
-        is still cached. Copied by the plan's swap_out step; readable once this request
-        confirms. Skipped when the host tier has no room."""
-        if not hits:
-            return
-        root = hits[0][0]
-        if Tier.HOST in root.slots or Tier.GPU not in root.ready or not root.num_tokens:
-            return
-        count = len(root.slots[Tier.GPU])
-        if not self._placement.make_room(Tier.HOST, count, handle):
-            return
-        host_slots = self._placement.write_copy(root, Tier.HOST, count, handle)
-        handle.ledger.swap_out.append(SlotCopy(root.slots[Tier.GPU], host_slots))
-        self._placement.set_priority(root, Tier.HOST)
+        return load
 
     def _plan_stores(
         self,

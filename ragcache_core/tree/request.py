@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from ragcache_core.plan import Plan, SlotCopy, Tier
+from ragcache_core.plan import Plan, Tier
 from ragcache_core.tree.match import MatchResult
 from ragcache_core.tree.node import Node
 
@@ -26,14 +26,12 @@ class RequestLedger:
     planner and the placement append to it; `KnowledgeTree` releases it at confirm/abort).
 
     - `path`: the nodes it reached (hits, in-flight nodes, nodes it stores), root first;
-    - `pins`: one entry per pin it holds (a node may appear twice: read and swapped out);
+    - `pins`: one entry per pin it holds (a node may appear twice: read, and swapped out by
+      a GPU pool of the tree's own);
     - `pending`: the copies it writes, readable only once it confirms;
-    - `held_gpu_slots`: GPU slots freed by its swap-outs, which only this request may reuse
-      until it completes (its own plan reads them before it writes them; anyone else might
-      write them first);
-    - `swap_out`: the swap-out copies of its plan, in eviction order;
-    - `protecting`: the protected-set entries its plan asks the engine to hold, until the
-      connector's report says which it holds (`ProtectedSet.settle`) or it ends without one;
+    - `held_gpu_slots`: GPU slots freed by its swap-outs (a GPU pool of the tree's own),
+      which only this request may reuse until it completes (its own plan reads them before
+      it writes them; anyone else might write them first);
     - `keeps`: the paths its plan keeps (eviction-time host writes), root first: vLLM's blocks
       hold them once it confirms (`HostWrites.settle`);
     - `computing`: the keys of those it computes (vLLM's blocks did not hold them, as last
@@ -44,8 +42,6 @@ class RequestLedger:
     pins: list[Node] = field(default_factory=list)
     pending: list[tuple[Node, Tier]] = field(default_factory=list)
     held_gpu_slots: list[int] = field(default_factory=list)
-    swap_out: list[SlotCopy] = field(default_factory=list)
-    protecting: tuple[int, ...] = ()
     keeps: list[Shadow] = field(default_factory=list)
     computing: list[int] = field(default_factory=list)
 

@@ -11,8 +11,6 @@ class CacheStats:
     """A snapshot of the cache's occupancy."""
 
     nodes: int
-    gpu_slots: int
-    gpu_used_slots: int
     host_slots: int
     host_used_slots: int
     pinned_nodes: int
@@ -20,27 +18,19 @@ class CacheStats:
     page_size: int
     roots: int = 1
     """Roots holding a copy (one per template/system prompt/salt in use)."""
-    protected_nodes: int = 0
-    """Nodes in the protected set (held in vLLM's blocks, or asked for)."""
-    protected_tokens: int = 0
-    """Their tokens, in whole vLLM blocks (at most the set's budget)."""
 
 
 @dataclass(frozen=True, slots=True)
 class TreeCounters:
     """Evictions since the cache was created or last cleared (a snapshot; every field only
     grows until `clear()` resets them all to 0, which a reader of deltas sees as a drop).
+    A GPU pool of the tree's own counts its own victims (`sim.two_pools.TwoPools`).
 
-    - `evictions_gpu`: nodes chosen as GPU victims (with or without a swap-out);
     - `evictions_host`: nodes chosen as host victims;
-    - `swap_outs`: GPU victims copied to host (their first GPU eviction with host room). A
-      GPU victim already on host is freed without a copy: an eviction, not a swap-out.
     - `host_slots_written`: host slots the engine wrote with KV: confirmed stores (written as
       computed) and eviction-time copies reported done (used or not).
     Nodes removed with a victim's subtree, by invalidation or by `drop_tier` are not victims.
     """
 
-    evictions_gpu: int = 0
     evictions_host: int = 0
-    swap_outs: int = 0
     host_slots_written: int = 0

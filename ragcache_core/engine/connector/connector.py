@@ -122,14 +122,14 @@ class RAGCacheConnector(KVConnectorBase_V1):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # Stores ran synchronously in an earlier step: vLLM may free the blocks now (the
-        # protected set took its references first).
+        # eviction window recorded the keep spans' blocks first).
         from vllm.v1.request import RequestStatus
 
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         return False, self._scheduler_side().finished(request.request_id, aborted=aborted)
 
     def reset_cache(self) -> bool:
-        # `reset_prefix_cache(reset_connector=True)`: the protected set lets go of its blocks.
+        # `reset_prefix_cache(reset_connector=True)`: the eviction window lets go of its blocks.
         return self._scheduler_side().release_all()
 
     @classmethod

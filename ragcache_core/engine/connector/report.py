@@ -32,10 +32,7 @@ class ConnectorResult:
     `store_copy_s`: seconds the worker spent copying in the steps that ran this request's copies
     (shared with the other requests of those steps); `window_copy_s`: seconds of the window's
     eviction-time copies in the steps that computed this request's prompt (they ran after
-    those steps' forward passes, before its first token). `protected`: the plan's protect entries
-    the scheduler side holds now (held before, or taken at this request's finish); a protect
-    entry missing from it is not held. `released`: entries let go of since the previous report
-    (this plan's `release`, or `reset_cache`), whichever request's plan named them.
+    those steps' forward passes, before its first token).
     `host_copied`: eviction-time copies done since the previous report, whichever request's
     plan kept them: (sequence number, keep key, host slots), in order; `host_dropped`: keep
     keys the engine let go of without a copy since then (evicted, a failed copy, a reset);
@@ -47,7 +44,7 @@ class ConnectorResult:
     `stranded_blocks`: blocks the engine found held with no copy in flight, since it started
     (0 unless there is a bug; `check_integrity()` fails on it).
     `reported`: the result came from the connector's report (False: no report came, as for
-    a request vLLM's front end aborted; then nothing is known of its protect entries).
+    a request vLLM's front end aborted).
     """
 
     loaded_tokens: int = 0
@@ -61,8 +58,6 @@ class ConnectorResult:
     load_copy_s: float = 0.0
     store_copy_s: float = 0.0
     window_copy_s: float = 0.0
-    protected: tuple[int, ...] = ()
-    released: tuple[int, ...] = ()
     host_copied: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     host_dropped: tuple[int, ...] = ()
     host_gone: tuple[tuple[int, int], ...] = ()
@@ -87,8 +82,6 @@ class ConnectorResult:
             "load_copy_s": self.load_copy_s,
             "store_copy_s": self.store_copy_s,
             "window_copy_s": self.window_copy_s,
-            "protected": list(self.protected),
-            "released": list(self.released),
             "host_copied": [[seq, key, list(slots)] for seq, key, slots in self.host_copied],
             "host_dropped": list(self.host_dropped),
             "host_gone": [[key, version] for key, version in self.host_gone],
@@ -110,8 +103,6 @@ class ConnectorResult:
             load_copy_s=float(data["load_copy_s"]),
             store_copy_s=float(data["store_copy_s"]),
             window_copy_s=float(data.get("window_copy_s", 0.0)),
-            protected=tuple(int(k) for k in data["protected"]),
-            released=tuple(int(k) for k in data["released"]),
             host_copied=tuple(
                 (int(seq), int(key), tuple(int(s) for s in slots))
                 for seq, key, slots in data.get("host_copied", ())

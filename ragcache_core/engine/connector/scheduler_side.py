@@ -13,23 +13,14 @@ A load that failed leaves vLLM's prefix cache holding hashes of blocks with bad 
 those hashes, from the failed block to the request's last, through the block pool vLLM binds
 (`bind_gpu_block_pool`), before the next step is scheduled, so no later request matches them.
 
-The *protected set* (docs/design.md 2.2): the knowledge tree names, in plans, the documents
-vLLM must keep on GPU. At a request's finish (`request_finished`, before vLLM frees its
-blocks) this side takes a reference (`BlockPool.touch`) on the request's cached blocks of each
-`ProtectSpan`, so vLLM's LRU cannot evict them; a later plan's `release` (or `reset_cache`,
-which `clear()` calls) gives them back (`BlockPool.free_blocks`). An aborted request protects
-nothing. Under memory pressure this side lets go of the lowest-ranked entries by itself
-(`relieve`, every step): a next step that takes no more blocks than this one never finds
-vLLM short of blocks because of protection. The protected set is apart from a request's own
-blocks, which vLLM holds while the request runs (its in-flight pin).
-
 Eviction-time host writes (`host_write="eviction"`, docs/design.md 2.2) are the
 `EvictionWindow`'s (window.py): a finished request's keep spans are recorded, the window is
 scanned every step, its copies ride in the step's metadata, and what it copied or let go, and
 which recorded documents left vLLM's blocks, ride on the next report of any request.
 
-It decides nothing about what is cached: the plan says which slots and which entries, the app
-owns them. Pure Python over vLLM's scheduler objects; no tensors.
+It decides nothing about what is cached: the plan says which slots and which documents (the
+app's policy decides host admission and host eviction), and vLLM's LRU decides what leaves its
+blocks; this side executes. Pure Python over vLLM's scheduler objects; no tensors.
 """
 
 from __future__ import annotations
@@ -102,11 +93,6 @@ class SchedulerSide:
         """The requests that the last built step computes prompt tokens of."""
         self.block_pool: Any = None
         """vLLM's `BlockPool`, bound by vLLM at scheduler start (`bind_block_pool`)."""
-        self._protected: dict[int, tuple[float, list[Any]]] = {}
-        """Protected-set entries held: key -> (rank, vLLM's `KVCacheBlock`s it holds a
-        reference on)."""
-        self._released: set[int] = set()
-        """Entries let go of (or named by a release while not held) since the last report."""
         self.window: EvictionWindow | None = (
             EvictionWindow(
                 window_blocks=config.window_blocks,
@@ -119,17 +105,10 @@ class SchedulerSide:
         )
         """The eviction window (None: the host tier is written at compute, by store spans)."""
 
-    @property
-    def protected_blocks(self) -> int:
-        """Block references the protected set holds (a block held by two entries counts twice)."""
-        return sum(len(blocks) for _, blocks in self._protected.values())
-
     def release_all(self) -> bool:
         """vLLM's `reset_cache` (`reset_prefix_cache(reset_connector=True)`, which `clear()`
-        sends): give every protected block back, and forget the eviction window's records.
-        Returns True (vLLM reads False as a refusal)."""
-        for key in sorted(self._protected):
-            self._release(key)
+        sends): forget the eviction window's records (its held blocks go back). Returns True
+        (vLLM reads False as a refusal)."""
         if self.window is not None and self.block_pool is not None:
             self.window.reset(self.block_pool)
         return True
@@ -137,28 +116,6 @@ class SchedulerSide:
     def bind_block_pool(self, block_pool: Any) -> None:
         """vLLM's GPU block pool: where failed loads' hashes are evicted (`on_worker_report`)."""
         self.block_pool = block_pool
-
-    def relieve(self, scheduler_output: Any) -> None:
-        """Keep vLLM able to schedule the next step without preempting for protected blocks:
-        while its free blocks (cached ones with no reference included) are fewer than the
-        running requests may take next step (each request as many as this step, plus one),
-        let go of the lowest-ranked entry (the deepest of equal rank first) among those whose
-        release frees a block (one no running request also holds: `ref_cnt` 1); none such,
-        nothing goes. The app learns it from the next report's `released`."""
-        if not self._protected or self.block_pool is None:
-            return
-        scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
-        size = self.block_size
-        need = sum(-(-tokens // size) + 1 for tokens in scheduled.values())
-        while self.block_pool.get_num_free_blocks() < need:
-            freeing = [
-                key
-                for key, (_, blocks) in self._protected.items()
-                if any(block.ref_cnt == 1 for block in blocks)
-            ]
-            if not freeing:
-                return
-            self._release(min(freeing, key=lambda k: (self._protected[k][0], -k)))
 
     def track_and_count_loads(
         self, req_id: str, params: dict[str, Any] | None, prompt_len: int, num_computed: int
@@ -189,9 +146,8 @@ class SchedulerSide:
         tracked.load_pending = True
 
     def build_step(self, scheduler_output: Any) -> StepOps:
-        """This step's copies for every scheduled request with a plan (and the protected
-        set relieved when memory runs short, `relieve`), and the eviction window's."""
-        self.relieve(scheduler_output)
+        """This step's copies for every scheduled request with a plan, and the eviction
+        window's."""
         step = StepOps()
         self._prefilling = set()
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
@@ -283,8 +239,8 @@ class SchedulerSide:
 
     def finished(self, req_id: str, *, aborted: bool = False) -> dict[str, Any] | None:
         """Forget the request; its report for `RequestOutput.kv_transfer_params`. A request
-        that completed its prompt and was not `aborted` takes its plan's protect entries first
-        (`_protect`).
+        that completed its prompt and was not `aborted` has its keep spans recorded for the
+        eviction window first.
 
         A store sent in this step counts as run: vLLM calls this hook (`request_finished`)
         before the same step's worker report reaches `on_worker_report`, and a `max_tokens=1`
@@ -300,7 +256,6 @@ class SchedulerSide:
         if tracked.store_sent and tracked.plan.store and not tracked.store_ran:
             tracked.store_ran = True
             self._unconfirmed_stores.add(req_id)
-        protected = () if aborted or not tracked.store_sent else self._protect(tracked)
         window = self.window
         lease = tracked.plan.lease
         if window is not None and lease and tracked.plan.keep:
@@ -315,14 +270,11 @@ class SchedulerSide:
                 )
             else:
                 window.unfollowed(tracked.plan.keep, epoch=lease.epoch, version=lease.version)
-        released: tuple[int, ...] = ()
-        result = _result(tracked, protected, released)
+        result = _result(tracked)
         if not aborted:  # vLLM drops an aborted request's report: keep them for the next
-            released, self._released = tuple(sorted(self._released)), set()
             copied, dropped, gone = window.take_changes() if window is not None else ((), (), ())
             result = dataclasses.replace(
                 result,
-                released=released,
                 host_copied=copied,
                 host_dropped=dropped,
                 host_gone=gone,
@@ -330,38 +282,6 @@ class SchedulerSide:
                 stranded_blocks=window.stranded_blocks if window is not None else 0,
             )
         return {RESULT_KEY: result.to_json()}
-
-    def _protect(self, tracked: _Tracked) -> tuple[int, ...]:
-        """Hold the plan's protect entries on the request's blocks, in prompt order; stop at
-        the first whose blocks are not all cached (a failed load's, evicted), so the set stays
-        prefix-closed. Returns the entries held now (already held ones included)."""
-        held: list[int] = []
-        for span in tracked.plan.protect:
-            if span.key not in self._protected:
-                blocks = self._cached_blocks(tracked, span.blocks(self.block_size))
-                if blocks is None:
-                    break
-                self.block_pool.touch(blocks)
-                self._protected[span.key] = (span.rank, blocks)
-                self._released.discard(span.key)
-            held.append(span.key)
-        return tuple(held)
-
-    def _cached_blocks(self, tracked: _Tracked, indices: range) -> list[Any] | None:
-        """The request's blocks at `indices`, or None unless every one is in vLLM's prefix
-        cache (a block without a hash would never be matched: holding it is waste)."""
-        if self.block_pool is None or indices.stop > len(tracked.block_ids):
-            return None
-        blocks = [self.block_pool.blocks[tracked.block_ids[i]] for i in indices]
-        if any(block.block_hash is None for block in blocks):
-            return None
-        return blocks
-
-    def _release(self, key: int) -> None:
-        held = self._protected.pop(key, None)
-        if held is not None and held[1]:
-            self.block_pool.free_blocks(held[1])
-        self._released.add(key)
 
     def _track(
         self, req_id: str, params: dict[str, Any] | None, prompt_len: int
@@ -381,12 +301,9 @@ class SchedulerSide:
             )
         except (KeyError, TypeError, ValueError) as exc:
             plan, problems = Plan(page_size=self.config.page_size), (f"malformed plan: {exc}",)
-        if not problems:
-            for key in plan.release:
-                self._release(key)
-            if plan.lease is not None and self.window is not None:
-                self.window.take_lease(plan.lease)
-                self.window.planned(plan.keep, plan.lease)
+        if not problems and plan.lease is not None and self.window is not None:
+            self.window.take_lease(plan.lease)
+            self.window.planned(plan.keep, plan.lease)
         fault = params.get(FAULT_KEY) or {}
         tracked = _Tracked(
             plan=plan,
@@ -429,9 +346,7 @@ class SchedulerSide:
         )
 
 
-def _result(
-    tracked: _Tracked, protected: tuple[int, ...], released: tuple[int, ...]
-) -> ConnectorResult:
+def _result(tracked: _Tracked) -> ConnectorResult:
     host = 0
     for span in tracked.plan.load:
         first = max(span.token_start, tracked.load_lo)
@@ -449,6 +364,4 @@ def _result(
         load_copy_s=tracked.load_copy_s,
         store_copy_s=tracked.store_copy_s,
         window_copy_s=tracked.window_copy_s,
-        protected=protected,
-        released=released,
     )

@@ -30,10 +30,10 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
 
     Valid means: the pools' page size; loads are contiguous from position 0; every span's
     slot count matches its tokens; every slot is inside the host pool; stores lie in the
-    prompt; protect and keep spans lie in the prompt in order (a keep span's parent is an
+    prompt; keep spans lie in the prompt in order (a keep span's parent is an
     earlier one); lease slots are in the host pool, once each. The engine has no GPU pool (its
-    GPU tier is vLLM's own KV cache), so any GPU-pool part of a plan (swap_out, promote, a GPU
-    load or store) is refused.
+    GPU tier is vLLM's own KV cache), so a GPU load or store (the simulator's two pools) is
+    refused.
     """
     problems: list[str] = []
 
@@ -55,11 +55,6 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
     if plan.page_size != page_size:
         problems.append(f"plan page size {plan.page_size} != pool page size {page_size}")
         return problems
-    if plan.swap_out or plan.promote:
-        problems.append(
-            "swap_out/promote copy between pools: the engine has no GPU pool (vLLM's own KV "
-            "cache is the GPU tier)"
-        )
     position = 0
     for i, load in enumerate(plan.load):
         if load.token_start != position:
@@ -87,17 +82,6 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
             )
         check_slots(f"store[{i}]", store.slots, store.tier)
     position = 0
-    for i, span in enumerate(plan.protect):
-        end = span.token_start + span.num_tokens
-        if span.key < 0 or span.token_start < position or span.num_tokens < 0 or end > prompt_len:
-            problems.append(
-                f"protect[{i}] (entry {span.key}) covers [{span.token_start}, {end}): protect "
-                f"spans lie in the prompt [0, {prompt_len}) in order, with non-negative keys"
-            )
-        position = max(position, end)
-    if len({span.key for span in plan.protect}) != len(plan.protect):
-        problems.append("protect spans repeat an entry key")
-    position = 0
     keys: set[int] = set()
     for i, keep in enumerate(plan.keep):
         end = keep.token_start + keep.num_tokens
@@ -118,8 +102,6 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
         check_slots("lease", plan.lease.slots, Tier.HOST)
         if len(set(plan.lease.slots)) != len(plan.lease.slots):
             problems.append("the lease repeats a host slot")
-    if any(key < 0 for key in plan.release):
-        problems.append(f"release names negative entry keys {[k for k in plan.release if k < 0]}")
     return problems
 
 
