@@ -118,7 +118,6 @@ class Lifecycle:
         only (`KnowledgeTree.invalidate_loads`). The report's eviction-time host writes are
         applied last: what it says left vLLM's blocks may be this request's own documents,
         which its confirmation marks as held there."""
-        tree = self.tree
         confirmed = self._settle_copies(handle, result)
         if result.reported:
             self.apply_host_writes(result)
