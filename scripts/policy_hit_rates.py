@@ -1,6 +1,11 @@
 """Policy hit-rate table: every policy over host capacities, relative to the best, plus the
 infinite ceiling and the "second" store policy.
 
+By default on the engine's tier model (`sim.engine.EngineSimulator`): vLLM's prefix-cached
+blocks under LRU (`--vllm-blocks`, else the GPU share below in 32-token blocks) and the host
+tier, written at eviction or as documents are computed (`--host-write`); the policy decides
+host admission and eviction. `--two-pool` runs the paper's two pools (`sim.simulate`).
+
 GPU capacity is fixed; host capacities are fractions of the trace's *distinct prefix tokens*
 (the tokens an infinite cache would end up holding: every distinct document prefix once).
 Served FCFS one request at a time (hit rates then do not depend on arrival times).
@@ -20,15 +25,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
-from ragcache_core.sim import SimConfig, SimResult, simulate
+from ragcache_core.sim import EngineConfig, EngineRequest, EngineSimulator, SimConfig, simulate
 from ragcache_core.trace import TraceRequest, load_trace
 
 FRACTIONS = (0.025, 0.05, 0.1, 0.2, 0.4)
 FIXED = ("pgdsf", "gdsf", "lru", "lfu", "arc")
 DEFAULT = "pgdsf"
 ADAPTIVE = "apgdsf"
+BLOCK_SIZE = 32
 WITHIN = 0.99
 """The default must reach this share of the best fixed policy's document hit rate."""
 
@@ -45,6 +53,20 @@ def distinct_prefix_tokens(requests: list[TraceRequest]) -> int:
     return total
 
 
+class _Cell:
+    """One cell's rates: document hit rate and document-token hit rate."""
+
+    def __init__(self, doc_hit_rate: float, token_hit_rate: float) -> None:
+        self.doc_hit_rate = doc_hit_rate
+        self.token_hit_rate = token_hit_rate
+
+
+def engine_blocks(requests: list[TraceRequest], gpu: int, system_tokens: int) -> int:
+    """vLLM's blocks for `gpu` tokens (its null block added), at least a long prompt's."""
+    longest = max(system_tokens + sum(r.doc_tokens) + r.question_tokens for r in requests)
+    return max(gpu // BLOCK_SIZE, -(-longest // BLOCK_SIZE) + 2) + 1
+
+
 def simulate_cell(
     requests: list[TraceRequest],
     gpu: int,
@@ -52,23 +74,43 @@ def simulate_cell(
     policy: str,
     system_tokens: int,
     store_policy: str = "always",
-) -> SimResult:
-    config = SimConfig(
-        gpu_tokens=gpu,
+    *,
+    two_pool: bool = False,
+    vllm_blocks: int | None = None,
+    host_write: str = "compute",
+) -> _Cell:
+    """One cell: `gpu` tokens of GPU (or `vllm_blocks`), `host` tokens of host tier."""
+    if two_pool:
+        config = SimConfig(
+            gpu_tokens=gpu,
+            host_tokens=host,
+            policy=policy,
+            system_tokens=system_tokens,
+            store_policy=store_policy,
+        )
+        result = simulate(requests, config)
+        return _Cell(result.doc_hit_rate, result.token_hit_rate)
+    engine = EngineConfig(
+        vllm_blocks=vllm_blocks or engine_blocks(requests, gpu, system_tokens),
         host_tokens=host,
+        block_size=BLOCK_SIZE,
         policy=policy,
-        system_tokens=system_tokens,
         store_policy=store_policy,
+        host_write=host_write,
     )
-    return simulate(requests, config)
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    served = EngineSimulator(engine).run(
+        [EngineRequest.from_trace(r, system_tokens) for r in ordered]
+    )
+    return _Cell(served.doc_hit_rate, served.doc_token_hit_rate)
 
 
-def _cell(result: SimResult, best: float) -> str:
+def _cell(result: _Cell, best: float) -> str:
     relative = result.doc_hit_rate / best if best else 1.0
     return f"{result.doc_hit_rate:.3f} / {result.token_hit_rate:.3f} ({relative:.3f})"
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("traces", type=Path, nargs="+")
     parser.add_argument("--system-tokens", type=int, default=64)
@@ -76,7 +118,24 @@ def main() -> None:
     parser.add_argument(
         "--tuned", default="nq_top2,mmlu_top2", help="traces apgdsf was tuned on (file stems)"
     )
-    args = parser.parse_args()
+    parser.add_argument("--two-pool", action="store_true", help="the paper's two pools")
+    parser.add_argument("--vllm-blocks", type=int, help="vLLM's blocks (default: GPU share)")
+    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
+    parser.add_argument(
+        "--fractions", default=",".join(map(str, FRACTIONS)), help="host shares, comma-separated"
+    )
+    args = parser.parse_args(argv)
+    fractions = tuple(float(f) for f in args.fractions.split(","))
+    cell = partial(
+        simulate_cell,
+        two_pool=args.two_pool,
+        vllm_blocks=args.vllm_blocks,
+        host_write=args.host_write,
+    )
+    print(
+        "tier model: "
+        + ("two pools" if args.two_pool else f"engine (host_write={args.host_write})")
+    )
     tuned = set(args.tuned.split(","))
     worst: list[tuple[float, str]] = []
     adaptive: dict[bool, list[tuple[float, str]]] = {True: [], False: []}
@@ -96,11 +155,11 @@ def main() -> None:
         heads = [*FIXED, f"{DEFAULT} + second", f"{ADAPTIVE} ({role})"]
         print("| host tokens (share) | " + " | ".join(heads) + " |")
         print("|---|" + "---|" * (len(FIXED) + 2))
-        for fraction in FRACTIONS:
+        for fraction in fractions:
             host = int(distinct * fraction)
-            results = {p: simulate_cell(requests, gpu, host, p, args.system_tokens) for p in FIXED}
-            second = simulate_cell(requests, gpu, host, DEFAULT, args.system_tokens, "second")
-            adapted = simulate_cell(requests, gpu, host, ADAPTIVE, args.system_tokens)
+            results = {p: cell(requests, gpu, host, p, args.system_tokens) for p in FIXED}
+            second = cell(requests, gpu, host, DEFAULT, args.system_tokens, "second")
+            adapted = cell(requests, gpu, host, ADAPTIVE, args.system_tokens)
             best = max(r.doc_hit_rate for r in results.values())
             cells = [_cell(results[p], best) for p in FIXED]
             cells += [_cell(second, best), _cell(adapted, best)]

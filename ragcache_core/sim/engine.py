@@ -35,7 +35,8 @@ from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.engine.connector.window import EvictionWindow
 from ragcache_core.errors import ConfigError
 from ragcache_core.sim.blocks import Block, BlockHasher, BlockPool, Segment, TokenIds
-from ragcache_core.tree import DocSpec, KnowledgeTree, RootKey
+from ragcache_core.trace import TraceRequest
+from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
 
 ENGINE_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
 
@@ -89,6 +90,16 @@ class EngineRequest:
     docs: tuple[DocSpec, ...]
     question_tokens: int
     question: Hashable
+
+    @classmethod
+    def from_trace(cls, request: TraceRequest, system_tokens: int) -> EngineRequest:
+        """A trace request as `ragcache simulate --engine` serves it (`Simulator.specs`'s keys);
+        its id names the question's tokens."""
+        docs = tuple(
+            DocSpec(DocKey(doc, str(n)), n)
+            for doc, n in zip(request.docs, request.doc_tokens, strict=True)
+        )
+        return cls(system_tokens, docs, request.question_tokens, request.id)
 
 
 @dataclass(frozen=True, slots=True)
