@@ -5,7 +5,8 @@ For each STEP of the grid, on the tuning traces only, every cell of `policy_hit_
 (GPU 1%, host 2.5-40% of the distinct prefix tokens): apgdsf's document hit rate relative to
 the best fixed policy of that cell. The STEP with the highest lowest share wins (ties: the
 highest mean). The held-out traces are not read here; `policy_hit_rates.py` reports apgdsf
-(with the STEP the code ships) on every trace.
+(with the STEP the code ships) on every trace. The tier model is `policy_hit_rates.py`'s: the
+engine's by default (`--host-write`, `--vllm-blocks`), the paper's two pools with `--two-pool`.
 
     .venv/bin/python scripts/tune_adaptive_pgdsf.py /tmp/ragcache-traces/{nq_top2,mmlu_top2}.jsonl
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,7 +34,16 @@ def main() -> None:
     parser.add_argument("traces", type=Path, nargs="+", help="the tuning traces only")
     parser.add_argument("--system-tokens", type=int, default=64)
     parser.add_argument("--gpu-fraction", type=float, default=0.01)
+    parser.add_argument("--two-pool", action="store_true", help="the paper's two pools")
+    parser.add_argument("--vllm-blocks", type=int, help="vLLM's blocks (default: GPU share)")
+    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
     args = parser.parse_args()
+    cell = partial(
+        simulate_cell,
+        two_pool=args.two_pool,
+        vllm_blocks=args.vllm_blocks,
+        host_write=args.host_write,
+    )
     cells = []
     for path in args.traces:
         requests = load_trace(path)
@@ -40,17 +51,14 @@ def main() -> None:
         gpu = int(distinct * args.gpu_fraction)
         for fraction in FRACTIONS:
             host = int(distinct * fraction)
-            best = max(
-                simulate_cell(requests, gpu, host, p, args.system_tokens).doc_hit_rate
-                for p in FIXED
-            )
+            best = max(cell(requests, gpu, host, p, args.system_tokens).doc_hit_rate for p in FIXED)
             cells.append((requests, gpu, host, best))
     scores = []
     for step in STEPS:
         variant = type("Tuned", (AdaptivePGDSF,), {"STEP": step})
         POLICIES["apgdsf-tuning"] = variant
         shares = [
-            simulate_cell(r, g, h, "apgdsf-tuning", args.system_tokens).doc_hit_rate / best
+            cell(r, g, h, "apgdsf-tuning", args.system_tokens).doc_hit_rate / best
             for r, g, h, best in cells
         ]
         scores.append((min(shares), statistics.fmean(shares), step))
