@@ -1,0 +1,100 @@
+"""LFU variants against the best fixed policy, per cell of `policy_hit_rates.py` (issue 39):
+an experiment, the variants are registered here only (the default policy is unchanged).
+
+  * `lfu`: as shipped, frequency then recency;
+  * `lfu-da`: LFU with dynamic aging (Clock[tier] + frequency, the clock as GDSF's);
+  * `lfu-age4`: the same aging at a quarter of the pace;
+  * `lfu-size`: Clock[tier] + frequency / size;
+  * `lfu-per-token`: frequency / size, no aging, then recency.
+
+    .venv/bin/python scripts/lfu_variants.py /tmp/ragcache-traces/*.jsonl --host-write compute
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from policy_hit_rates import FIXED, FRACTIONS, distinct_prefix_tokens, simulate_cell
+
+from ragcache_core.plan import Tier
+from ragcache_core.policy import POLICIES, GreedyDualPolicy, NodeStats, Priority
+from ragcache_core.trace import load_trace
+
+
+class LFUDA(GreedyDualPolicy):
+    name = "lfu-da"
+
+    def cost_per_token(self, stats: NodeStats) -> float:
+        return 1.0
+
+
+class LFUAge4(LFUDA):
+    name = "lfu-age4"
+
+    def on_evict(self, tier: Tier, priority: Priority) -> None:
+        clock = self.clocks[tier]
+        self.clocks[tier] = max(clock, clock + 0.25 * (priority[0] - clock))
+
+
+class LFUSize(GreedyDualPolicy):
+    name = "lfu-size"
+
+    def cost_per_token(self, stats: NodeStats) -> float:
+        return 1.0 / max(stats.num_tokens, 1)
+
+
+class LFUPerToken(LFUDA):
+    name = "lfu-per-token"
+
+    def priority(self, stats: NodeStats, tier: Tier) -> Priority:
+        return (stats.frequency / max(stats.num_tokens, 1), float(stats.last_access))
+
+
+VARIANTS = (LFUDA, LFUAge4, LFUSize, LFUPerToken)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("traces", type=Path, nargs="+")
+    parser.add_argument("--system-tokens", type=int, default=64)
+    parser.add_argument("--gpu-fraction", type=float, default=0.01)
+    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
+    args = parser.parse_args()
+    for cls in VARIANTS:
+        POLICIES[cls.name] = cls
+    names = ("lfu", *(cls.name for cls in VARIANTS))
+    worst = {name: (float("inf"), "") for name in names}
+    print("| trace | host | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for path in args.traces:
+        requests = load_trace(path)
+        distinct = distinct_prefix_tokens(requests)
+        gpu = int(distinct * args.gpu_fraction)
+        for fraction in FRACTIONS:
+            host = int(distinct * fraction)
+            rates = {
+                p: simulate_cell(
+                    requests, gpu, host, p, args.system_tokens, host_write=args.host_write
+                ).doc_hit_rate
+                for p in dict.fromkeys((*FIXED, *names))
+            }
+            best = max(rates[p] for p in FIXED)
+            shares = {p: rates[p] / best if best else 1.0 for p in names}
+            print(
+                f"| {path.stem} | {fraction:.1%} | "
+                + " | ".join(f"{shares[p]:.3f}" for p in names)
+                + " |"
+            )
+            sys.stdout.flush()
+            for p, share in shares.items():
+                worst[p] = min(worst[p], (share, f"{path.stem} at {fraction:.1%}"))
+    for p, (share, where) in worst.items():
+        print(f"{p}: lowest share of the best fixed policy {share:.3f} ({where})")
+
+
+if __name__ == "__main__":
+    main()
