@@ -94,6 +94,21 @@ def test_probes_repeat_while_requests_run_without_finishing() -> None:
     assert len(lifecycle.applied) == 4
 
 
+def test_a_report_that_came_during_a_probe_still_owes_a_look() -> None:
+    writes = _Writes()
+
+    class _Busy(_Engine):
+        async def stream(self, *args: Any) -> AsyncIterator[StreamEvent]:
+            writes.reports += 1  # a request finished while the probe ran
+            async for event in super().stream(*args):
+                yield event
+
+    probe, _ = _probe(writes, _Busy(unfinished_requests=1))
+    assert asyncio.run(probe.tick())
+    probe._engines.engine.unfinished_requests = 0  # type: ignore[attr-defined]
+    assert asyncio.run(probe.tick())  # that request's last step may have copied
+
+
 def test_no_probe_without_eviction_writes_a_running_engine_or_an_interval() -> None:
     engine = _Engine(unfinished_requests=1)
     probe, _ = _probe(None, engine)  # written through: nothing to fetch

@@ -103,6 +103,7 @@ class ReportProbe:
         if not (self._owed or engine.unfinished_requests):
             return False
         self._owed = False
+        before = writes.reports
         try:
             async with self.lock:
                 request_id = f"report-probe-{next(self._ids)}"
@@ -113,6 +114,8 @@ class ReportProbe:
             logger.error("RAGCache: the connector sent no report on a report probe")
             return False
         self._lifecycle.apply_host_writes(result)
+        # A request's report that came while the probe ran owes a look of its own.
+        self._owed = writes.reports > before + 1
         self._seen = writes.reports
         self.probes += 1
         return True
