@@ -18,11 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_hit_rates import FIXED, FRACTIONS, distinct_prefix_tokens, simulate_cell
+from policy_hit_rates import FIXED, grid, simulate_cell
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, GreedyDualPolicy, NodeStats, Priority
-from ragcache_core.trace import load_trace
 
 
 class LFUDA(GreedyDualPolicy):
@@ -70,28 +69,23 @@ def main() -> None:
     worst = {name: (float("inf"), "") for name in names}
     print("| trace | host | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
-    for path in args.traces:
-        requests = load_trace(path)
-        distinct = distinct_prefix_tokens(requests)
-        gpu = int(distinct * args.gpu_fraction)
-        for fraction in FRACTIONS:
-            host = int(distinct * fraction)
-            rates = {
-                p: simulate_cell(
-                    requests, gpu, host, p, args.system_tokens, host_write=args.host_write
-                ).doc_hit_rate
-                for p in dict.fromkeys((*FIXED, *names))
-            }
-            best = max(rates[p] for p in FIXED)
-            shares = {p: rates[p] / best if best else 1.0 for p in names}
-            print(
-                f"| {path.stem} | {fraction:.1%} | "
-                + " | ".join(f"{shares[p]:.3f}" for p in names)
-                + " |"
-            )
-            sys.stdout.flush()
-            for p, share in shares.items():
-                worst[p] = min(worst[p], (share, f"{path.stem} at {fraction:.1%}"))
+    for path, requests, gpu, fraction, host in grid(args.traces, args.gpu_fraction):
+        rates = {
+            p: simulate_cell(
+                requests, gpu, host, p, args.system_tokens, host_write=args.host_write
+            ).doc_hit_rate
+            for p in dict.fromkeys((*FIXED, *names))
+        }
+        best = max(rates[p] for p in FIXED)
+        shares = {p: rates[p] / best if best else 1.0 for p in names}
+        print(
+            f"| {path.stem} | {fraction:.1%} | "
+            + " | ".join(f"{shares[p]:.3f}" for p in names)
+            + " |"
+        )
+        sys.stdout.flush()
+        for p, share in shares.items():
+            worst[p] = min(worst[p], (share, f"{path.stem} at {fraction:.1%}"))
     for p, (share, where) in worst.items():
         print(f"{p}: lowest share of the best fixed policy {share:.3f} ({where})")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -59,6 +59,18 @@ class _Cell:
     def __init__(self, doc_hit_rate: float, token_hit_rate: float) -> None:
         self.doc_hit_rate = doc_hit_rate
         self.token_hit_rate = token_hit_rate
+
+
+def grid(
+    traces: Sequence[Path], gpu_fraction: float, fractions: Sequence[float] = FRACTIONS
+) -> Iterator[tuple[Path, list[TraceRequest], int, float, int]]:
+    """Every cell of the table: (trace, its requests, GPU tokens, host share, host tokens),
+    both capacities as shares of the trace's distinct prefix tokens."""
+    for path in traces:
+        requests = load_trace(path)
+        distinct = distinct_prefix_tokens(requests)
+        for fraction in fractions:
+            yield path, requests, int(distinct * gpu_fraction), fraction, int(distinct * fraction)
 
 
 def engine_blocks(requests: list[TraceRequest], gpu: int, system_tokens: int) -> int:

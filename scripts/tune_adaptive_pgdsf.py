@@ -21,10 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_hit_rates import FIXED, FRACTIONS, distinct_prefix_tokens, simulate_cell
+from policy_hit_rates import FIXED, grid, simulate_cell
 
 from ragcache_core.policy import POLICIES, AdaptivePGDSF
-from ragcache_core.trace import load_trace
 
 STEPS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
@@ -45,14 +44,9 @@ def main() -> None:
         host_write=args.host_write,
     )
     cells = []
-    for path in args.traces:
-        requests = load_trace(path)
-        distinct = distinct_prefix_tokens(requests)
-        gpu = int(distinct * args.gpu_fraction)
-        for fraction in FRACTIONS:
-            host = int(distinct * fraction)
-            best = max(cell(requests, gpu, host, p, args.system_tokens).doc_hit_rate for p in FIXED)
-            cells.append((requests, gpu, host, best))
+    for _, requests, gpu, _, host in grid(args.traces, args.gpu_fraction):
+        best = max(cell(requests, gpu, host, p, args.system_tokens).doc_hit_rate for p in FIXED)
+        cells.append((requests, gpu, host, best))
     scores = []
     for step in STEPS:
         variant = type("Tuned", (AdaptivePGDSF,), {"STEP": step})
