@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.config import SamplingConfig
+from ragcache_core.engine.connector.config import FAULT_KEY
 from ragcache_core.engine.settings import EngineSettings
 from ragcache_core.errors import RAGCacheError
+from ragcache_core.plan import PLAN_KEY
 from ragcache_core.query_result import TokenLogprobs
 
 ENGINE_EXIT_TIMEOUT_S = 30.0
@@ -73,6 +75,10 @@ class AsyncEngine:
 
         self.checker = SamplingChecker(self._engine.vllm_config)
         """vLLM's checks of a request's sampling against this model (usable after `close`)."""
+        self.inject_fault: Mapping[str, Any] | None = None
+        """Fault-injection tests only: sent as the connector's `FAULT_KEY` with every request
+        that carries a plan (`connector/config.py` lists the faults). A restarted engine is a
+        new `AsyncEngine`, without it."""
 
     @property
     def is_dead(self) -> bool:
@@ -121,6 +127,8 @@ class AsyncEngine:
         from ragcache_core.engine.compat import first_token_latency, token_prompt
         from ragcache_core.engine.sampling import sampling_params, step_logprobs
 
+        if self.inject_fault is not None and kv_transfer_params and PLAN_KEY in kv_transfer_params:
+            kv_transfer_params = {**kv_transfer_params, FAULT_KEY: dict(self.inject_fault)}
         params = sampling_params(
             sampling,
             kv_transfer_params=kv_transfer_params,

@@ -23,7 +23,10 @@ FAULT_KEY = "ragcache_inject_fault"
 """Test hook in a request's `kv_transfer_params`: `{"fail_load_span": i}` makes the worker
 raise while copying load span i (after spans < i were copied), exercising the recovery path
 exactly as a real copy failure would; `{"fail_host_write": true}` makes every eviction-time copy
-of the request's kept documents fail after writing its slots (a failed copy is never read)."""
+of the request's kept documents fail after writing its slots (a failed copy is never read);
+`{"kill_host_write": true}` makes the worker write the first half of the step's eviction-time
+copies when one of them is of the request's kept documents, then SIGKILL its own process: the
+engine dies mid-copy, with torn slots no report names."""
 
 HOST_WRITES = ("compute", "eviction")
 """When the host tier is written: as a document is computed (write-through, plans' `store`) or

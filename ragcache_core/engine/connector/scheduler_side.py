@@ -49,6 +49,7 @@ class _Tracked:
     problems: tuple[str, ...]
     fail_load_span: tuple[int, ...]
     fail_host_write: bool = False
+    kill_host_write: bool = False
     block_ids: list[int] = field(default_factory=list)
     query_start: int = 0
     load_lo: int = 0
@@ -267,6 +268,7 @@ class SchedulerSide:
                     epoch=lease.epoch,
                     version=lease.version,
                     fail=tracked.fail_host_write,
+                    kill=tracked.kill_host_write,
                 )
             else:
                 window.unfollowed(tracked.plan.keep, epoch=lease.epoch, version=lease.version)
@@ -311,6 +313,7 @@ class SchedulerSide:
             problems=problems,
             fail_load_span=tuple(int(i) for i in fault.get("fail_load_span", ())),
             fail_host_write=bool(fault.get("fail_host_write", False)),
+            kill_host_write=bool(fault.get("kill_host_write", False)),
         )
         self._tracked[req_id] = tracked
         return tracked

@@ -46,8 +46,8 @@ HOST_HELD_LIMIT = 1 << 16
 class HostWrite:
     """An eviction-time copy: tokens [token_start, token_start + num_tokens) of the blocks
     `block_ids` (token t in block `block_ids[t // block_size]`) -> host `slots`. The scheduler
-    side holds the blocks until the step's report. `fail`: test hook, the copy runs and is then
-    reported failed (`config.FAULT_KEY`)."""
+    side holds the blocks until the step's report. `fail`, `kill`: test hooks, the copy runs and
+    is then reported failed, or the worker dies in the step's copies (`config.FAULT_KEY`)."""
 
     key: int
     block_ids: tuple[int, ...]
@@ -55,6 +55,7 @@ class HostWrite:
     num_tokens: int
     slots: tuple[int, ...]
     fail: bool = False
+    kill: bool = False
 
 
 @dataclass(slots=True)
@@ -75,6 +76,8 @@ class _Record:
     """The copy's sequence number (0: not copied)."""
     refused: bool = False
     """A scan found it (or a descendant) in the window with no lease room for its copy."""
+    kill: bool = False
+    """Test hook (`config.FAULT_KEY`): the worker dies in the step that copies it."""
 
     def intact(self) -> bool:
         """Every block still holds the KV it was recorded with (vLLM resets a block's hash when
@@ -169,6 +172,7 @@ class EvictionWindow:
         epoch: int,
         version: int,
         fail: bool = False,
+        kill: bool = False,
     ) -> None:
         """A request finished with its prompt computed: record its keep spans' blocks, in
         prompt order, until one is not wholly in vLLM's prefix cache (its children could not be
@@ -200,6 +204,7 @@ class EvictionWindow:
                 num_tokens=span.num_tokens,
                 fail=fail,
                 version=version,
+                kill=kill,
             )
             self._records[span.key] = record
             for block in blocks:
@@ -257,6 +262,7 @@ class EvictionWindow:
                     num_tokens=record.num_tokens,
                     slots=slots,
                     fail=record.fail,
+                    kill=record.kill,
                 )
             )
         return writes

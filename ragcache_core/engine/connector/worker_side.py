@@ -27,6 +27,8 @@ not run, and the tree never reads its slots.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -169,12 +171,18 @@ class WorkerSide:
         refs = [
             SpanRef(w.slots, w.token_start, w.num_tokens, 0, 1 << 62, w.block_ids) for w in writes
         ]
+        kill = any(w.kill for w in writes)
+        if kill:
+            refs = refs[: max(1, len(refs) // 2)]
         try:
             index = step_index(
                 refs, block_size=self.block_size, page_size=self.config.page_size, device=ops.device
             )
             ops.store(paged, index, self._host())
             ops.synchronize()
+            if kill:
+                logger.error("RAGCache: injected kill in the step's host writes")
+                os.kill(os.getpid(), signal.SIGKILL)
         except Exception:
             logger.exception("RAGCache: eviction-time copies to the host pool failed")
             return
