@@ -220,8 +220,17 @@ def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
     assert apc.sim.requests == 4 and apc.sim_prompt_tokens_mean > 100
     # The engine's document tokens cached: its cached tokens less the roots'.
     assert ours.engine_doc_token_hit_rate > apc.engine_doc_token_hit_rate
+    # The host tier's tokens, and the share vLLM's blocks hold too, within it.
+    assert apc.sim_host_tokens_mean == 0 and ours.sim_host_tokens_mean > 0
+    assert 0 <= ours.sim_both_tiers_tokens_mean <= ours.sim_host_tokens_mean
     assert main(["simulate", "--replay", str(path)]) == 0
     out = capsys.readouterr().out
     assert "ragcache" in out and "vllm-apc" in out and "30.0%/" in out
     with pytest.raises(InputError, match="no workload"):
         replay(path, ("long",))
+    # A capacity-constrained workload's host tier is its own (`host_sizing`), not the run's.
+    run["host_sizing"] = {"host_tokens": 1024}
+    path.write_text(json.dumps({"settings": settings, "workloads": [run]}))
+    rows = {r.system: r for r in replay(path)}
+    assert rows["ragcache"].config.host_tokens == 1024
+    assert rows["vllm-apc"].config.vllm_blocks == apc.config.vllm_blocks

@@ -59,6 +59,12 @@ class ReplayRow:
     engine_prompt_tokens_mean: float
     sim_prompt_tokens_mean: float
     config: EngineConfig
+    sim_host_tokens_mean: float = 0.0
+    """Tokens of the simulated tree's ready host copies, after each measured request, mean."""
+    sim_both_tiers_tokens_mean: float = 0.0
+    """Of those, tokens of documents vLLM's blocks hold too (promoted by a host hit and not yet
+    evicted again, or written through): what dropping a promoted document's host copy could
+    add to the two tiers' union at most."""
 
     @property
     def gap_points(self) -> float:
@@ -77,6 +83,8 @@ class ReplayRow:
             "gap_points": self.gap_points,
             "engine_prompt_tokens_mean": self.engine_prompt_tokens_mean,
             "sim_prompt_tokens_mean": self.sim_prompt_tokens_mean,
+            "sim_host_tokens_mean": self.sim_host_tokens_mean,
+            "sim_both_tiers_tokens_mean": self.sim_both_tiers_tokens_mean,
             "sim": self.sim.to_json(),
             "config": {k: getattr(self.config, k) for k in self.config.__dataclass_fields__},
         }
@@ -104,8 +112,12 @@ def replay(
     rows: list[ReplayRow] = []
     for name in names:
         requests = _stream(settings, runs[name], data_dir)
+        sized = runs[name].get("host_sizing")  # a capacity-constrained workload's own host tier
+        memory = (
+            settings if sized is None else {**settings, "host_pool_tokens": sized["host_tokens"]}
+        )
         for system in sorted({p["system"] for p in runs[name]["points"]}):
-            config = _engine_config(settings, system)
+            config = _engine_config(memory, system)
             if config is not None:
                 rows.append(_row(name, system, runs[name], settings, requests, config))
     return rows
@@ -191,7 +203,15 @@ def _row(
     config: EngineConfig,
 ) -> ReplayRow:
     warmup = int(settings["mode"]["warmup"])
-    sim = EngineSimulator(config).run(requests, skip=warmup)
+    simulator = EngineSimulator(config)
+    served, host, both = [], [], []
+    for index, request in enumerate(requests):
+        served.append(simulator.serve(request))
+        if index >= warmup:
+            ready = [n for n in simulator.tree.iter_nodes() if n.ready]
+            host.append(sum(n.num_tokens for n in ready))
+            both.append(sum(n.num_tokens for n in ready if n.resident))
+    sim = simulator.result(served[warmup:])
     measured = requests[warmup:]
     points = [p for p in run["points"] if p["system"] == system]
     engine_rate = statistics.fmean(p["token_hit_rate"] for p in points)
@@ -211,22 +231,29 @@ def _row(
         engine_prompt_tokens_mean=statistics.fmean(p["prompt_tokens_mean"] for p in points),
         sim_prompt_tokens_mean=prompt / max(1, len(measured)),
         config=config,
+        sim_host_tokens_mean=statistics.fmean(host) if host else 0.0,
+        sim_both_tiers_tokens_mean=statistics.fmean(both) if both else 0.0,
     )
 
 
 def print_rows(rows: list[ReplayRow], out: Any) -> None:
-    """One line per system: engine and simulator, token and document-token hit rates."""
+    """One line per system: engine and simulator, token and document-token hit rates, and the
+    simulated host tier's mean tokens with the share vLLM's blocks hold too."""
     print(
         f"{'workload':<14} {'system':<22} {'pts':>3}  {'tokens eng/sim':>15}  "
-        f"{'doc tokens eng/sim':>19}  {'gap':>6}  {'prompt eng/sim':>15}",
+        f"{'doc tokens eng/sim':>19}  {'gap':>6}  {'prompt eng/sim':>15}  "
+        f"{'host tokens (both tiers)':>24}",
         file=out,
     )
     for r in rows:
+        host = r.sim_host_tokens_mean
+        both = r.sim_both_tiers_tokens_mean / host if host else 0.0
         print(
             f"{r.workload:<14} {r.system:<22} {r.points:>3}  "
             f"{r.engine_token_hit_rate:>7.1%}/{r.sim.token_hit_rate:<7.1%}  "
             f"{r.engine_doc_token_hit_rate:>9.1%}/{r.sim.doc_token_hit_rate:<9.1%}  "
             f"{r.gap_points:>+5.1f}p  "
-            f"{r.engine_prompt_tokens_mean:>7.0f}/{r.sim_prompt_tokens_mean:<7.0f}",
+            f"{r.engine_prompt_tokens_mean:>7.0f}/{r.sim_prompt_tokens_mean:<7.0f}  "
+            f"{host:>14,.0f} ({both:>5.1%})",
             file=out,
         )
