@@ -181,6 +181,14 @@ def test_a_reordering_system_is_left_out_of_the_identical_answers() -> None:
     assert identical_answers([*same, run("ragcache-lru", 1, 9)]) == (1, 2)
 
 
+def test_a_point_line_shows_the_machines_load_around_it() -> None:
+    from ragcache_core.bench.sweep import load_note, machine_load
+
+    assert machine_load() >= 0.0
+    assert load_note({"load_avg_1m": [0.5, 3.25]}) == ", load 0.5->3.2"
+    assert load_note({}) == ""  # a point recorded before the load was
+
+
 def test_warm_up_runs_closed_loop_before_the_measured_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -348,6 +356,8 @@ def test_smoke_serves_every_request_with_identical_answers(
         assert point["requests"] == mode["requests"] == len(point["ttfts_s"])
         assert all(t > 0 for t in point["ttfts_s"])
         assert 0.0 <= point["token_hit_rate"] <= 1.0
+        before, after = point["load_avg_1m"]  # the machine's load, around the point
+        assert before >= 0 and after > 0  # the point itself ran on this machine
     hit_rates = {p["system"]: p["token_hit_rate"] for p in workload["points"]}
     # After the warm-up every prompt's system prompt (the root) is cached: the proxy (a
     # RAGCache) loads it; plain vLLM caches nothing.

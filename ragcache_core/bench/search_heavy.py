@@ -54,7 +54,13 @@ from ragcache_core.bench.serve import (
     light_load,
     run_point,
 )
-from ragcache_core.bench.sweep import COOL_DOWN_S, Engines, Recorder, describe_systems
+from ragcache_core.bench.sweep import (
+    COOL_DOWN_S,
+    Engines,
+    Recorder,
+    describe_systems,
+    machine_load,
+)
 from ragcache_core.bench.workloads import Request, Workload, load_workload
 from ragcache_core.errors import ConfigError
 from ragcache_core.retrieval.embedder import EmbedderConfig
@@ -220,6 +226,7 @@ def _point(
     heavy, system = bench.heavy, bench.engines.systems[name]
     time.sleep(COOL_DOWN_S)
     source.log.take()
+    load_before = machine_load()
     if load == 0.0:
         requests = bench.workload.stream(heavy.warmup + heavy.light)
         run = bench.engines.run(
@@ -250,6 +257,7 @@ def _point(
         **outcome_stats(run.measured),
         "counters_with_warmup": _counters(system),
         "search": search_stats(records, bench.exact, bench.workload.top_k),
+        "load_avg_1m": [load_before, machine_load()],
     }
     print(point_line(tag, summary), file=bench.log, flush=True)
     return run, summary

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from ragcache_core.bench.compare import spread
 from ragcache_core.bench.serve import Outcome
+from ragcache_core.bench.sweep import load_note
 from ragcache_core.retrieval.padded import SearchRecord
 
 SPEC, NOSPEC, VLLM = "ragcache", "ragcache-nospec", "vllm"
@@ -104,7 +105,7 @@ def point_line(tag: str, s: dict[str, Any]) -> str:
     return (
         f"{tag} {s['system']}: TTFT mean {s['ttft_mean_s'] * 1000:.0f} ms, search "
         f"{s['search_mean_s'] * 1000:.0f} ms, not overlapped "
-        f"{s['non_overlapped_search_mean_s'] * 1000:.0f} ms{spec}"
+        f"{s['non_overlapped_search_mean_s'] * 1000:.0f} ms{spec}{load_note(s)}"
     )
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import subprocess
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -390,6 +391,7 @@ def _rounds(
             label = f"{workload.name} {rate:.2f}/s #{repeat + 1} {name}"
             tag = f"{workload.name}-{step}-{repeat}"
             time.sleep(COOL_DOWN_S)
+            load_before = machine_load()
             run = engines.run(
                 run_point(
                     engines.systems[name],
@@ -402,7 +404,11 @@ def _rounds(
                     warmup_concurrency=mode.warmup_concurrency,
                 )
             )
-            summary = run.summary() | {"repeat": repeat, "position": position}
+            summary = run.summary() | {
+                "repeat": repeat,
+                "position": position,
+                "load_avg_1m": [load_before, machine_load()],
+            }
             result.points.append(summary)
             runs[name].append(run)
             round_runs.append(run)
@@ -458,7 +464,20 @@ def _point_line(label: str, s: dict[str, Any]) -> str:
         f"{label}: TTFT mean {s['ttft_mean_s'] * 1000:.0f} ms, "
         f"p95 {s['ttft_p95_s'] * 1000:.0f} ms, "
         f"{s['throughput_rps']:.2f} req/s, token hits {s['token_hit_rate'] * 100:.0f}%"
+        f"{load_note(s)}"
     )
+
+
+def machine_load() -> float:
+    """The machine's 1-minute load average (runnable processes, all users): read before and
+    after each point, so that a disturbed round shows rather than being dropped."""
+    return os.getloadavg()[0]
+
+
+def load_note(summary: dict[str, Any]) -> str:
+    """`, load 1.2->3.4` for a point line (empty for a point without the record)."""
+    load = summary.get("load_avg_1m")
+    return f", load {load[0]:.1f}->{load[1]:.1f}" if load else ""
 
 
 def _saturated(runs: Sequence[PointRun], light: PointRun | None) -> bool:
