@@ -422,8 +422,12 @@ class CacheConfig:
     """A waiting request is overtaken at most this many times (starvation bound)."""
     max_prefill_bs: int = 16
     """Requests in prefill at once at most. Admission also keeps the tokens to compute of the
-    requests in prefill within `max_num_batched_tokens` (vLLM's per-step budget); the rest
-    wait in the reordering queue. Speculation starts only while both have room."""
+    requests in prefill within `prefill_token_budget`; the rest wait in the reordering queue.
+    Speculation starts only while both have room."""
+    prefill_token_budget: int | None = None
+    """Tokens to compute, summed over the requests in prefill, at most (None:
+    `max_num_batched_tokens`, what vLLM's next step can take). Larger keeps the next request
+    inside vLLM when a prefill ends, at the cost of fewer requests left to reorder."""
     speculation: bool = True
     speculation_min_search_s: float = SPECULATION_MIN_SEARCH_S
     """Speculate only while this RAGCache's recent searches (a moving mean per search source,
@@ -477,6 +481,10 @@ class CacheConfig:
             raise ConfigError(f"page_size must be at least 1, got {self.page_size}")
         if self.max_prefill_bs < 1:
             raise ConfigError(f"max_prefill_bs must be at least 1, got {self.max_prefill_bs}")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ConfigError(
+                f"prefill_token_budget must be at least 1, got {self.prefill_token_budget}"
+            )
         if self.top_k < 1:
             raise ConfigError(f"top_k must be at least 1, got {self.top_k}")
         if self.reorder_window < 0:

@@ -292,3 +292,16 @@ def test_speculation_takes_no_room_while_a_request_is_deferred() -> None:
         return refused, admitted
 
     assert asyncio.run(main()) == (True, True)
+
+
+def test_the_prefill_token_budget_defaults_to_vllms_step_and_can_be_set() -> None:
+    from ragcache_core.config import CacheConfig
+    from ragcache_core.errors import ConfigError
+    from ragcache_core.runtime.assembly import build_admission
+
+    step = CacheConfig(max_num_batched_tokens=4096)
+    assert build_admission(step).token_budget == 4096
+    wider = step.with_(prefill_token_budget=8192)
+    assert build_admission(wider).token_budget == 8192
+    with pytest.raises(ConfigError, match="prefill_token_budget must be at least 1"):
+        CacheConfig(prefill_token_budget=0)

@@ -163,6 +163,13 @@ SYSTEMS: dict[str, SystemSpec] = {
             parent="ragcache",
         ),
         SystemSpec(
+            "ragcache-budget2",
+            "ragcache",
+            "RAGCache, prefill admission budget twice vLLM's step (8,192 tokens on CPU)",
+            {"prefill_token_budget": 8192},
+            parent="ragcache",
+        ),
+        SystemSpec(
             "ragcache-noreorder",
             "ragcache",
             "RAGCache, FCFS queue",

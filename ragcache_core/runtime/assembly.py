@@ -109,7 +109,7 @@ def build_admission(config: CacheConfig) -> Admission:
         config.max_prefill_bs,
         "cache_aware" if config.reorder else "fcfs",
         config.reorder_window,
-        token_budget=config.max_num_batched_tokens,
+        token_budget=config.prefill_token_budget or config.max_num_batched_tokens,
     )
 
 
