@@ -1,0 +1,293 @@
+"""Frequency per token with adapted aging, against the best fixed policy, per cell of
+`policy_hit_rates.py` (issue 39): an experiment, the variants are registered here only (the
+default policy is unchanged).
+
+LFU per token (frequency / size, no aging) is best on NQ, aged frequency per token on MMLU's
+small hosts (its subjects come in runs). The variants span the two:
+
+  * `age{r}`: Clock[tier] + frequency / size, the clock moving a share `r` of the way to each
+    evicted priority (r = 1 is GDSF with cost 1 / size, r = 0 is LFU per token);
+  * `lrfu{lam}`: LRFU per token: log2(CRF / size), CRF = sum over the node's counted accesses
+    of 2^(-lam x age), kept as the snapshot log2(CRF(t_last) / size) + lam x t_last;
+  * `duel{decay}m{margin}[f][p{pace}_{pace}...]`: `age` whose pace, per tier, follows shadow
+    dueling (set dueling without sets): one metadata-only shadow cache per candidate pace
+    (default 0, 0.01, 0.1), each of the tier's capacity (the most tokens it has held), fed
+    every reference the tier sees (a copy entering, an access of a resident copy); each
+    counts its hits, decayed by `decay` per reference, and the tier takes the pace of the
+    shadow with the most, when it beats the current pace's by more than `margin`. `f`: the
+    shadows rank a key by the node's own frequency (its whole life in the tree), not by the
+    references they saw. The pace only sets how fast the clock moves, so priorities stored
+    before a change stay comparable.
+
+Tuned (decay, margin, `f`, paces) on nq_top2 and mmlu_top2 only, both host-write modes; the
+highest lowest share of the best fixed policy over those 20 cells won: `duel0.999m0fp0_0.1_1`
+(docs/benchmarks.md, "Frequency per token with adapted aging"; it misses 1% there too).
+
+    .venv/bin/python scripts/adaptive_variants.py /tmp/ragcache-traces/*.jsonl \
+        --host-write eviction --variants age0,duel0.999m0fp0_0.03_0.3,duel0.999m0fp0_0.1_1
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+from collections.abc import Hashable
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from policy_hit_rates import FIXED, grid, simulate_cell
+
+from ragcache_core.plan import Tier
+from ragcache_core.policy import POLICIES, EvictionPolicy, GreedyDualPolicy, NodeStats, Priority
+
+
+class AgedPerToken(GreedyDualPolicy):
+    name = "age"
+    PACE = 1.0
+
+    def cost_per_token(self, stats: NodeStats) -> float:
+        return 1.0 / max(stats.num_tokens, 1)
+
+    def on_evict(self, tier: Tier, priority: Priority) -> None:
+        clock = self.clocks[tier]
+        self.clocks[tier] = max(clock, clock + self.PACE * (priority[0] - clock))
+
+
+class _History:
+    __slots__ = ("crf", "frequency", "tiers", "time")
+
+    def __init__(self) -> None:
+        self.crf = 0.0
+        self.frequency = 0
+        self.time = 0
+        self.tiers = 0
+
+
+class LRFUPerToken(EvictionPolicy):
+    name = "lrfu"
+    tracks_residency = True
+    LAMBDA = 0.0
+
+    def __init__(self) -> None:
+        self.history: dict[int, _History] = {}
+
+    def _crf(self, stats: NodeStats) -> tuple[float, int]:
+        h = self.history.get(id(stats))
+        if h is None:
+            return float(max(stats.frequency, 1)), stats.last_access
+        if stats.frequency != h.frequency:
+            new = stats.frequency - h.frequency if stats.frequency > h.frequency else 1
+            h.crf = h.crf * 2.0 ** (-self.LAMBDA * (stats.last_access - h.time)) + new
+            h.frequency = stats.frequency
+            h.time = stats.last_access
+        return max(h.crf, 1e-9), h.time
+
+    def priority(self, stats: NodeStats, tier: Tier) -> Priority:
+        crf, time = self._crf(stats)
+        value = math.log2(crf / max(stats.num_tokens, 1)) + self.LAMBDA * time
+        return (value, float(stats.last_access))
+
+    def on_enter(self, tier: Tier, key: Hashable, stats: NodeStats) -> None:
+        h = self.history.setdefault(id(stats), _History())
+        h.tiers += 1
+
+    def on_leave(self, tier: Tier, key: Hashable, stats: NodeStats, *, evicted: bool) -> None:
+        h = self.history.get(id(stats))
+        if h is None:
+            return
+        h.tiers -= 1
+        if h.tiers <= 0:
+            del self.history[id(stats)]
+
+    def reset(self) -> None:
+        self.history = {}
+
+
+class _Shadow:
+    """A metadata-only cache of one tier under `AgedPerToken` with one pace: which keys it
+    would hold, given the references the tier sees; counts its hits (decayed)."""
+
+    def __init__(self, pace: float) -> None:
+        self.pace = pace
+        self.clock = 0.0
+        self.entries: dict[Hashable, tuple[int, int, float]] = {}  # key -> tokens, freq, prio
+        self.heap: list[tuple[float, int, Hashable]] = []
+        self.tokens = 0
+        self.hits = 0.0
+        self.seq = 0
+
+    def reference(
+        self, key: Hashable, tokens: int, frequency: int, capacity: int, decay: float
+    ) -> None:
+        self.hits *= decay
+        self.seq += 1
+        entry = self.entries.get(key)
+        freq = 1
+        if entry is not None:
+            self.hits += 1.0
+            freq = entry[1] + 1
+            self.tokens -= entry[0]
+        if frequency > 0:
+            freq = frequency
+        prio = self.clock + freq / max(tokens, 1)
+        self.entries[key] = (tokens, freq, prio)
+        self.tokens += tokens
+        heapq.heappush(self.heap, (prio, self.seq, key))
+        while self.tokens > capacity and self.heap:
+            p, _, k = heapq.heappop(self.heap)
+            e = self.entries.get(k)
+            if e is None or e[2] != p:
+                continue
+            del self.entries[k]
+            self.tokens -= e[0]
+            self.clock = max(self.clock, self.clock + self.pace * (p - self.clock))
+        if len(self.heap) > 4 * len(self.entries) + 64:
+            self.heap = [(e[2], i, k) for i, (k, e) in enumerate(self.entries.items())]
+            heapq.heapify(self.heap)
+
+
+class DuelingAged(AgedPerToken):
+    """`AgedPerToken` whose pace, per tier, is that of the shadow with the most recent hits."""
+
+    name = "duel"
+    tracks_residency = True
+    PACES: tuple[float, ...] = (0.0, 0.01, 0.1)
+    DECAY = 0.999
+    MARGIN = 0.0
+    NODE_FREQUENCY = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reset_shadows()
+
+    def _reset_shadows(self) -> None:
+        self.shadows = {t: [_Shadow(p) for p in self.PACES] for t in (Tier.GPU, Tier.HOST)}
+        self.residents: dict[Tier, dict[int, list]] = {Tier.GPU: {}, Tier.HOST: {}}
+        self.resident_tokens = {Tier.GPU: 0, Tier.HOST: 0}
+        self.capacity = {Tier.GPU: 0, Tier.HOST: 0}
+        self.pace = {Tier.GPU: self.PACES[0], Tier.HOST: self.PACES[0]}
+
+    def _reference(self, tier: Tier, key: Hashable, stats: NodeStats) -> None:
+        shadows = self.shadows[tier]
+        frequency = stats.frequency if self.NODE_FREQUENCY else 0
+        for shadow in shadows:
+            shadow.reference(key, stats.num_tokens, frequency, self.capacity[tier], self.DECAY)
+        best = max(shadows, key=lambda s: s.hits)
+        current = max(s.hits for s in shadows if s.pace == self.pace[tier])
+        if best.hits > (1.0 + self.MARGIN) * current:
+            self.pace[tier] = best.pace
+
+    def priority(self, stats: NodeStats, tier: Tier) -> Priority:
+        resident = self.residents[tier].get(id(stats))
+        if resident is not None:
+            if resident[1] is None:
+                resident[1] = stats.accesses
+            elif stats.accesses > resident[1]:
+                resident[1] = stats.accesses
+                self._reference(tier, resident[0], stats)
+        return super().priority(stats, tier)
+
+    def on_evict(self, tier: Tier, priority: Priority) -> None:
+        clock = self.clocks[tier]
+        self.clocks[tier] = max(clock, clock + self.pace[tier] * (priority[0] - clock))
+
+    def on_enter(self, tier: Tier, key: Hashable, stats: NodeStats) -> None:
+        self.residents[tier][id(stats)] = [key, None]
+        self.resident_tokens[tier] += stats.num_tokens
+        self.capacity[tier] = max(self.capacity[tier], self.resident_tokens[tier])
+        self._reference(tier, key, stats)
+
+    def on_leave(self, tier: Tier, key: Hashable, stats: NodeStats, *, evicted: bool) -> None:
+        if self.residents[tier].pop(id(stats), None) is not None:
+            self.resident_tokens[tier] -= stats.num_tokens
+
+    def reset(self) -> None:
+        super().reset()
+        self._reset_shadows()
+
+
+def variants(spec: str) -> list[type[EvictionPolicy]]:
+    """The policy classes a comma-separated `--variants` spec names (module docstring)."""
+    out: list[type[EvictionPolicy]] = []
+    for item in spec.split(","):
+        attrs: dict[str, object] = {"name": item}
+        if item.startswith("age"):
+            attrs["PACE"] = float(item[3:])
+            out.append(type(item, (AgedPerToken,), attrs))
+        elif item.startswith("lrfu"):
+            attrs["LAMBDA"] = float(item[4:])
+            out.append(type(item, (LRFUPerToken,), attrs))
+        elif item.startswith("duel"):
+            knobs, _, paces = item[4:].partition("p")
+            decay, _, margin = knobs.partition("m")
+            attrs["DECAY"] = float(decay)
+            attrs["NODE_FREQUENCY"] = knobs.endswith("f")
+            attrs["MARGIN"] = float(margin.rstrip("f") or 0)
+            if paces:
+                attrs["PACES"] = tuple(float(p) for p in paces.split("_"))
+            out.append(type(item, (DuelingAged,), attrs))
+        else:
+            raise SystemExit(f"unknown variant {item!r} (age, lrfu, duel)")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("traces", type=Path, nargs="+")
+    parser.add_argument("--system-tokens", type=int, default=64)
+    parser.add_argument("--gpu-fraction", type=float, default=0.01)
+    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
+    parser.add_argument("--variants", default="age0,duel0.999m0fp0_0.1_1")
+    parser.add_argument("--tuned", default="nq_top2,mmlu_top2", help="tuning traces (stems)")
+    parser.add_argument("--best-cache", type=Path, help="JSON of the best fixed rate per cell")
+    args = parser.parse_args()
+    classes = variants(args.variants)
+    for cls in classes:
+        POLICIES[cls.name] = cls
+    names = [cls.name for cls in classes]
+    cache: dict[str, float] = {}
+    if args.best_cache and args.best_cache.exists():
+        cache = json.loads(args.best_cache.read_text())
+    tuned = set(args.tuned.split(","))
+    worst = {(p, t): (float("inf"), "") for p in names for t in (True, False)}
+    print(f"host_write={args.host_write}")
+    print("| trace | host | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for path, requests, gpu, fraction, host in grid(args.traces, args.gpu_fraction):
+        cell = partial(
+            simulate_cell,
+            requests,
+            gpu,
+            host,
+            system_tokens=args.system_tokens,
+            host_write=args.host_write,
+        )
+        key = f"{path.stem}/{fraction}/{args.host_write}/{args.gpu_fraction}"
+        if key not in cache:
+            cache[key] = max(cell(policy=p).doc_hit_rate for p in FIXED)
+            if args.best_cache:
+                args.best_cache.write_text(json.dumps(cache))
+        best = cache[key]
+        shares = {p: cell(policy=p).doc_hit_rate / best if best else 1.0 for p in names}
+        print(
+            f"| {path.stem} | {fraction:.1%} | "
+            + " | ".join(f"{shares[p]:.3f}" for p in names)
+            + " |"
+        )
+        sys.stdout.flush()
+        for p, share in shares.items():
+            slot = (p, path.stem in tuned)
+            worst[slot] = min(worst[slot], (share, f"{path.stem} at {fraction:.1%}"))
+    for (p, is_tuned), (share, where) in worst.items():
+        if where:
+            role = "tuning" if is_tuned else "held-out"
+            print(f"{p} on {role} traces: lowest share of the best fixed {share:.3f} ({where})")
+
+
+if __name__ == "__main__":
+    main()
