@@ -21,29 +21,24 @@ from pathlib import Path
 import pytest
 from _heavy import Heavy
 from _integration_helpers import corpus, plain_tokens
+from _ragcache_shared import CONFIG as SHARED_CONFIG
+from _ragcache_shared import GPU_TOKENS, SAMPLING
 
-from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.runtime.ragcache import RAGCache
 from ragcache_core.tree import DocKey
 
 pytestmark = pytest.mark.vllm
 
-SAMPLING = SamplingConfig(max_tokens=6, ignore_eos=True)
 ONE = SamplingConfig(max_tokens=1, ignore_eos=True)
-TOKEN_BYTES = 2048
-"""KV bytes per token of the tiny model (float32, 2 layers x 2 x 2 heads x 64)."""
-GPU_TOKENS = 4608
-CONFIG = CacheConfig(
-    vllm_kv_cache_gib=GPU_TOKENS * TOKEN_BYTES / 2**30,
-    host_pool_tokens=4096,
-    page_size=16,
-    sampling=SAMPLING,
-    request_timeout_s=60,
+CONFIG = SHARED_CONFIG.with_(
     host_write="eviction",
     host_write_window_tokens=GPU_TOKENS,  # every free block: copied at the next step
     host_report_interval_s=0,  # no probe: the next request's report is the only messenger
 )
+"""test_ragcache.py's memory (`_ragcache_shared`), written at eviction, the window all of
+vLLM's blocks."""
 DOCS = corpus(12)
 SETTLE_S = 0.5
 
