@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_hit_rates import FIXED, grid, simulate_cell
+from policy_hit_rates import FIXED, grid, print_shares, simulate_cell
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, EvictionPolicy, GreedyDualPolicy, NodeStats, Priority
@@ -254,7 +254,7 @@ def main() -> None:
     if args.best_cache and args.best_cache.exists():
         cache = json.loads(args.best_cache.read_text())
     tuned = set(args.tuned.split(","))
-    worst = {(p, t): (float("inf"), "") for p in names for t in (True, False)}
+    worst: dict[bool, dict[str, tuple[float, str]]] = {True: {}, False: {}}  # tuning, held out
     print(f"host_write={args.host_write}")
     print("| trace | host | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
@@ -274,18 +274,10 @@ def main() -> None:
                 args.best_cache.write_text(json.dumps(cache))
         best = cache[key]
         shares = {p: cell(policy=p).doc_hit_rate / best if best else 1.0 for p in names}
-        print(
-            f"| {path.stem} | {fraction:.1%} | "
-            + " | ".join(f"{shares[p]:.3f}" for p in names)
-            + " |"
-        )
-        sys.stdout.flush()
-        for p, share in shares.items():
-            slot = (p, path.stem in tuned)
-            worst[slot] = min(worst[slot], (share, f"{path.stem} at {fraction:.1%}"))
-    for (p, is_tuned), (share, where) in worst.items():
-        if where:
-            role = "tuning" if is_tuned else "held-out"
+        print_shares(path, fraction, shares, worst[path.stem in tuned])
+    for is_tuned, lowest in worst.items():
+        role = "tuning" if is_tuned else "held-out"
+        for p, (share, where) in lowest.items():
             print(f"{p} on {role} traces: lowest share of the best fixed {share:.3f} ({where})")
 
 

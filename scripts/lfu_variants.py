@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_hit_rates import FIXED, grid, simulate_cell
+from policy_hit_rates import FIXED, grid, print_shares, simulate_cell
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, GreedyDualPolicy, NodeStats, Priority
@@ -77,15 +77,7 @@ def main() -> None:
             for p in dict.fromkeys((*FIXED, *names))
         }
         best = max(rates[p] for p in FIXED)
-        shares = {p: rates[p] / best if best else 1.0 for p in names}
-        print(
-            f"| {path.stem} | {fraction:.1%} | "
-            + " | ".join(f"{shares[p]:.3f}" for p in names)
-            + " |"
-        )
-        sys.stdout.flush()
-        for p, share in shares.items():
-            worst[p] = min(worst[p], (share, f"{path.stem} at {fraction:.1%}"))
+        print_shares(path, fraction, {p: rates[p] / best if best else 1.0 for p in names}, worst)
     for p, (share, where) in worst.items():
         print(f"{p}: lowest share of the best fixed policy {share:.3f} ({where})")
 

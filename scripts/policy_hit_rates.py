@@ -73,6 +73,18 @@ def grid(
             yield path, requests, int(distinct * gpu_fraction), fraction, int(distinct * fraction)
 
 
+def print_shares(
+    path: Path, fraction: float, shares: dict[str, float], worst: dict[str, tuple[float, str]]
+) -> None:
+    """One table row of `shares` (each policy's rate over the best fixed one in the cell), and
+    each policy's lowest share so far kept in `worst` (share, where)."""
+    cells = " | ".join(f"{share:.3f}" for share in shares.values())
+    print(f"| {path.stem} | {fraction:.1%} | {cells} |", flush=True)
+    where = f"{path.stem} at {fraction:.1%}"
+    for name, share in shares.items():
+        worst[name] = min(worst.get(name, (float("inf"), "")), (share, where))
+
+
 def engine_blocks(requests: list[TraceRequest], gpu: int, system_tokens: int) -> int:
     """vLLM's blocks for `gpu` tokens (its null block added), at least a long prompt's."""
     longest = max(system_tokens + sum(r.doc_tokens) + r.question_tokens for r in requests)
