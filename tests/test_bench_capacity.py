@@ -37,6 +37,8 @@ def test_capacity_workloads_are_named_and_shared() -> None:
     assert CAPACITY_WORKLOADS == {
         "long-shuffled-host25": ("long-shuffled", 0.25),
         "long-shuffled-host50": ("long-shuffled", 0.5),
+        "long-zipf-host25": ("long-zipf", 0.25),
+        "long-zipf-host50": ("long-zipf", 0.5),
         "short-host25": ("short", 0.25),
         "short-host50": ("short", 0.5),
     }
@@ -102,3 +104,37 @@ def test_long_shuffled_host25_is_long_shuffled_with_a_host_share(shared_data: Pa
     assert base.host_share is None
     assert capped.requests == base.requests and capped.top_k == base.top_k == 1
     assert capped.description.startswith(base.description)
+
+
+def test_long_zipf_draws_popular_chunks_again(shared_data: Path) -> None:
+    """The stream with reuse: its first 104 requests ask about far fewer distinct chunks than
+    `long-shuffled`'s, the most-drawn chunk is among the most-asked, and a seed fixes it."""
+    from collections import Counter
+
+    from ragcache_core.bench.data_dir import SQUAD_PARAGRAPHS, SQUAD_QUESTIONS
+    from ragcache_core.bench.workloads import CHUNK_TOKENS, chunk_articles, read_jsonl
+
+    zipf = load_workload("long-zipf", _words, data_dir=shared_data)
+    shuffled = load_workload("long-shuffled", _words, data_dir=shared_data)
+    assert zipf.documents == shuffled.documents and zipf.top_k == 1 and zipf.retrieves
+    chunks = chunk_articles(read_jsonl(shared_data / SQUAD_PARAGRAPHS), _words, CHUNK_TOKENS)
+    chunk_of = {pid: c["doc_id"] for c in chunks for pid in c["paragraph_ids"]}
+    gold = {
+        str(q["question"]): chunk_of[str(q["paragraph_id"])]
+        for q in read_jsonl(shared_data / SQUAD_QUESTIONS)
+        if str(q["paragraph_id"]) in chunk_of
+    }
+    asked = Counter(gold.values())
+
+    def drawn(workload: Workload) -> Counter[str]:
+        return Counter(gold[r.question] for r in workload.stream(104))
+
+    zipf_drawn, shuffled_drawn = drawn(zipf), drawn(shuffled)
+    assert len(zipf_drawn) < 0.8 * len(shuffled_drawn)
+    top, count = zipf_drawn.most_common(1)[0]
+    assert count >= 8 and asked[top] >= sorted(asked.values())[-10]
+    again = load_workload("long-zipf", _words, data_dir=shared_data)
+    other = load_workload("long-zipf", _words, seed=1, data_dir=shared_data)
+    assert again.requests == zipf.requests and other.requests != zipf.requests
+    capped = load_workload("long-zipf-host25", _words, data_dir=shared_data)
+    assert capped.requests == zipf.requests and capped.host_share == 0.25

@@ -9,10 +9,12 @@ request, for every system) or brings them (`documents` given: no search, as `age
 | `short`         | 12,100: vital-article leads + SQuAD paragraphs   | NQ-open dev + MMLU val    |
 | `long`          | SQuAD dev articles in ~1,024-token chunks        | SQuAD dev, dataset order  |
 | `long-shuffled` | same                                             | SQuAD dev, shuffled       |
+| `long-zipf`     | same                                             | SQuAD dev, Zipf draws     |
 | `noreuse`       | same chunks, each given to exactly one request   | SQuAD dev (gold chunk)    |
 | `demo`          | the shipped long-chunk sample (package data)     | its SQuAD questions       |
 | `demo-short`    | the shipped 300-document sample (package data)   | its NQ-open + MMLU        |
 | `long-shuffled-host25`, `-host50` | `long-shuffled`, capacity-constrained (below) |             |
+| `long-zipf-host25`, `-host50` | `long-zipf`, the same                     |             |
 | `short-host25`, `-host50` | `short` (top-2 short documents, real questions), the same |         |
 
 The shared-data workloads read the benchmark data folder (`--data-dir`, `$RAGCACHE_DATA_DIR`,
@@ -23,7 +25,17 @@ else `../shared/data`: `bench.data_dir`); the two `demo` ones need nothing outsi
 requests, not the corpus), counted with the model's tokenizer; vLLM's KV cache stays as set,
 on top. `host_sizing` computes it (the search runs once over the stream's questions) and
 `bench serve` prints it in tokens and GiB before starting that workload's engines.
-Retriever for every retrieving workload: the project's offline TF-IDF + SVD embedder with an IVF
+**`long-zipf`** is the stream with reuse that reordering, the policy and the whole need (issue 39):
+`long-shuffled`'s 104 requests draw 89 distinct chunks, so almost nothing can hit. Here chunk
+popularity follows Zipf's law (exponent `ZIPF_EXPONENT`: the rank-r chunk is asked with weight
+1 / r), ranked by how many SQuAD dev questions ask about it (the most-asked first, ties in a
+seeded order), so the popular chunks have the most distinct questions; each draw takes that
+chunk's next unused question (its questions in a seeded order, again from the first once all
+are used). The search still runs in every request, so a question may retrieve another chunk
+than its own: with the bench model's tokenizer (458 chunks) the first 104 requests retrieve 64
+distinct chunks at top-1 (seed 0), `long-shuffled`'s 89.
+
+: the project's offline TF-IDF + SVD embedder with an IVF
 index (`retrieval.index_store.build_index`, default settings).
 """
 
@@ -60,9 +72,13 @@ RETRIEVERS = {
 """`--retriever` choices: the offline default, and a real sentence embedder (the `embed`
 extra), which pulls fewer questions onto the same "hub" documents."""
 CHUNK_TOKENS = 1024
+ZIPF_EXPONENT = 1.0
+"""`long-zipf`: the rank-r chunk is drawn with weight 1 / r ** ZIPF_EXPONENT."""
+ZIPF_REQUESTS = 4096
+"""`long-zipf`'s pool: requests drawn (a stream longer than this repeats the pool)."""
 CAPACITY_WORKLOADS = {
     f"{base}-host{round(share * 100)}": (base, share)
-    for base in ("long-shuffled", "short")
+    for base in ("long-shuffled", "long-zipf", "short")
     for share in (0.25, 0.5)
 }
 """Capacity-constrained workload -> (its base workload, the host tier's share of the measured
@@ -71,12 +87,15 @@ WORKLOADS = (
     "short",
     "long",
     "long-shuffled",
+    "long-zipf",
     "noreuse",
     "demo",
     "demo-short",
     *CAPACITY_WORKLOADS,
 )
-SHARED_WORKLOADS = frozenset({"short", "long", "long-shuffled", "noreuse", *CAPACITY_WORKLOADS})
+SHARED_WORKLOADS = frozenset(
+    {"short", "long", "long-shuffled", "long-zipf", "noreuse", *CAPACITY_WORKLOADS}
+)
 
 
 def workload_files(name: str) -> tuple[str, ...]:
@@ -223,6 +242,8 @@ def load_workload(
     questions = read_jsonl(folder / SQUAD_QUESTIONS)
     if name == "noreuse":
         return _noreuse(chunks, questions, seed)
+    if name == "long-zipf":
+        return _long_zipf(chunks, questions, seed, top_k or 1)
     order = "dataset" if name == "long" else "shuffled"
     return _long(name, chunks, questions, order, seed, top_k or 1, "all 48 SQuAD dev articles")
 
@@ -278,6 +299,43 @@ def _long(
         f"tokens), {len(pool):,} SQuAD dev questions in {order} order"
         + (f" (seed {seed})" if order == "shuffled" else " (grouped by article)")
         + f", top-{top_k}",
+        tuple(_as_document(c) for c in chunks),
+        tuple(Request(q) for q in pool),
+        top_k,
+    )
+
+
+def _long_zipf(
+    chunks: Sequence[dict[str, Any]], questions: Sequence[dict[str, Any]], seed: int, top_k: int
+) -> Workload:
+    """Questions drawn so that chunk popularity follows Zipf's law (the module docstring)."""
+    chunk_of = {pid: c["doc_id"] for c in chunks for pid in c["paragraph_ids"]}
+    asked: dict[str, list[str]] = defaultdict(list)
+    for q in questions:
+        doc_id = chunk_of.get(str(q["paragraph_id"]))
+        if doc_id is not None:
+            asked[doc_id].append(str(q["question"]))
+    rng = random.Random(seed)
+    ranked = sorted(asked)
+    rng.shuffle(ranked)
+    ranked.sort(key=lambda doc_id: -len(asked[doc_id]))  # stable: ties keep the seeded order
+    for doc_id in ranked:
+        rng.shuffle(asked[doc_id])
+    weights = [1.0 / rank**ZIPF_EXPONENT for rank in range(1, len(ranked) + 1)]
+    drawn = rng.choices(range(len(ranked)), weights=weights, k=ZIPF_REQUESTS)
+    served: dict[int, int] = defaultdict(int)
+    pool: list[str] = []
+    for index in drawn:
+        pool_of = asked[ranked[index]]
+        pool.append(pool_of[served[index] % len(pool_of)])
+        served[index] += 1
+    mean = sum(int(c["tokens"]) for c in chunks) / max(1, len(chunks))
+    return Workload(
+        "long-zipf",
+        f"{len(chunks)} chunks of all 48 SQuAD dev articles (~{CHUNK_TOKENS:,}-token targets, "
+        f"mean {mean:.0f} tokens), {len(pool):,} SQuAD dev questions drawn with Zipf "
+        f"popularity over the {len(ranked)} asked chunks (exponent {ZIPF_EXPONENT:g}, the "
+        f"most-asked first; seed {seed}), top-{top_k}",
         tuple(_as_document(c) for c in chunks),
         tuple(Request(q) for q in pool),
         top_k,
