@@ -99,6 +99,43 @@ def test_the_ladder_runs_one_system_then_every_system_at_the_rate_and_one_and_a_
     )
 
 
+def test_a_first_rung_already_past_it_steps_down_the_ladder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Calibrated on fast cached requests, the first rate can already be deep in overload:
+    the ladder then goes down to a rung below twice the light mean and interpolates."""
+    light = 0.1
+    rates: list[float] = []
+
+    def rounds(
+        engines: Any, workload: Any, mode: Any, systems: Any, rate: float, *rest: Any
+    ) -> dict[str, list[PointRun]]:
+        rates.append(rate)
+        ttft = light * (1 + rate / 2)  # twice the light mean at rate 2
+        return {n: [_run(n, rate, ttft)] * mode.repeats for n in systems}
+
+    monkeypatch.setattr(sweep, "_rounds", rounds)
+    monkeypatch.setattr(sweep, "_light", lambda e, n, w, m: _run(n, 0.0, light))
+    monkeypatch.setattr(sweep, "_light_summary", lambda run: {"service_s": 1.0})
+    workload = Workload("w", "a stub", (), (Request("q"),), 1)
+    result = sweep_workload(
+        _Engines(),  # type: ignore[arg-type]
+        workload,
+        None,
+        MODES["full"],
+        ["ragcache"],
+        0,
+        lambda label, total: lambda done: None,
+        fixed_rate=8.0,
+        saturate="ragcache",
+    )
+    assert result.saturation is not None
+    assert rates[:4] == [8.0, 4.0, 2.0, 1.0]  # 2.0 reaches the limit exactly: still past
+    assert [r for r, _ in result.saturation.ladder] == [1.0, 2.0, 4.0, 8.0]
+    assert result.saturation.rate_rps == pytest.approx(2.0)
+    assert result.rates == [2.0, 2.0 * SATURATED_OVER]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ragcache_core", "bench", "serve", *args],

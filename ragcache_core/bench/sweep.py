@@ -14,7 +14,8 @@ For each workload:
    every repeat.
 
 With `saturate=NAME` (`--saturate`, issue 39's "saturated" workloads) steps 3-4 change: a
-ladder of NAME alone (one round per rate, from the same first rate, x`factor` per step) finds
+ladder of NAME alone (one round per rate, from the same first rate, x`factor` per step, or
+/`factor` per step when the first rate is already past it) finds
 the rate at which NAME's mean TTFT is `SATURATED_TTFT` x its light-load mean TTFT (geometric
 interpolation between the two rungs around it; `Saturation`), and every system is then
 measured at that rate and at `SATURATED_OVER` x it, `repeats` rounds each, the same requests
@@ -335,8 +336,10 @@ def _find_saturation(
 ) -> Saturation:
     """A ladder of `name` alone, one round per rate, up to the rung whose mean TTFT passes
     `SATURATED_TTFT` x its light-load mean (at most `mode.max_points` rungs past the first);
-    the rungs are not points of the result (only the rates found are measured, by every
-    system)."""
+    when the first rung is already past it, down from there instead (/`mode.factor` per rung,
+    at most `mode.max_points` rungs) to the first below, so that the rate is interpolated, not
+    the first rung's. The rungs are not points of the result (only the rates found are
+    measured, by every system)."""
     if name not in light:
         raise ValueError(f"--saturate {name}: it needs {name}'s light-load run (mode.light > 0)")
     light_mean = light[name].summary()["ttft_mean_s"]
@@ -344,12 +347,19 @@ def _find_saturation(
     one = Mode(**(asdict(mode) | {"repeats": 1}))
     scratch = WorkloadResult(workload, {}, 0.0, name, [], [], [])
     ladder: list[tuple[float, float]] = []
+
+    def rung(rate: float) -> tuple[float, float]:
+        runs = _rounds(engines, workload, one, [name], rate, seed, len(ladder), bar, scratch)
+        return rate, runs[name][0].summary()["ttft_mean_s"]
+
     for step in range(max(2, mode.max_points + 1)):
-        rate = round(rate0 * mode.factor**step, 3)
-        runs = _rounds(engines, workload, one, [name], rate, seed, step, bar, scratch)
-        ladder.append((rate, runs[name][0].summary()["ttft_mean_s"]))
+        ladder.append(rung(round(rate0 * mode.factor**step, 3)))
         if ladder[-1][1] >= limit:
             break
+    for step in range(1, mode.max_points + 1):
+        if ladder[0][1] < limit:
+            break
+        ladder.insert(0, rung(round(rate0 / mode.factor**step, 3)))
     return Saturation(name, light_mean, ladder, saturated_rate(ladder, limit))
 
 
