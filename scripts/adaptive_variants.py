@@ -9,22 +9,34 @@ small hosts (its subjects come in runs). The variants span the two:
     evicted priority (r = 1 is GDSF with cost 1 / size, r = 0 is LFU per token);
   * `lrfu{lam}`: LRFU per token: log2(CRF / size), CRF = sum over the node's counted accesses
     of 2^(-lam x age), kept as the snapshot log2(CRF(t_last) / size) + lam x t_last;
-  * `duel{decay}m{margin}[f][p{pace}_{pace}...]`: `age` whose pace, per tier, follows shadow
-    dueling (set dueling without sets): one metadata-only shadow cache per candidate pace
-    (default 0, 0.01, 0.1), each of the tier's capacity (the most tokens it has held), fed
+  * `duel{decay}m{margin}[f][p{cand}_{cand}...]`: Clock[tier] + frequency x weight whose
+    candidate, per tier, follows shadow dueling (set dueling without sets): one metadata-only
+    shadow cache per candidate, each of the tier's capacity (the most tokens it has held), fed
     every reference the tier sees (a copy entering, an access of a resident copy); each
-    counts its hits, decayed by `decay` per reference, and the tier takes the pace of the
-    shadow with the most, when it beats the current pace's by more than `margin`. `f`: the
-    shadows rank a key by the node's own frequency (its whole life in the tree), not by the
-    references they saw. The pace only sets how fast the clock moves, so priorities stored
-    before a change stay comparable.
+    counts its hits, decayed by `decay` per reference, and the tier takes the candidate of
+    the shadow with the most, when it beats the current one's by more than `margin`. A
+    candidate is a pace (`0.1`: the weight 1 / size, the clock at that pace) or `c{pace}`:
+    the weight PGDSF's cost term (the node's mean prefill cost per computed token,
+    `NodeStats.avg_cost_per_token`), `c1` being PGDSF itself. The first candidate is the
+    tier's start (default 0, 0.01, 0.1). `f`: the shadows rank a key by the node's own
+    frequency (its whole life in the tree), not by the references they saw.
 
-Tuned (decay, margin, `f`, paces) on nq_top2 and mmlu_top2 only, both host-write modes; the
-highest lowest share of the best fixed policy over those 20 cells won: `duel0.999m0fp0_0.1_1`
-(docs/benchmarks.md, "Frequency per token with adapted aging"; it misses 1% there too).
+A switch keeps the priorities already stored comparable: a pace only sets how fast the clock
+moves, and the cost term is scaled so that its running mean (over the references seen) is that
+of 1 / size; so every priority, under any candidate, is the clock when it was taken plus
+frequency x a weight on one scale, and the clock only rises. A resident node takes the new
+weight at its next access, as a GDSF priority is a snapshot (the policy cannot reach the
+tree's stored priorities to recompute them).
+
+Tuned (decay, margin, `f`, candidates) on nq_top2 and mmlu_top2 only, both host-write modes;
+the highest lowest share of the best fixed policy over those 20 cells won: first
+`duel0.999m0fp0_0.1_1`; then, with the cost term among the candidates (25 variants, 16 with
+it), the pace-only `duel0.999m0fp1_0.1_0` (the same paces, starting aged: 0.984 against
+0.982, within noise); no candidate set with the cost term did better (docs/benchmarks.md,
+"Frequency per token with adapted aging"; all miss 1% there).
 
     .venv/bin/python scripts/adaptive_variants.py /tmp/ragcache-traces/*.jsonl \
-        --host-write eviction --variants age0,duel0.999m0fp0_0.03_0.3,duel0.999m0fp0_0.1_1
+        --host-write eviction --variants duel0.999m0fp0_0.1_1,duel0.999m0fp1_0.1_0
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import sys
 from collections.abc import Hashable
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -108,12 +121,22 @@ class LRFUPerToken(EvictionPolicy):
         self.history = {}
 
 
-class _Shadow:
-    """A metadata-only cache of one tier under `AgedPerToken` with one pace: which keys it
-    would hold, given the references the tier sees; counts its hits (decayed)."""
+class Candidate(NamedTuple):
+    """One dueling candidate: the clock's `pace`, and the weight of a frequency: 1 / size
+    (LFU per token), or with `cost` PGDSF's cost term, the node's mean prefill cost per
+    computed token, scaled to 1 / size's mean (`DuelingAged.weights`; 1 / size for a node
+    never computed)."""
 
-    def __init__(self, pace: float) -> None:
-        self.pace = pace
+    pace: float
+    cost: bool = False
+
+
+class _Shadow:
+    """A metadata-only cache of one tier under one candidate: which keys it would hold, given
+    the references the tier sees; counts its hits (decayed)."""
+
+    def __init__(self, candidate: Candidate) -> None:
+        self.candidate = candidate
         self.clock = 0.0
         self.entries: dict[Hashable, tuple[int, int, float]] = {}  # key -> tokens, freq, prio
         self.heap: list[tuple[float, int, Hashable]] = []
@@ -122,8 +145,16 @@ class _Shadow:
         self.seq = 0
 
     def reference(
-        self, key: Hashable, tokens: int, frequency: int, capacity: int, decay: float
+        self,
+        key: Hashable,
+        tokens: int,
+        frequency: int,
+        capacity: int,
+        decay: float,
+        cost: float = 0.0,
     ) -> None:
+        """`key` (`tokens` long, of frequency `frequency` or, when 0, the references seen
+        here; of scaled cost per token `cost`) was referenced in a tier of `capacity`."""
         self.hits *= decay
         self.seq += 1
         entry = self.entries.get(key)
@@ -134,7 +165,9 @@ class _Shadow:
             self.tokens -= entry[0]
         if frequency > 0:
             freq = frequency
-        prio = self.clock + freq / max(tokens, 1)
+        candidate = self.candidate
+        weight = cost if candidate.cost else 1.0 / max(tokens, 1)
+        prio = self.clock + freq * weight
         self.entries[key] = (tokens, freq, prio)
         self.tokens += tokens
         heapq.heappush(self.heap, (prio, self.seq, key))
@@ -145,18 +178,27 @@ class _Shadow:
                 continue
             del self.entries[k]
             self.tokens -= e[0]
-            self.clock = max(self.clock, self.clock + self.pace * (p - self.clock))
+            self.clock = max(self.clock, self.clock + candidate.pace * (p - self.clock))
         if len(self.heap) > 4 * len(self.entries) + 64:
             self.heap = [(e[2], i, k) for i, (k, e) in enumerate(self.entries.items())]
             heapq.heapify(self.heap)
 
 
 class DuelingAged(AgedPerToken):
-    """`AgedPerToken` whose pace, per tier, is that of the shadow with the most recent hits."""
+    """Clock[tier] + frequency x weight, the candidate (pace, weight) per tier that of the
+    shadow with the most recent hits.
+
+    Priorities stay comparable across a switch because every candidate keeps GDSF's clock
+    semantics on one scale: a priority is the tier's clock when it was taken plus frequency x
+    weight, both weights have the same mean (the cost term is scaled to 1 / size's running
+    mean over the references seen), and the clock only rises. A switch changes how the nodes
+    accessed from then on are valued, not the meaning of the priorities already stored; each
+    resident node takes the new weight at its next access (a stored priority is a snapshot,
+    as in GDSF)."""
 
     name = "duel"
     tracks_residency = True
-    PACES: tuple[float, ...] = (0.0, 0.01, 0.1)
+    CANDIDATES: tuple[Candidate, ...] = (Candidate(0.0), Candidate(0.01), Candidate(0.1))
     DECAY = 0.999
     MARGIN = 0.0
     NODE_FREQUENCY = False
@@ -166,21 +208,37 @@ class DuelingAged(AgedPerToken):
         self._reset_shadows()
 
     def _reset_shadows(self) -> None:
-        self.shadows = {t: [_Shadow(p) for p in self.PACES] for t in (Tier.GPU, Tier.HOST)}
+        self.shadows = {t: [_Shadow(c) for c in self.CANDIDATES] for t in (Tier.GPU, Tier.HOST)}
         self.residents: dict[Tier, dict[int, list]] = {Tier.GPU: {}, Tier.HOST: {}}
         self.resident_tokens = {Tier.GPU: 0, Tier.HOST: 0}
         self.capacity = {Tier.GPU: 0, Tier.HOST: 0}
-        self.pace = {Tier.GPU: self.PACES[0], Tier.HOST: self.PACES[0]}
+        self.choice = {Tier.GPU: self.CANDIDATES[0], Tier.HOST: self.CANDIDATES[0]}
+        self.per_token_sum = 0.0
+        self.cost_sum = 0.0
+
+    def weights(self, stats: NodeStats) -> tuple[float, float]:
+        """(1 / size, the cost per token scaled so that its running mean is 1 / size's)."""
+        per_token = 1.0 / max(stats.num_tokens, 1)
+        cost = stats.avg_cost_per_token
+        if cost <= 0.0 or self.cost_sum <= 0.0:
+            return per_token, per_token
+        return per_token, cost * self.per_token_sum / self.cost_sum
 
     def _reference(self, tier: Tier, key: Hashable, stats: NodeStats) -> None:
+        if stats.avg_cost_per_token > 0.0:
+            self.per_token_sum += 1.0 / max(stats.num_tokens, 1)
+            self.cost_sum += stats.avg_cost_per_token
+        cost = self.weights(stats)[1]
         shadows = self.shadows[tier]
         frequency = stats.frequency if self.NODE_FREQUENCY else 0
         for shadow in shadows:
-            shadow.reference(key, stats.num_tokens, frequency, self.capacity[tier], self.DECAY)
+            shadow.reference(
+                key, stats.num_tokens, frequency, self.capacity[tier], self.DECAY, cost
+            )
         best = max(shadows, key=lambda s: s.hits)
-        current = max(s.hits for s in shadows if s.pace == self.pace[tier])
+        current = max(s.hits for s in shadows if s.candidate == self.choice[tier])
         if best.hits > (1.0 + self.MARGIN) * current:
-            self.pace[tier] = best.pace
+            self.choice[tier] = best.candidate
 
     def priority(self, stats: NodeStats, tier: Tier) -> Priority:
         resident = self.residents[tier].get(id(stats))
@@ -190,11 +248,14 @@ class DuelingAged(AgedPerToken):
             elif stats.accesses > resident[1]:
                 resident[1] = stats.accesses
                 self._reference(tier, resident[0], stats)
-        return super().priority(stats, tier)
+        per_token, cost = self.weights(stats)
+        weight = cost if self.choice[tier].cost else per_token
+        return (self.clocks[tier] + stats.frequency * weight, float(stats.last_access))
 
     def on_evict(self, tier: Tier, priority: Priority) -> None:
         clock = self.clocks[tier]
-        self.clocks[tier] = max(clock, clock + self.pace[tier] * (priority[0] - clock))
+        pace = self.choice[tier].pace
+        self.clocks[tier] = max(clock, clock + pace * (priority[0] - clock))
 
     def on_enter(self, tier: Tier, key: Hashable, stats: NodeStats) -> None:
         self.residents[tier][id(stats)] = [key, None]
@@ -209,6 +270,13 @@ class DuelingAged(AgedPerToken):
     def reset(self) -> None:
         super().reset()
         self._reset_shadows()
+
+
+def _candidate(token: str) -> Candidate:
+    """`0.1` is pace 0.1 with 1 / size; `c1` is pace 1 with PGDSF's cost term."""
+    if token.startswith("c"):
+        return Candidate(float(token[1:]), cost=True)
+    return Candidate(float(token))
 
 
 def variants(spec: str) -> list[type[EvictionPolicy]]:
@@ -229,7 +297,7 @@ def variants(spec: str) -> list[type[EvictionPolicy]]:
             attrs["NODE_FREQUENCY"] = knobs.endswith("f")
             attrs["MARGIN"] = float(margin.rstrip("f") or 0)
             if paces:
-                attrs["PACES"] = tuple(float(p) for p in paces.split("_"))
+                attrs["CANDIDATES"] = tuple(_candidate(p) for p in paces.split("_"))
             out.append(type(item, (DuelingAged,), attrs))
         else:
             raise SystemExit(f"unknown variant {item!r} (age, lrfu, duel)")
@@ -242,7 +310,7 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=64)
     parser.add_argument("--gpu-fraction", type=float, default=0.01)
     parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
-    parser.add_argument("--variants", default="age0,duel0.999m0fp0_0.1_1")
+    parser.add_argument("--variants", default="age0,duel0.999m0fp0_0.1_1,duel0.999m0fp1_0.1_0")
     parser.add_argument("--tuned", default="nq_top2,mmlu_top2", help="tuning traces (stems)")
     parser.add_argument("--best-cache", type=Path, help="JSON of the best fixed rate per cell")
     args = parser.parse_args()
