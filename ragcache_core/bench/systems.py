@@ -183,6 +183,13 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"speculation": False},
             parent="ragcache",
         ),
+        SystemSpec(
+            "ragcache-twin",
+            "ragcache",
+            "RAGCache again, a second identical engine: the A/A check that sizes how far two "
+            "engines of one run differ with nothing changed",
+            parent="ragcache",
+        ),
         SystemSpec("vllm-noconn", "vllm", "vLLM without any KV connector", parent="vllm"),
         SystemSpec(
             "vllm-apc-noconn", "vllm", "vLLM-APC without any KV connector", parent="vllm-apc"
