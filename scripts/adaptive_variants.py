@@ -38,7 +38,10 @@ the highest lowest share of the best fixed policy over those 20 cells won: first
 `duel0.999m0fp0_0.1_1`; then, with the cost term among the candidates (25 variants, 16 with
 it), the pace-only `duel0.999m0fp1_0.1_0` (the same paces, starting aged: 0.984 against
 0.982, within noise); no candidate set with the cost term did better (docs/benchmarks.md,
-"Frequency per token with adapted aging"; all miss 1% there).
+"Frequency per token with adapted aging"; all miss 1% there). A third round added the sign
+test (`z`), the uniform candidates (`u`) and four tuning traces (top-1 and top-4 of both
+streams, 60 tuning cells): `duel0.999z1fp1_0.1_0_u0_u0.1` won (0.951 on them; 0.980 and
+0.986 held out); none is within 1% in all cells.
 
     .venv/bin/python scripts/adaptive_variants.py /tmp/ragcache-traces/*.jsonl \
         --host-write eviction --variants duel0.999m0fp0_0.1_1,duel0.999m0fp1_0.1_0
