@@ -39,8 +39,14 @@ def test_spec_grammar() -> None:
     assert candidates == (cand(1.0), cand(0.1), cand(1.0, cost=True))
     assert age.PACE == 0.25 and lrfu.LAMBDA == 0.01
     plain = script.variants("duel0.999")[0]
-    assert (plain.MARGIN, plain.NODE_FREQUENCY) == (0.0, False)
+    assert (plain.MARGIN, plain.Z, plain.NODE_FREQUENCY) == (0.0, 0.0, False)
     assert plain.CANDIDATES[0] == cand(0.0)
+    tested = script.variants("duel0.999z2.5fp1_u0")[0]
+    assert (tested.DECAY, tested.MARGIN, tested.Z, tested.NODE_FREQUENCY) == (0.999, 0, 2.5, True)
+    candidates = tested.CANDIDATES
+    assert candidates == (cand(1.0), cand(0.0, uniform=True))
+    with pytest.raises(SystemExit):
+        script.variants("duel0.999q1")
 
 
 def test_shadow_holds_what_fits_and_counts_hits() -> None:
@@ -68,6 +74,45 @@ def test_aging_shadow_wins_when_the_hot_set_moves() -> None:
     assert aged.hits > still.hits + 30
 
 
+def _first_switch(spec: str, stream: list[str]) -> int:
+    """The index in `stream` (keys of 10 tokens, the host tier holding 20) at which the
+    policy `spec` first leaves its start candidate; len(stream) if it never does."""
+    script = _script()
+    policy = script.variants(spec)[0]()
+    policy.capacity[Tier.HOST] = 20
+    nodes = {key: NodeStats(10, 0.0, now=0) for key in set(stream)}
+    start = policy.choice[Tier.HOST]
+    for i, key in enumerate(stream):
+        nodes[key].touch(i, count=True, window=0)
+        policy._reference(Tier.HOST, key, nodes[key])
+        if policy.choice[Tier.HOST] != start:
+            return i
+    return len(stream)
+
+
+def test_sign_test_waits_for_a_clear_lead() -> None:
+    """Pace 1 wins once the hot set moves: with Z = 0 the tier switches at its first hit
+    ahead, with Z = 3 only once the lead is 3 standard deviations of the references where
+    exactly one shadow hit (all of them here, so a lead of 10, 9 references later)."""
+    stream = ["old"] * 20 + ["x", "y"] * 40
+    at_once = _first_switch("duel1m0fp0_1", stream)
+    tested = _first_switch("duel1z3fp0_1", stream)
+    assert at_once < len(stream) and tested == at_once + 9
+
+
+def test_sign_test_holds_on_noise() -> None:
+    """A lead of 2 hits over 4 references where exactly one of the two hit: Z = 0
+    switches, Z = 2 (a lead above 2 x sqrt(4)) does not; 0.5 of such references do."""
+    script = _script()
+    for z, disagreements, switched in ((0, 4.0, True), (2, 4.0, False), (2, 0.5, True)):
+        policy = script.variants(f"duel0.999z{z}p1_0")[0]()
+        shadows = policy.shadows[Tier.HOST]
+        shadows[0].hits, shadows[1].hits = 3.0, 5.0
+        policy.disagreements[Tier.HOST][0][1] = disagreements
+        policy._choose(Tier.HOST)
+        assert (policy.choice[Tier.HOST] == script.Candidate(0.0)) is switched
+
+
 def test_cost_shadow_keeps_the_costly_key() -> None:
     """Two keys of one size, one twice as costly per token: the 1 / size shadow keeps the
     newer (a tie), the cost shadow the costly one."""
@@ -78,6 +123,31 @@ def test_cost_shadow_keeps_the_costly_key() -> None:
         shadow.reference("costly", 10, 0, 10, 1.0, cost=2.0)
         shadow.reference("cheap", 10, 0, 10, 1.0, cost=1.0)
     assert set(by_size.entries) == {"cheap"} and set(by_cost.entries) == {"costly"}
+
+
+def test_uniform_shadow_keeps_the_frequent_key() -> None:
+    """A large key seen twice, then a small one: per token the large one is worth less and
+    goes; with one weight for all (plain LFU) the small one, seen once, goes."""
+    script = _script()
+    per_token = script._Shadow(script.Candidate(0.0))
+    uniform = script._Shadow(script.Candidate(0.0, uniform=True))
+    for shadow in (per_token, uniform):
+        shadow.reference("large", 80, 0, 100, 1.0, uniform=0.02)
+        shadow.reference("large", 80, 0, 100, 1.0, uniform=0.02)
+        shadow.reference("small", 30, 0, 100, 1.0, uniform=0.02)
+    assert set(per_token.entries) == {"small"} and set(uniform.entries) == {"large"}
+
+
+def test_uniform_weight_is_the_per_token_mean() -> None:
+    script = _script()
+    policy = script.variants("duel0.999fpu0")[0]()
+    nodes = [NodeStats(tokens, 0.0, now=0) for tokens in (10, 40)]
+    for i, stats in enumerate(nodes):
+        stats.touch(0, count=True, window=0)
+        policy.on_enter(Tier.HOST, str(i), stats)
+    assert policy.uniform_weight() == pytest.approx((1 / 10 + 1 / 40) / 2)
+    values = [policy.priority(stats, Tier.HOST)[0] for stats in nodes]
+    assert values[0] == pytest.approx(values[1])  # one weight, one frequency: one value
 
 
 def test_cost_weight_is_on_the_per_token_scale() -> None:
