@@ -19,6 +19,7 @@
 |                   | writes, LRU, copied blocks back at the free queue's tail, FCFS          |
 | `ragcache-docorder` | RAGCache, `document_order="cache"` (its prompts differ: not compared) |
 | `ragcache-nohost` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, LRU, ...)    |
+| `ragcache-twin`: a second identical RAGCache engine (the A/A check of a run's spread)     |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
 
 The proxies are RAGCache with the same memory layout as `ragcache`, each standing for one of
