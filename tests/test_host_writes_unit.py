@@ -215,30 +215,6 @@ def test_a_lease_in_use_does_not_shrink() -> None:
     tree.check_integrity()
 
 
-def test_a_lease_nearly_used_up_grows_before_a_refusal() -> None:
-    """One report whose copies took 7 of the lease's 8 slots (`LEASE_BUSY` is 3/4): the next
-    report could outrun it, so it doubles with no document lost; 5 of 8 does not."""
-    from ragcache_core.tree.host_writes import LEASE_BUSY
-
-    assert LEASE_BUSY == 0.75
-    for docs, grown in ((("a", "b"), 8), (("a", "b", "c"), 16)):
-        tree = _tree(host_slots=64, lease=8, host_lease_max_slots=16)
-        writes = tree.host_writes
-        assert writes is not None
-        handle = tree.begin_request(4, [doc(d, 8) for d in docs], 3)
-        tree.confirm(handle)
-        assert handle.plan.lease is not None
-        lent = list(handle.plan.lease.slots)
-        copies = []  # the root (1 slot), then 2 a document: 5 or 7 of the 8
-        for seq, span in enumerate(handle.plan.keep, start=1):
-            count = -(-span.num_tokens // PAGE)
-            copies.append((seq, span.key, tuple(lent[:count])))
-            del lent[:count]
-        tree.apply_host_writes(copies, [])
-        assert writes.lost.no_lease == 0 and writes.lease_slots == grown, docs
-        tree.check_integrity()
-
-
 def test_an_engine_report_of_stranded_blocks_fails_the_integrity_check() -> None:
     tree = _tree()
     tree.apply_host_writes([], [], stranded_blocks=3)

@@ -9,11 +9,10 @@ engine's window copies and reports; the tree then holds the copies:
                         (host leaves evicted by the policy to make room), stated whole. The size
                         starts at one window's take and adapts: it doubles (up to
                         `LEASE_GROWTH` times) on a report of kept documents refused for lack of
-                        lease room, or of copies that used `LEASE_BUSY` of it or more (before a
-                        refusal loses a document), and gives back a quarter of its growth on a
-                        report without refusals that finds at least half of it unused; it is
-                        never shrunk by freeing lent slots (the engine may be copying into
-                        them), only by not topping it up
+                        lease room, and gives back a quarter of its growth on a report without
+                        refusals that finds at least half of it unused; it is never shrunk by
+                        freeing lent slots (the engine may be copying into them), only by not
+                        topping it up
     settle(handle)      the request confirmed (its first token: its prompt is in vLLM's
                         blocks): its kept paths are nodes held by vLLM's blocks
                         (`Node.resident`), attached if absent, so the tree knows both tiers
@@ -51,9 +50,6 @@ LEASE_GROWTH = 4
 """The most the lease grows to, in multiples of its starting size (one window's take):
 at 4 the long-shuffled refusals measured at 6.64/s were gone with three windows' worth
 (docs/benchmarks.md, "The lease that grows")."""
-LEASE_BUSY = 0.75
-"""A report whose copies used this share of the lease's size or more grows it, as a refusal
-does: the next report's copies could outrun it."""
 
 
 @dataclass(slots=True)
@@ -220,12 +216,10 @@ class HostWrites:
         self.lost += lost
         self.dropped += len(dropped)
         placement = self._placement
-        used = 0
         for seq, key, slots in copied:
             if seq <= self.applied:
                 continue
             self.applied = seq
-            used += len(slots)
             placement.host_lease.difference_update(slots)
             placement.count_host_written(len(slots))
             shadow = self._shadows.get(key)
@@ -237,16 +231,15 @@ class HostWrites:
             node = self._node_of(shadow) if shadow is not None else None
             if node is not None:
                 placement.set_resident(node, False, version)
-        self._adapt_lease(lost.no_lease, used)
+        self._adapt_lease(lost.no_lease)
 
-    def _adapt_lease(self, refused: int, used: int = 0) -> None:
+    def _adapt_lease(self, refused: int) -> None:
         """Grow the lease while copies outrun it, shrink it back while it idles: `refused`
-        kept documents (this report's) found no lease room, or its copies `used` at least
-        `LEASE_BUSY` of the lease's size, so it doubles (up to `max_lease_slots`); none did
-        and at least half the lease is unused (the tree's lease less the copies applied: what
-        the engine has not used), so a quarter of its growth goes. Only the next top-ups see
-        it: lent slots are never taken back."""
-        if refused or used >= LEASE_BUSY * self.lease_slots:
+        kept documents (this report's) found no lease room, so it doubles (up to
+        `max_lease_slots`); none did and at least half the lease is unused (the tree's lease
+        less the copies applied: what the engine has not used), so a quarter of its growth goes.
+        Only the next top-ups see it: lent slots are never taken back."""
+        if refused:
             self.lease_slots = min(2 * self.lease_slots, self.max_lease_slots)
             self.lease_peak = max(self.lease_peak, self.lease_slots)
         elif (
