@@ -35,7 +35,7 @@ are used). The search still runs in every request, so a question may retrieve an
 than its own: with the bench model's tokenizer (458 chunks) the first 104 requests retrieve 64
 distinct chunks at top-1 (seed 0), `long-shuffled`'s 89.
 
-: the project's offline TF-IDF + SVD embedder with an IVF
+Retriever for every retrieving workload: the project's offline TF-IDF + SVD embedder with an IVF
 index (`retrieval.index_store.build_index`, default settings).
 """
 
