@@ -67,7 +67,7 @@ def read(path: Path) -> Process:
         kind = "Worker"
     elif "run_engine_core" in joined:
         kind = "EngineCore"
-    elif "resource_tracker" in joined:
+    elif sum(n for stack, n in rows if "resource_tracker" in stack) > sum(n for _, n in rows) / 2:
         kind = "resource tracker"
     busy = [(stack, n) for stack, n in rows if not IDLE_LEAF.match(stack.rsplit(";", 1)[-1])]
     return Process(path.stem, argv, kind, sum(n for _, n in rows), busy)
