@@ -20,6 +20,7 @@
 | `ragcache-docorder` | RAGCache, `document_order="cache"` (its prompts differ: not compared) |
 | `ragcache-nohost` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, LRU, ...)    |
 | `ragcache-twin`: a second identical RAGCache engine (the A/A check of a run's spread)     |
+| `ragcache-onefill` (`-fcfs`): one request in prefill at a time (reordered; FCFS)            |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
 
 The proxies are RAGCache with the same memory layout as `ragcache`, each standing for one of
@@ -168,6 +169,22 @@ SYSTEMS: dict[str, SystemSpec] = {
             "ragcache",
             "RAGCache, prefill admission budget twice vLLM's step (8,192 tokens on CPU)",
             {"prefill_token_budget": 8192},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-onefill",
+            "ragcache",
+            "RAGCache, one request in prefill at a time (`max_prefill_bs=1`): prefills run one "
+            "after another, in the queue's order, instead of packed into one vLLM step",
+            {"max_prefill_bs": 1},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-onefill-fcfs",
+            "ragcache",
+            "RAGCache, one request in prefill at a time, FCFS queue (`ragcache-onefill` without "
+            "its reordering)",
+            {"max_prefill_bs": 1, "reorder": False},
             parent="ragcache",
         ),
         SystemSpec(
