@@ -20,7 +20,7 @@
 | `ragcache-docorder` | RAGCache, `document_order="cache"` (its prompts differ: not compared) |
 | `ragcache-nohost` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, LRU, ...)    |
 | `ragcache-twin`: a second identical RAGCache engine (the A/A check of a run's spread)     |
-| `ragcache-onefill` (`-fcfs`): one request in prefill at a time (reordered; FCFS)            |
+| `ragcache-onefill` (`-fcfs`), `ragcache-twofill`: one (two) requests in prefill at most      |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
 
 The proxies are RAGCache with the same memory layout as `ragcache`, each standing for one of
@@ -177,6 +177,15 @@ SYSTEMS: dict[str, SystemSpec] = {
             "RAGCache, one request in prefill at a time (`max_prefill_bs=1`): prefills run one "
             "after another, in the queue's order, instead of packed into one vLLM step",
             {"max_prefill_bs": 1},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-twofill",
+            "ragcache",
+            "RAGCache, two requests in prefill at most (`max_prefill_bs=2`): under load one "
+            "computes while the next waits inside vLLM, so prefills run in sequence without "
+            "a step between them",
+            {"max_prefill_bs": 2},
             parent="ragcache",
         ),
         SystemSpec(
