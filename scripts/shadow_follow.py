@@ -55,37 +55,52 @@ class Follower(EvictionPolicy):
     lanes = True
 
     START = "pgdsf"
+    PULL = False
 
     def __init__(self) -> None:
         self.subs = [make_policy(n) for n in FIXED]
         self.leader = FIXED.index(self.START)
+        self.held: list[set[Hashable]] = [set() for _ in FIXED]
+        """Per shadow, the keys its host tier holds (set by the script; read with `PULL`)."""
+        self.keys: dict[int, Hashable] = {}
         self.snapshots: dict[Tier, dict[int, list[Priority] | None]] = {
             Tier.GPU: {},
             Tier.HOST: {},
         }
         self.switches = 0
 
-    def wrap(self, index: int, priority: Priority) -> Priority:
-        """Sub-policy `index`'s priority as the tree stores it: (lane, its two elements)."""
+    def wrap(self, index: int, priority: Priority, key: Hashable = None) -> Priority:
+        """Sub-policy `index`'s priority as the tree stores it: (lane, held, its two elements),
+        `held` 0 for a copy of `key` that shadow `index` does not hold (with `PULL`: those go
+        first in their lane), else 1."""
+        held = 1.0
+        if self.PULL and key is not None and key not in self.held[index]:
+            held = 0.0
         if self.subs[index].lanes:
-            return (priority[0], priority[1], 0.0)  # type: ignore[return-value]
-        return (LANE0, priority[0], priority[1])  # type: ignore[return-value]
+            return (priority[0], held, priority[1], 0.0)  # type: ignore[return-value]
+        return (LANE0, held, priority[0], priority[1])  # type: ignore[return-value]
 
     def priority(self, stats: NodeStats, tier: Tier) -> Priority:
         snaps = [sub.priority(stats, tier) for sub in self.subs]
         resident = self.snapshots[tier]
+        key = None
         if id(stats) in resident:
             resident[id(stats)] = snaps
-        return self.wrap(self.leader, snaps[self.leader])
+            key = self.keys.get(id(stats)) if tier is Tier.HOST else None
+        return self.wrap(self.leader, snaps[self.leader], key)
 
     def on_enter(self, tier: Tier, key: Hashable, stats: NodeStats) -> None:
         self.snapshots[tier][id(stats)] = None
+        if tier is Tier.HOST:
+            self.keys[id(stats)] = key
         for sub in self.subs:
             if sub.tracks_residency:
                 sub.on_enter(tier, key, stats)
 
     def on_leave(self, tier: Tier, key: Hashable, stats: NodeStats, *, evicted: bool) -> None:
         snaps = self.snapshots[tier].pop(id(stats), None)
+        if tier is Tier.HOST:
+            self.keys.pop(id(stats), None)
         for i, sub in enumerate(self.subs):
             if evicted and snaps is not None:
                 sub.on_evict(tier, snaps[i])
@@ -102,6 +117,55 @@ class Follower(EvictionPolicy):
         for sub in self.subs:
             sub.reset()
         self.snapshots = {Tier.GPU: {}, Tier.HOST: {}}
+        self.keys = {}
+
+
+class Tracked:
+    """Mixin for a shadow's policy: records the keys its host tier holds, and which changed."""
+
+    tracks_residency = True
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[call-arg]
+        self.held: set[Hashable] = set()
+        self.changed: set[Hashable] = set()
+
+    def on_enter(self, tier: Tier, key: Hashable, stats: NodeStats) -> None:
+        super().on_enter(tier, key, stats)  # type: ignore[misc]
+        if tier is Tier.HOST:
+            self.held.add(key)
+            self.changed.add(key)
+
+    def on_leave(self, tier: Tier, key: Hashable, stats: NodeStats, *, evicted: bool) -> None:
+        super().on_leave(tier, key, stats, evicted=evicted)  # type: ignore[misc]
+        if tier is Tier.HOST:
+            self.held.discard(key)
+            self.changed.add(key)
+
+
+def tracked(name: str) -> str:
+    """Register fixed policy `name` with `Tracked`; the registry name to build it by."""
+    base = POLICIES[name]
+    POLICIES[f"{name}@shadow"] = type(f"{name}@shadow", (Tracked, base), {"name": name})
+    return f"{name}@shadow"
+
+
+def repull(sim: EngineSimulator, follower: Follower, keys: set[Hashable]) -> None:
+    """The leader's shadow took or dropped `keys`: offer the live copies of those again."""
+    placement = sim.tree._placement
+    host = placement.tiers[Tier.HOST]
+    snapshots = follower.snapshots[Tier.HOST]
+    leader = follower.leader
+    for key in keys:
+        path = placement._prefixes.walk(key[1:], key[0])  # type: ignore[index]
+        if len(path) != len(key) - 1:  # type: ignore[arg-type]
+            continue
+        node = path[-1]
+        snaps = snapshots.get(id(node.stats))
+        if Tier.HOST not in node.slots or snaps is None:
+            continue
+        node.priority[Tier.HOST] = follower.wrap(leader, snaps[leader], key)
+        host.push(node)
 
 
 def switch(sim: EngineSimulator, follower: Follower, leader: int) -> None:
@@ -120,11 +184,14 @@ def switch(sim: EngineSimulator, follower: Follower, leader: int) -> None:
         snaps = snapshots.get(id(node.stats))
         if snaps is None:
             continue
-        node.priority[Tier.HOST] = follower.wrap(leader, snaps[leader])
+        key = follower.keys.get(id(node.stats))
+        node.priority[Tier.HOST] = follower.wrap(leader, snaps[leader], key)
         host.push(node)
 
 
-VARIANT = re.compile(r"follow(?P<decay>[0-9.]+)m(?P<margin>[0-9.]+)(?:s(?P<start>[a-z]+))?")
+VARIANT = re.compile(
+    r"follow(?P<decay>[0-9.]+)m(?P<margin>[0-9.]+)(?P<pull>p)?(?:s(?P<start>[a-z]+))?"
+)
 
 
 class Chooser:
@@ -138,6 +205,7 @@ class Chooser:
         self.decay = float(match["decay"])
         self.margin = float(match["margin"])
         self.start = match["start"] or "pgdsf"
+        self.pull = bool(match["pull"])
         self.scores = [0.0] * len(FIXED)
 
     def update(self, hits: list[int], current: int) -> int:
@@ -169,27 +237,36 @@ def run_cell(
         EngineRequest.from_trace(r, system_tokens)
         for r in sorted(requests, key=lambda r: r.arrival_s)
     ]
-    shadows = [engine(requests, gpu, host, system_tokens, host_write, p) for p in FIXED]
+    shadows = [
+        engine(requests, gpu, host, system_tokens, host_write, tracked(p)) for p in FIXED
+    ]
+    held = [sim.tree.policy.held for sim in shadows]  # type: ignore[attr-defined]
     choosers = [Chooser(s) for s in specs]
     for chooser in choosers:
-        POLICIES[chooser.name] = type(
-            chooser.name, (Follower,), {"name": chooser.name, "START": chooser.start}
-        )
+        attrs = {"name": chooser.name, "START": chooser.start, "PULL": chooser.pull}
+        POLICIES[chooser.name] = type(chooser.name, (Follower,), attrs)
     lives = [engine(requests, gpu, host, system_tokens, host_write, s) for s in specs]
     followers: list[Follower] = [sim.tree.policy for sim in lives]  # type: ignore[misc]
+    for follower in followers:
+        follower.held = held
     shadow_served: list[list] = [[] for _ in FIXED]
     live_served: list[list] = [[] for _ in specs]
     for request in ordered:
+        for j, sim in enumerate(lives):
+            live_served[j].append(sim.serve(request))
         hits = []
         for i, sim in enumerate(shadows):
             served = sim.serve(request)
             shadow_served[i].append(served)
             hits.append(served.gpu_docs + served.host_docs)
-        for j, (sim, chooser, follower) in enumerate(zip(lives, choosers, followers, strict=True)):
-            live_served[j].append(sim.serve(request))
+        for sim, chooser, follower in zip(lives, choosers, followers, strict=True):
             leader = chooser.update(hits, follower.leader)
             if leader != follower.leader:
                 switch(sim, follower, leader)
+            elif chooser.pull:
+                repull(sim, follower, shadows[leader].tree.policy.changed)  # type: ignore[attr-defined]
+        for sim in shadows:
+            sim.tree.policy.changed.clear()  # type: ignore[attr-defined]
     fixed = {p: shadows[i].result(shadow_served[i]).doc_hit_rate for i, p in enumerate(FIXED)}
     live = {s: lives[j].result(live_served[j]).doc_hit_rate for j, s in enumerate(specs)}
     switches = {s: followers[j].switches for j, s in enumerate(specs)}
@@ -228,7 +305,7 @@ def main() -> None:
         for p, (share, where) in lowest.items():
             n = below[role].get(p)
             extra = f", {n} cells below 0.99" if n is not None else ""
-            print(f"{p} on {name} traces: lowest share of the best fixed {share:.4f} ({where}){extra}")
+            print(f"{p} on {name} traces: lowest share {share:.4f} ({where}){extra}")
 
 
 if __name__ == "__main__":
