@@ -20,8 +20,15 @@ access, as that policy stores it), so the candidates are ranked on one scale; th
 contents stay (the engine cannot move KV), only its eviction decisions change. The candidates
 are kept in lanes (ARC's T1 and T2; every other policy in lane 0), the leader's lanes first.
 
-Variant names: `follow{decay}m{margin}[s{start}]`, e.g. `follow0.999m0.02` (start: a fixed
-policy's name, default pgdsf).
+Variant names: `follow{decay}m{margin}[z{z}][p][s{start}]`, e.g. `follow0.999m0.02` (start:
+a fixed policy's name, default pgdsf). `z`: a switch also needs the lead to exceed z standard
+deviations of the lead were the two shadows equal (a decayed paired test: the variance is the
+sum of the squared per-request hit differences, each weighted decay^(2 x age)). `p` (pull):
+a live copy the leader's shadow does not hold goes before those it holds (in its lane). `t`
+(transplant): a live copy's priority is at least the one the leader's shadow stores for the
+same prefix when it holds it (metadata only: the shadow's frequency or recency, read when the
+copy's priority is taken). The shadows serve each request before the live engines (they are
+metadata, run as the request arrives; the live engine's plan already knows its documents).
 
     .venv/bin/python scripts/shadow_follow.py /tmp/ragcache-traces/{nq_top2,mmlu_top2}.jsonl \\
         --host-write eviction --variants follow0.999m0,follow0.9999m0.02
@@ -56,6 +63,7 @@ class Follower(EvictionPolicy):
 
     START = "pgdsf"
     PULL = False
+    TRANSPLANT = False
 
     def __init__(self) -> None:
         self.subs = [make_policy(n) for n in FIXED]
@@ -63,6 +71,8 @@ class Follower(EvictionPolicy):
         self.held: list[set[Hashable]] = [set() for _ in FIXED]
         """Per shadow, the keys its host tier holds (set by the script; read with `PULL`)."""
         self.keys: dict[int, Hashable] = {}
+        self.shadow_trees: list = []
+        """Per shadow, its tree (set by the script; read with `TRANSPLANT`)."""
         self.snapshots: dict[Tier, dict[int, list[Priority] | None]] = {
             Tier.GPU: {},
             Tier.HOST: {},
@@ -76,9 +86,19 @@ class Follower(EvictionPolicy):
         held = 1.0
         if self.PULL and key is not None and key not in self.held[index]:
             held = 0.0
+        if self.TRANSPLANT and key is not None:
+            priority = max(priority, self.shadow_priority(index, key) or priority)
         if self.subs[index].lanes:
             return (priority[0], held, priority[1], 0.0)  # type: ignore[return-value]
         return (LANE0, held, priority[0], priority[1])  # type: ignore[return-value]
+
+    def shadow_priority(self, index: int, key: Hashable) -> Priority | None:
+        """The priority shadow `index`'s host tier stores for `key`, if it holds it."""
+        prefixes = self.shadow_trees[index]._placement._prefixes
+        path = prefixes.walk(key[1:], key[0])  # type: ignore[index]
+        if len(path) != len(key) - 1 or Tier.HOST not in path[-1].slots:  # type: ignore[arg-type]
+            return None
+        return path[-1].priority.get(Tier.HOST)
 
     def priority(self, stats: NodeStats, tier: Tier) -> Priority:
         snaps = [sub.priority(stats, tier) for sub in self.subs]
@@ -190,7 +210,8 @@ def switch(sim: EngineSimulator, follower: Follower, leader: int) -> None:
 
 
 VARIANT = re.compile(
-    r"follow(?P<decay>[0-9.]+)m(?P<margin>[0-9.]+)(?P<pull>p)?(?:s(?P<start>[a-z]+))?"
+    r"follow(?P<decay>[0-9.]+)m(?P<margin>[0-9.]+)(?:z(?P<z>[0-9.]+))?(?P<pull>p)?(?P<transplant>t)?"
+    r"(?:s(?P<start>[a-z]+))?"
 )
 
 
@@ -206,15 +227,31 @@ class Chooser:
         self.margin = float(match["margin"])
         self.start = match["start"] or "pgdsf"
         self.pull = bool(match["pull"])
+        self.transplant = bool(match["transplant"])
+        self.z = float(match["z"] or 0)
         self.scores = [0.0] * len(FIXED)
+        n = len(FIXED)
+        self.variance = [[0.0] * n for _ in range(n)]
+        """Per pair of shadows: the sum of their per-request hit differences squared, each
+        weighted decay^(2 x age): the variance of their decayed lead were they equal."""
 
     def update(self, hits: list[int], current: int) -> int:
         """Add one request's hits per shadow; the leader to follow from now."""
         self.scores = [s * self.decay + h for s, h in zip(self.scores, hits, strict=True)]
+        if self.z:
+            square = self.decay * self.decay
+            for i, row in enumerate(self.variance):
+                for j in range(i + 1, len(hits)):
+                    row[j] = row[j] * square + (hits[i] - hits[j]) ** 2
         best = max(range(len(hits)), key=lambda i: self.scores[i])
-        if best != current and self.scores[best] > (1.0 + self.margin) * self.scores[current]:
-            return best
-        return current
+        if best == current:
+            return current
+        lead = self.scores[best] - self.scores[current]
+        if lead <= self.margin * self.scores[current]:
+            return current
+        if self.z and lead <= self.z * self.variance[min(best, current)][max(best, current)] ** 0.5:
+            return current
+        return best
 
 
 def engine(requests, gpu: int, host: int, system_tokens: int, host_write: str, policy: str):
@@ -243,22 +280,28 @@ def run_cell(
     held = [sim.tree.policy.held for sim in shadows]  # type: ignore[attr-defined]
     choosers = [Chooser(s) for s in specs]
     for chooser in choosers:
-        attrs = {"name": chooser.name, "START": chooser.start, "PULL": chooser.pull}
+        attrs = {
+            "name": chooser.name,
+            "START": chooser.start,
+            "PULL": chooser.pull,
+            "TRANSPLANT": chooser.transplant,
+        }
         POLICIES[chooser.name] = type(chooser.name, (Follower,), attrs)
     lives = [engine(requests, gpu, host, system_tokens, host_write, s) for s in specs]
     followers: list[Follower] = [sim.tree.policy for sim in lives]  # type: ignore[misc]
     for follower in followers:
         follower.held = held
+        follower.shadow_trees = [sim.tree for sim in shadows]
     shadow_served: list[list] = [[] for _ in FIXED]
     live_served: list[list] = [[] for _ in specs]
     for request in ordered:
-        for j, sim in enumerate(lives):
-            live_served[j].append(sim.serve(request))
         hits = []
         for i, sim in enumerate(shadows):
             served = sim.serve(request)
             shadow_served[i].append(served)
             hits.append(served.gpu_docs + served.host_docs)
+        for j, sim in enumerate(lives):
+            live_served[j].append(sim.serve(request))
         for sim, chooser, follower in zip(lives, choosers, followers, strict=True):
             leader = chooser.update(hits, follower.leader)
             if leader != follower.leader:
