@@ -38,6 +38,9 @@ write-through; 33 of 60 below 0.99); `follow0.999m0` (0.903; 24 below 0.99, the 
 follow1m0z1slfu 0.873 (34), follow1m0z2slfu 0.905 (32), follow1m0z3slfu 0.917 (28),
 follow0.999m0z2slfu 0.921 (33), follow0.9999m0z2slfu 0.906 (32). Earlier rounds (margins,
 pull, transplant, starting at pgdsf with a test) did worse; none is within 1% everywhere.
+Held out (squad_top2, squad_top3: `build_sim_traces.py --streams squad`, run once after the
+choice): every cell of both at 0.996 or above, both modes; but there the default pgdsf alone
+is at 0.992 or above in every cell too, so those traces do not tell the variants apart.
 
     .venv/bin/python scripts/shadow_follow.py /tmp/ragcache-traces/{nq_top2,mmlu_top2}.jsonl \\
         --host-write eviction --variants follow0.999m0,follow0.9999m0.02
