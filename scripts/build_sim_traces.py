@@ -2,7 +2,9 @@
 
 Corpus: the 12,100 documents (10,033 vital-article leads + 2,067 SQuAD dev paragraphs), each
 wrapped as "Title: {title}\\n{text}\\n\\n" as the prompt renders it. Request streams: NQ-open
-dev (3,610 questions) and MMLU val (1,531; the question part of the zero-shot prompt).
+dev (3,610 questions) and MMLU val (1,531; the question part of the zero-shot prompt), and on
+request (`--streams squad`) SQuAD v1.1 dev (10,570 questions, the question text, in the
+file's order: grouped by paragraph).
 Retriever: scikit-learn TF-IDF (English stop words, sublinear tf, unigrams+bigrams, min_df 2)
 with cosine similarity; documents in prompt order = descending score. Token counts: an
 estimate, ceil(1.3 x whitespace words), for documents and questions alike. Arrivals: seeded
@@ -44,6 +46,9 @@ def load_corpus(data: Path) -> tuple[list[str], list[str]]:
 
 
 def load_questions(data: Path, stream: str) -> list[str]:
+    if stream == "squad":
+        with (data / "squad_v1.1_dev_questions.jsonl").open(encoding="utf-8") as f:
+            return [json.loads(line)["question"] for line in f]
     if stream == "nq":
         with (data / "NQ-open.dev.jsonl").open(encoding="utf-8") as f:
             return [json.loads(line)["question"] for line in f]
@@ -70,6 +75,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--rate", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--streams", nargs="+", choices=("nq", "mmlu", "squad"), default=["nq", "mmlu"]
+    )
     args = parser.parse_args()
     args.data = script_data_dir(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +89,7 @@ def main() -> None:
     )
     docs = vectorizer.fit_transform(texts)  # [12100, V], rows L2-normalised
     kmax = max(args.top_k)
-    for stream in ("nq", "mmlu"):
+    for stream in args.streams:
         questions = load_questions(args.data, stream)
         queries = vectorizer.transform(questions)  # [n, V]
         top = np.zeros((len(questions), kmax), dtype=np.int64)
