@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from sklearn.feature_extraction.text import TfidfVectorizer
 
-from ragcache_core.bench.data_dir import DATA_HELP, script_data_dir
+from ragcache_core.bench.data_dir import DATA_HELP, SQUAD_QUESTIONS, script_data_dir
 
 
 def estimate_tokens(text: str) -> int:
@@ -47,7 +47,7 @@ def load_corpus(data: Path) -> tuple[list[str], list[str]]:
 
 def load_questions(data: Path, stream: str) -> list[str]:
     if stream == "squad":
-        with (data / "squad_v1.1_dev_questions.jsonl").open(encoding="utf-8") as f:
+        with (data / SQUAD_QUESTIONS).open(encoding="utf-8") as f:
             return [json.loads(line)["question"] for line in f]
     if stream == "nq":
         with (data / "NQ-open.dev.jsonl").open(encoding="utf-8") as f:

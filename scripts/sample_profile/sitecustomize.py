@@ -7,8 +7,10 @@ children inherit it. With `RAGCACHE_SAMPLE_DIR` set, each process starts a daemo
 samples every thread's Python stack every `RAGCACHE_SAMPLE_INTERVAL_S` (default 0.01 s) and
 rewrites `DIR/<pid>.txt` every `RAGCACHE_SAMPLE_FLUSH_S` (default 5 s): its command line,
 then one `thread;frame;...;frame count` line per distinct stack (root first). Time in C
-(torch ops, a wait) counts for the Python frame that called it. Read the files with
-`scripts/sample_profile_report.py`.
+(torch ops, a wait) counts for the Python frame that called it. The sampler needs the GIL to
+read a stack, so a Python burst shorter than the interpreter's switch interval (5 ms) is mostly
+seen at the wait that follows it: it under-counts short bursts. The last samples are written at
+exit too. Read the files with `scripts/sample_profile_report.py`.
 
     RAGCACHE_SAMPLE_DIR=/tmp/prof PYTHONPATH=scripts/sample_profile \\
         .venv/bin/ragcache bench serve --workloads long-shuffled \\
@@ -18,6 +20,7 @@ then one `thread;frame;...;frame count` line per distinct stack (root first). Ti
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import sys
@@ -45,10 +48,20 @@ def _flush(path: str, counts: collections.Counter[str]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _flush_at_exit(path: str, counts: collections.Counter[str]) -> None:
+    for _ in range(3):  # the sampler may still be adding a stack while this copies
+        try:
+            _flush(path, collections.Counter(counts))
+            return
+        except RuntimeError:
+            time.sleep(0.001)
+
+
 def _sample(folder: str, interval_s: float, flush_s: float) -> None:
     counts: collections.Counter[str] = collections.Counter()
     me = threading.get_ident()
     path = os.path.join(folder, f"{os.getpid()}.txt")
+    atexit.register(_flush_at_exit, path, counts)
     flushed = time.monotonic()
     while True:
         time.sleep(interval_s)
