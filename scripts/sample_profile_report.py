@@ -4,7 +4,9 @@ busy samples went, by the parts of a request's path.
     .venv/bin/python scripts/sample_profile_report.py /tmp/prof [--top 15]
 
 A sample is busy unless its leaf frame waits (a selector, a lock, a queue, a sleep, the
-executor's spin on the worker's reply). A part counts the busy samples whose stack passes
+executor's spin on the worker's reply). A wait called straight from Python code (a
+`time.sleep` in a loop) leaves its caller as the leaf, so it counts as busy: read the leaf
+list before a share. A part counts the busy samples whose stack passes
 through it (inclusive), so parts can overlap (the connector's copies run inside
 `execute_model`). The process kind comes from its frames: vLLM's engine core, its worker, or
 the driver (the benchmark or the app, with RAGCache's runtime).
