@@ -49,7 +49,6 @@ streams, 60 tuning cells): `duel0.999z1fp1_0.1_0_u0_u0.1` won (0.951 on them; 0.
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import math
@@ -62,7 +61,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_hit_rates import FIXED, grid, print_shares, simulate_cell
+from policy_hit_rates import FIXED, cell_arguments, grid, print_shares, simulate_cell
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, EvictionPolicy, GreedyDualPolicy, NodeStats, Priority
@@ -366,11 +365,7 @@ def variants(spec: str) -> list[type[EvictionPolicy]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("traces", type=Path, nargs="+")
-    parser.add_argument("--system-tokens", type=int, default=64)
-    parser.add_argument("--gpu-fraction", type=float, default=0.01)
-    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
+    parser = cell_arguments()
     parser.add_argument("--variants", default="age0,duel0.999m0fp0_0.1_1,duel0.999m0fp1_0.1_0")
     parser.add_argument("--tuned", default="nq_top2,mmlu_top2", help="tuning traces (stems)")
     parser.add_argument("--best-cache", type=Path, help="JSON of the best fixed rate per cell")

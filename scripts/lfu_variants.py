@@ -12,13 +12,12 @@ an experiment, the variants are registered here only (the default policy is unch
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_hit_rates import FIXED, grid, print_shares, simulate_cell
+from policy_hit_rates import FIXED, cell_arguments, grid, print_shares, simulate_cell
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, GreedyDualPolicy, NodeStats, Priority
@@ -57,11 +56,7 @@ VARIANTS = (LFUDA, LFUAge4, LFUSize, LFUPerToken)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("traces", type=Path, nargs="+")
-    parser.add_argument("--system-tokens", type=int, default=64)
-    parser.add_argument("--gpu-fraction", type=float, default=0.01)
-    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
+    parser = cell_arguments()
     args = parser.parse_args()
     for cls in VARIANTS:
         POLICIES[cls.name] = cls

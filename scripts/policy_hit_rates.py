@@ -134,17 +134,24 @@ def _cell(result: _Cell, best: float) -> str:
     return f"{result.doc_hit_rate:.3f} / {result.token_hit_rate:.3f} ({relative:.3f})"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def cell_arguments() -> argparse.ArgumentParser:
+    """The arguments every policy script's grid takes: traces, the system prompt's tokens, the
+    GPU share and the host write mode (adaptive_variants.py, lfu_variants.py, shadow_follow.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("traces", type=Path, nargs="+")
     parser.add_argument("--system-tokens", type=int, default=64)
     parser.add_argument("--gpu-fraction", type=float, default=0.01)
+    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = cell_arguments()
     parser.add_argument(
         "--tuned", default="nq_top2,mmlu_top2", help="traces apgdsf was tuned on (file stems)"
     )
     parser.add_argument("--two-pool", action="store_true", help="the paper's two pools")
     parser.add_argument("--vllm-blocks", type=int, help="vLLM's blocks (default: GPU share)")
-    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
     parser.add_argument(
         "--fractions", default=",".join(map(str, FRACTIONS)), help="host shares, comma-separated"
     )

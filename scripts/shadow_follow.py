@@ -48,7 +48,6 @@ is at 0.992 or above in every cell too, so those traces do not tell the variants
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections.abc import Hashable
@@ -56,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_hit_rates import BLOCK_SIZE, FIXED, engine_blocks, grid, print_shares
+from policy_hit_rates import BLOCK_SIZE, FIXED, cell_arguments, engine_blocks, grid, print_shares
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, EvictionPolicy, NodeStats, Priority, make_policy
@@ -329,11 +328,7 @@ def run_cell(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("traces", type=Path, nargs="+")
-    parser.add_argument("--system-tokens", type=int, default=64)
-    parser.add_argument("--gpu-fraction", type=float, default=0.01)
-    parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
+    parser = cell_arguments()
     parser.add_argument("--variants", default="follow0.999m0.02")
     parser.add_argument("--tuned", default="", help="tuning traces (stems)")
     args = parser.parse_args()
