@@ -401,6 +401,12 @@ class CacheConfig:
     and the two tiers hold different documents) or "tail" (vLLM's `free_blocks`, as its own
     lazy offload does: the document gets a second turn in vLLM's LRU; measured worse,
     docs/benchmarks.md "Eviction-time host writes")."""
+    host_lease_victims: bool = True
+    """With `host_write="eviction"`: the host lease (the slots the engine copies into) is the
+    host tier's least-wanted copies, lent as victims that stay readable until the engine
+    overwrites one (True, the default: the host tier holds its whole size), rather than room
+    emptied by evicting them as the lease is topped up (False: the lease's slots sit empty
+    until a copy lands). docs/design.md 2.2, "The lease of victims"."""
     host_report_interval_s: float = 1.0
     """With `host_write="eviction"`: the engine's eviction-time changes (copies done, documents
     let go) reach the tree with the next report of any request. When none has come for this

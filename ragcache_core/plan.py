@@ -95,12 +95,20 @@ class HostLease:
     the slots its copies consumed that the tree has not applied yet (copy reports with a
     sequence number above `applied`) and those of copies in flight. `epoch` names the tree
     that lends it: a lease of another epoch (a new tree on the same engine) replaces everything
-    the engine knew of the previous one, whose keys mean nothing to the new tree."""
+    the engine knew of the previous one, whose keys mean nothing to the new tree.
+
+    `victims` (the lease of victims, docs/design.md 2.2): host copies the tree still holds and
+    serves, least wanted first, as (victim id, their slots), which the engine may overwrite
+    when `slots` are used up. A victim the engine overwrites is reported
+    (`ConnectorResult.host_overwritten`, numbered with the copies) and its slots are the
+    lease's from then on; the engine refuses any load from its slots by a plan that predates
+    the tree's hearing of it (`HostLease.applied` below the overwrite's number)."""
 
     epoch: int
     version: int
     applied: int
     slots: tuple[int, ...]
+    victims: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +185,7 @@ class Plan:
                 self.lease.version,
                 self.lease.applied,
                 list(self.lease.slots),
+                [[vid, list(slots)] for vid, slots in self.lease.victims],
             ],
         }
 
@@ -203,6 +212,10 @@ class Plan:
                 int(data["lease"][1]),
                 int(data["lease"][2]),
                 tuple(int(s) for s in data["lease"][3]),
+                tuple(
+                    (int(vid), tuple(int(s) for s in slots))
+                    for vid, slots in (data["lease"][4] if len(data["lease"]) > 4 else ())
+                ),
             ),
         )
 

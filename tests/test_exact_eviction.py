@@ -76,10 +76,10 @@ def _doc(name: str, rng: random.Random, n: int = 96) -> TokenizedDocument:
     return TokenizedDocument(DocKey(name, f"h-{name}"), tuple(_tokens(rng, n)))
 
 
-def _tree(rig: Rig, lease_slots: int = LEASE_SLOTS) -> KnowledgeTree:
+def _tree(rig: Rig, lease_slots: int = LEASE_SLOTS, host_slots: int | None = None) -> KnowledgeTree:
     return KnowledgeTree(
         RootKey(str(rig.model), "tiny", "system-v1", "float32"),
-        host_slots=rig.engine.host_slots,
+        host_slots=rig.engine.host_slots if host_slots is None else host_slots,
         page_size=PAGE,
         host_write="eviction",
         host_lease_slots=lease_slots,
@@ -226,3 +226,36 @@ def test_a_document_the_lease_has_no_room_for_is_counted_lost_and_recomputed_exa
     )
     assert got.token_ids == ref.token_ids and got.host_hit_docs == 0
     tree.check_integrity()
+
+
+def test_victims_lent_and_overwritten_are_never_read_wrong(rig: Rig) -> None:
+    """A host tier of 26 slots (the root and four 96-token documents) under eight documents
+    drawn at random between documents seen once: the lease is topped up with victims, host
+    copies still served, and the window overwrites them as documents leave vLLM's blocks.
+    Every answer equals plain vLLM's on the same prompt, and some came from host copies while
+    victims were being overwritten."""
+    rng = random.Random(11)
+    system = _tokens(rng, 32)
+    hot = [_doc(f"v{i}", rng) for i in range(8)]
+    stream = [
+        (rng.choice(hot) if rng.random() < 0.5 else _doc(f"once{i}", rng), _tokens(rng, 9))
+        for i in range(40)
+    ]
+    refs = [rig.engine.run(system + list(d.token_ids) + q, None, SAMPLING) for d, q in stream]
+    rig.engine.reset_prefix_cache()
+    tree = _tree(rig, lease_slots=12, host_slots=26)
+    host_hits = 0
+    for (document, question), ref in zip(stream, refs, strict=True):
+        got = run_request(
+            rig.engine,
+            tree,
+            system=system,
+            documents=[document],
+            question=question,
+            sampling=SAMPLING,
+        )
+        assert got.token_ids == ref.token_ids
+        host_hits += got.host_hit_docs
+        tree.check_integrity()
+    writes = tree.host_writes
+    assert writes is not None and writes.overwritten >= 1 and host_hits >= 1

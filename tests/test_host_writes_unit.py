@@ -131,8 +131,8 @@ def test_a_lost_engine_numbers_copies_from_one_again() -> None:
     tree.check_integrity()
 
 
-def test_the_lease_is_made_by_evicting_host_leaves_by_the_policy() -> None:
-    tree = _tree(host_slots=10, lease=5)
+def test_without_victims_the_lease_is_made_by_evicting_host_leaves_by_the_policy() -> None:
+    tree = _tree(host_slots=10, lease=5, host_lease_victims=False)
     seq = 0
     for name in "abc":  # the root (1 slot), then a, b and c (2 slots each) copied
         handle = tree.begin_request(4, [doc(name, 8)], 3)

@@ -191,6 +191,7 @@ def _engine_config(settings: dict[str, Any], system: str) -> EngineConfig | None
         window_tokens=config.host_write_window_tokens,
         max_tokens=int(settings["max_tokens"]),
         max_depth=config.max_cached_depth,
+        lease_victims=config.host_lease_victims,
     )
 
 

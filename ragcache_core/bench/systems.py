@@ -114,6 +114,12 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"host_write": "eviction", "host_write_return": "head"},
         ),
         SystemSpec(
+            "ragcache-emptylease",
+            "ragcache",
+            "RAGCache, host lease of empty room (evicted as it is topped up), not of victims",
+            {"host_lease_victims": False},
+        ),
+        SystemSpec(
             "ragcache-evict-tail",
             "ragcache",
             "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",

@@ -261,7 +261,7 @@ def require_plan_ran(run: PlannedRun, plan: Plan) -> int:
     if plan.load:
         if result.load_failed:
             problems.append(f"load spans {list(result.failed_load_spans)} failed")
-        elif not result.loaded_tokens and not run.gpu_hit_tokens:
+        elif not (result.loaded_tokens or run.gpu_hit_tokens or result.overwritten_tokens):
             problems.append(f"none of its {plan.num_loaded_tokens} tokens to load were served")
     if problems:
         raise RAGCacheError(f"a planned run did not run as planned: {', '.join(problems)}")

@@ -99,6 +99,7 @@ def build_tree(
         host_lease_slots=-(-window_tokens(config) // config.page_size)
         if config.writes_at_eviction
         else 0,
+        host_lease_victims=config.host_lease_victims,
     )
 
 

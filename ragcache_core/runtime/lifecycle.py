@@ -133,6 +133,7 @@ class Lifecycle:
             result.stranded_blocks,
             result.host_gone,
             result.host_lost,
+            result.host_overwritten,
         )
 
     def _settle_copies(self, handle: RequestHandle, result: ConnectorResult) -> bool:
@@ -234,7 +235,7 @@ def served_hits(
         start, end = end, end + spec.num_tokens
         if spec.num_tokens and end <= on_gpu:
             gpu += 1
-        elif position < in_tree:
+        elif position < in_tree and end <= on_gpu + result.loaded_tokens:
             host += 1
         elif start < on_gpu and end - end % block_size <= on_gpu:
             gpu += 1  # its tail, in the block it shares with what follows, was recomputed

@@ -337,6 +337,8 @@ class RAGCache(RAGCacheAPI):
                 "concurrent_computes": writes.concurrent_computes,
                 "lease_slots": writes.lease_slots,
                 "lease_peak_slots": writes.lease_peak,
+                "victim_slots": self.tree.host_victim_slots,
+                "victims_overwritten": writes.overwritten,
                 "report_probes": self._report_probe.probes,
             }
         data["queue_waiting"] = self.admission.waiting

@@ -46,7 +46,8 @@ class EngineConfig:
     """The engine's settings that decide its hits. `vllm_blocks`: vLLM's KV cache in blocks
     of `block_size` tokens (its null block included); `host_tokens`: the host pool, in slots
     of `page_size` tokens; `window_tokens`: the eviction window and the host lease (None:
-    `max_num_batched_tokens`, the engine's default); `max_tokens`: answer tokens."""
+    `max_num_batched_tokens`, the engine's default); `max_tokens`: answer tokens;
+    `lease_victims`: the lease is topped up with victims (`CacheConfig.host_lease_victims`)."""
 
     vllm_blocks: int
     host_tokens: int
@@ -60,6 +61,7 @@ class EngineConfig:
     window_tokens: int | None = None
     max_tokens: int = 8
     max_depth: int | None = None
+    lease_victims: bool = True
 
     def __post_init__(self) -> None:
         if self.host_write not in ("compute", "eviction"):
@@ -161,6 +163,7 @@ class EngineSimulator:
             block_size=config.block_size,
             host_write=config.host_write,
             host_lease_slots=-(-config.window // config.page_size) if eviction else 0,
+            host_lease_victims=config.lease_victims,
         )
         self.pool = BlockPool(config.vllm_blocks)
         self.hasher = BlockHasher(config.block_size)
@@ -193,7 +196,11 @@ class EngineSimulator:
         hashes = self.hasher.hashes([*segments, (("answer",), cfg.max_tokens - 1)])
         hit = pool.longest_hit(hashes[: (prompt_len - 1) // cfg.block_size])
         gpu_tokens = len(hit) * cfg.block_size
-        loaded = max(0, min(plan.num_loaded_tokens, prompt_len - 1) - gpu_tokens)
+        loadable = min(plan.num_loaded_tokens, prompt_len - 1)
+        limit = self.window.load_limit(plan) if self.window is not None else None
+        if limit is not None:  # a lent victim it reads was overwritten: vLLM computes it
+            loadable = min(loadable, limit)
+        loaded = max(0, loadable - gpu_tokens)
         pool.touch(hit)
         blocks: list[Block] = list(hit)
         computed = gpu_tokens + loaded
@@ -213,6 +220,7 @@ class EngineSimulator:
                 break
             self._report(writes)
         changes: tuple[Any, Any, Any] = ((), (), ())
+        overwritten: tuple[tuple[int, int], ...] = ()
         if self.window is not None and plan.lease is not None:
             if plan.keep:
                 block_ids = [b.block_id for b in blocks]
@@ -221,11 +229,12 @@ class EngineSimulator:
                     plan.keep, block_ids, pool, epoch=lease.epoch, version=lease.version
                 )
             changes = self.window.take_changes()
+            overwritten = self.window.take_overwritten()
         pool.free_blocks(reversed(blocks))
         self._report(writes)
         self.tree.confirm(handle)
         copied, dropped, gone = changes
-        self.tree.apply_host_writes(copied, dropped, gone=gone)
+        self.tree.apply_host_writes(copied, dropped, gone=gone, overwritten=overwritten)
         return _served(
             request, handle.hits.doc_hits, prompt_len, gpu_tokens, loaded, cfg.block_size
         )
@@ -283,7 +292,7 @@ def _served(
         cached_doc_tokens += max(0, min(end, cached) - start)
         if spec.num_tokens and end <= gpu:
             gpu_docs += 1
-        elif position < len(doc_hits):
+        elif position < len(doc_hits) and end <= cached:
             host_docs += 1
         elif start < gpu and end - end % block_size <= gpu:
             gpu_docs += 1

@@ -6,7 +6,10 @@ engine's window copies and reports; the tree then holds the copies:
 
     plan(handle, ...)   keep spans for the request's path past the host-readable prefix (a key
                         per path, stable across requests), and the lease topped up to its size
-                        (host leaves evicted by the policy to make room), stated whole. The size
+                        from free host slots, then with victims: the host tier's least-wanted
+                        leaves, in the policy's order, which stay readable until the engine
+                        overwrites one (with `victims=False`: host leaves evicted by the policy
+                        to make empty room), stated whole. The size
                         starts at one window's take and adapts: it doubles (up to
                         `LEASE_GROWTH` times) on a report of kept documents refused for lack of
                         lease room, and gives back a quarter of its growth on a report without
@@ -16,12 +19,15 @@ engine's window copies and reports; the tree then holds the copies:
     settle(handle)      the request confirmed (its first token: its prompt is in vLLM's
                         blocks): its kept paths are nodes held by vLLM's blocks
                         (`Node.resident`), attached if absent, so the tree knows both tiers
-    apply(report)       each copy reported done, once (by sequence number): the node gets a
+    apply(report)       each victim reported overwritten leaves the host tier (its slots are the
+                        lease's); each copy reported done, once (by sequence number, in one
+                        order with the overwrites): the node gets a
                         ready host copy on its leased slots (attached if absent) if its parent
                         holds one (else the slots are freed); the lease shrinks by those slots.
                         Each path reported gone from vLLM's blocks stops being resident: a node
                         without a host copy leaves the tree with its subtree
-    engine_lost()       a new engine starts with no lease and numbers copies from 1 again
+    engine_lost()       a new engine numbers copies from 1 again; every lent victim is dropped
+                        (the dead engine may have been writing it, unreported)
 
 A path not yet in the tree keeps its access statistics here (a *shadow*), so the node it becomes
 has the frequency and cost the policy would have given it. Shadows are bounded (`SHADOW_LIMIT`,
@@ -75,9 +81,15 @@ class HostWrites:
         *,
         lease_slots: int,
         max_lease_slots: int | None = None,
+        victims: bool = True,
     ) -> None:
         self._prefixes = prefixes
         self._placement = placement
+        self.victims = victims
+        """Top the lease up with victims (host copies still served until overwritten) rather
+        than with room emptied by evictions."""
+        self.overwritten = 0
+        """Victims the engine reported overwritten (counter, since the last `reset_counters`)."""
         self.base_lease_slots = lease_slots
         self.max_lease_slots = (
             LEASE_GROWTH * lease_slots if max_lease_slots is None else max_lease_slots
@@ -139,20 +151,29 @@ class HostWrites:
     def lease_for(self, handle: RequestHandle, *, may_evict: bool) -> HostLease:
         """The lease to send with `handle`'s plan: topped up to `lease_slots` (at most half
         the host tier: a lease the size of the tier would leave no room for the copies it
-        makes) from free host slots, evicting host leaves by the policy when `may_evict` (the
-        caller pinned what the plan reads)."""
+        makes) from free host slots, then, when `may_evict`, with victims (host leaves lent in
+        the policy's order, still served), or with `victims=False` by evicting host leaves
+        (the caller pinned what the plan reads)."""
         placement = self._placement
+        allocator = placement.tiers[Tier.HOST].allocator
         lease = placement.host_lease
-        target = min(self.lease_slots, placement.tiers[Tier.HOST].allocator.num_slots // 2)
-        missing = target - len(lease)
+        target = min(self.lease_slots, allocator.num_slots // 2)
+        missing = target - len(lease) - (placement.victim_slots if self.victims else 0)
         if missing > 0:
-            free = placement.tiers[Tier.HOST].allocator.num_free
-            if free < missing and may_evict:
-                placement.make_room(Tier.HOST, missing, handle)
-            take = min(missing, placement.tiers[Tier.HOST].allocator.num_free)
-            lease.update(placement.tiers[Tier.HOST].allocator.allocate(take))
+            if self.victims:
+                take = min(missing, allocator.num_free)
+                lease.update(allocator.allocate(take))
+                if missing > take and may_evict:
+                    placement.lend_victims(missing - take)
+            else:
+                if allocator.num_free < missing and may_evict:
+                    placement.make_room(Tier.HOST, missing, handle)
+                lease.update(allocator.allocate(min(missing, allocator.num_free)))
         self._version += 1
-        return HostLease(self.epoch, self._version, self.applied, tuple(sorted(lease)))
+        victims = tuple(
+            (vid, node.slots[Tier.HOST]) for vid, node in placement.host_victims.items()
+        )
+        return HostLease(self.epoch, self._version, self.applied, tuple(sorted(lease)), victims)
 
     def computes(self, shadow: Shadow, handle: RequestHandle) -> None:
         """`handle`'s plan computes `shadow`'s path (vLLM's blocks do not hold it, as last
@@ -175,6 +196,7 @@ class HostWrites:
         """`clear()`: the loss counters restart (`copies`, `wasted`, `dropped` do not)."""
         self.lost = WindowLosses()
         self.concurrent_computes = 0
+        self.overwritten = 0
         self.lease_slots = self.lease_peak = self.base_lease_slots
 
     def settle(self, handle: RequestHandle) -> None:
@@ -207,19 +229,30 @@ class HostWrites:
         stranded_blocks: int,
         gone: tuple[tuple[int, int], ...] = (),
         lost: WindowLosses = NO_LOSSES,
+        overwritten: tuple[tuple[int, int], ...] = (),
     ) -> None:
-        """One report's host writes (any request's; each copy once, by sequence number), then
-        the paths it reports gone from vLLM's blocks (`gone`: key and plan version); `lost`:
-        the report's count of kept documents that left uncopied (added up)."""
+        """One report's host writes (any request's; each copy and overwrite once, by sequence
+        number, in that order: a victim leaves before a copy onto its slots lands), then the
+        paths it reports gone from vLLM's blocks (`gone`: key and plan version); `lost`: the
+        report's count of kept documents that left uncopied (added up)."""
         self.reports += 1
         self.stranded_blocks = max(self.stranded_blocks, stranded_blocks)
         self.lost += lost
         self.dropped += len(dropped)
         placement = self._placement
-        for seq, key, slots in copied:
+        events: list[tuple[int, int, tuple[int, ...] | None]] = [
+            *((seq, key, slots) for seq, key, slots in copied),
+            *((seq, vid, None) for seq, vid in overwritten),
+        ]
+        for seq, key, copy_slots in sorted(events, key=lambda event: event[0]):
             if seq <= self.applied:
                 continue
             self.applied = seq
+            if copy_slots is None:
+                self.overwritten += 1
+                placement.overwrite(key)
+                continue
+            slots = copy_slots
             placement.host_lease.difference_update(slots)
             placement.count_host_written(len(slots))
             shadow = self._shadows.get(key)
@@ -258,8 +291,12 @@ class HostWrites:
 
     def engine_lost(self) -> None:
         """The engine died: copies it made and did not report are lost (their slots stay in
-        the lease, which the next engine gets); it numbers copies from 1 again."""
+        the lease, which the next engine gets), and so is every lent victim (it may have
+        overwritten one unreported: their slots join the lease); it numbers copies from 1
+        again."""
         self.applied = 0
+        for vid in list(self._placement.host_victims):
+            self._placement.overwrite(vid)
 
     def check(self) -> None:
         """Raises `IntegrityError` if the engine reported blocks held with no copy in flight."""

@@ -67,8 +67,9 @@ class KnowledgeTree:
     `host_write` is when the host tier is written: "compute" (as documents are computed: plans
     store them) or "eviction" (as they leave vLLM's blocks: plans keep them and lend
     `host_lease_slots` host slots for the copies, a lease that grows to `host_lease_max_slots`
-    while copies outrun it; `HostWrites`, docs/design.md 2.2); the store
-    policy decides which documents are stored or kept either way.
+    while copies outrun it, topped up with victims, host copies still served until the engine
+    overwrites one, unless `host_lease_victims` is False; `HostWrites`, docs/design.md 2.2);
+    the store policy decides which documents are stored or kept either way.
     Raises `ConfigError` for settings out of range.
     """
 
@@ -88,6 +89,7 @@ class KnowledgeTree:
         host_write: str = "compute",
         host_lease_slots: int = 0,
         host_lease_max_slots: int | None = None,
+        host_lease_victims: bool = True,
     ) -> None:
         if max_depth is not None and max_depth < 0:
             raise ConfigError(f"max_depth cannot be negative, got {max_depth}")
@@ -125,6 +127,7 @@ class KnowledgeTree:
                 self._placement,
                 lease_slots=host_lease_slots,
                 max_lease_slots=host_lease_max_slots,
+                victims=host_lease_victims,
             )
             if host_write == "eviction"
             else None
@@ -313,14 +316,21 @@ class KnowledgeTree:
         stranded_blocks: int = 0,
         gone: Sequence[tuple[int, int]] = (),
         lost: WindowLosses = NO_LOSSES,
+        overwritten: Sequence[tuple[int, int]] = (),
     ) -> None:
         """The engine's report of eviction-time host writes (any request's report carries the
-        changes since the previous one; each copy is applied once): copies become ready host
-        copies, and the paths `gone` from vLLM's blocks stop being held there
-        (`HostWrites.apply`). No-op when the host tier is written at compute."""
+        changes since the previous one; each copy is applied once): lent victims the engine
+        overwrote leave the host tier, copies become ready host copies, and the paths `gone`
+        from vLLM's blocks stop being held there (`HostWrites.apply`). No-op when the host
+        tier is written at compute."""
         if self.host_writes is not None:
             self.host_writes.apply(
-                tuple(copied), tuple(dropped), stranded_blocks, tuple(gone), lost
+                tuple(copied),
+                tuple(dropped),
+                stranded_blocks,
+                tuple(gone),
+                lost,
+                tuple(overwritten),
             )
 
     def mark_final(self, handle: RequestHandle) -> None:
@@ -375,6 +385,11 @@ class KnowledgeTree:
         self._placement.reset_counters()
         if self.host_writes is not None:
             self.host_writes.reset_counters()
+
+    @property
+    def host_victim_slots(self) -> int:
+        """Host slots lent to the engine as victims now (eviction-time host writes)."""
+        return self._placement.victim_slots
 
     def check_integrity(self) -> None:
         """Verify every invariant of every part; raises `IntegrityError` naming the first

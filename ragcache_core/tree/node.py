@@ -23,6 +23,10 @@ class Node:
       prefix cache serves it by itself, so it is never loaded; a node stays in the tree while a
       copy or this holds it. `resident_version` is the plan (lease version) that last said so:
       a report about an older recording of the same path does not undo it.
+    - `lent`: the id under which the tree lent the node's host copy to the engine as a lease
+      victim (0: not lent; docs/design.md 2.2, "The lease of victims"): still served, but the
+      engine may overwrite it, so it is no eviction candidate any more, and its slots go back
+      to the lease, not to the allocator, when it leaves the host tier.
     """
 
     __slots__ = (
@@ -31,6 +35,7 @@ class Node:
         "depth",
         "heap_seq",
         "key",
+        "lent",
         "num_tokens",
         "parent",
         "pins",
@@ -65,6 +70,7 @@ class Node:
         self.attached = True
         self.resident = False
         self.resident_version = 0
+        self.lent = 0
 
     @property
     def has_copy(self) -> bool:
@@ -95,12 +101,14 @@ class Node:
         return tuple(reversed(keys))
 
     def is_candidate(self, tier: Tier) -> bool:
-        """Evictable from `tier` now: has a copy there, no child has one, not pinned."""
+        """Evictable from `tier` now: has a copy there, no child has one, not pinned, not
+        lent to the engine as a victim."""
         return (
             self.attached
             and self.pins == 0
             and tier in self.slots
             and self.tier_children[tier] == 0
+            and not (self.lent and tier is Tier.HOST)
         )
 
     def __repr__(self) -> str:

@@ -7,6 +7,9 @@ tree knows only as `Node.resident`. Rules it keeps (checked by `check`):
     copy (never host-only below a freed parent);
   * eviction candidates of a tier are its unpinned leaves (no child with a copy in the tier);
   * host eviction of a host-only node frees it; a GPU victim is the GPU pool's to place;
+  * a host copy lent to the engine as a victim (`lend_victims`, eviction-time host writes)
+    is no candidate; it leaves when the engine reports it overwritten (`overwrite`), and its
+    slots go to the host lease, not the allocator, whenever it leaves;
   * GPU slots freed for a request's plan (`drop_copy(hold_for=...)`) are held for it (only it
     may reuse them) until that request completes.
 """
@@ -43,10 +46,12 @@ class Placement:
     __slots__ = (
         "_host_evictions",
         "_host_written",
+        "_next_victim",
         "_prefixes",
         "detached_pinned",
         "gpu_pool",
         "host_lease",
+        "host_victims",
         "page_size",
         "policy",
         "tiers",
@@ -76,6 +81,11 @@ class Placement:
         self.host_lease: set[int] = set()
         """Host slots lent to the engine for eviction-time copies (`tree/host_writes.py`):
         taken from the allocator, owned by no node until a copy is reported onto them."""
+        self.host_victims: dict[int, Node] = {}
+        """Host copies lent to the engine as victims (`lend_victims`), by victim id, least
+        wanted first: their nodes own and serve them until the engine reports one overwritten
+        (`overwrite`); one that leaves the host tier otherwise gives its slots to the lease."""
+        self._next_victim = 1
         self._host_evictions = 0
         self._host_written = 0
         if gpu_pool is not None:
@@ -151,7 +161,7 @@ class Placement:
             hold_for.ledger.held_gpu_slots.extend(slots)
             tier_slots.held_slots += len(slots)
         else:
-            tier_slots.allocator.free(slots)
+            self._free(node, tier, slots)
         if node.parent is not None and node.attached:
             self._child_left_tier(node.parent, tier)
 
@@ -219,6 +229,46 @@ class Placement:
             if victim is None:
                 return False
             self._evict(victim, tier, handle)
+        return True
+
+    def lend_victims(self, count: int) -> int:
+        """Lend the engine at least `count` host slots of the host tier's least-wanted
+        eviction candidates (in the policy's order), as victims it may overwrite; they stay
+        readable until it reports one overwritten. Returns the slots lent (fewer when the
+        candidates run out)."""
+        tier_slots = self.tiers[Tier.HOST]
+        lent = 0
+        while lent < count:
+            node = tier_slots.pop_victim(self.policy.lane_order(Tier.HOST))
+            if node is None:
+                break
+            node.lent, self._next_victim = self._next_victim, self._next_victim + 1
+            self.host_victims[node.lent] = node
+            lent += len(node.slots[Tier.HOST])
+        return lent
+
+    @property
+    def victim_slots(self) -> int:
+        """Host slots lent as victims now."""
+        return sum(len(node.slots[Tier.HOST]) for node in self.host_victims.values())
+
+    def overwrite(self, vid: int) -> bool:
+        """The engine overwrote victim `vid`: its node loses its host copy (an eviction by the
+        policy's choice, made at lending) and its slots are the lease's; the children holding
+        host copies leave the tree with their subtrees (a host copy needs its parent's), and
+        the node too if nothing else holds it. False when the victim had already left the host
+        tier (its slots went to the lease then)."""
+        node = self.host_victims.get(vid)
+        if node is None:
+            return False
+        for child in [c for c in node.children.values() if Tier.HOST in c.slots]:
+            self.remove(child)
+        if Tier.HOST in node.priority:
+            self.policy.on_evict(Tier.HOST, node.priority[Tier.HOST])
+        self._host_evictions += 1
+        self.drop_copy(node, Tier.HOST, evicted=True)
+        if node.attached and not node.has_copy:
+            self.remove(node)
         return True
 
     def _evict(self, node: Node, tier: Tier, handle: RequestHandle) -> None:
@@ -335,9 +385,19 @@ class Placement:
         """Free a removed node's copy now if unpinned; a pinned node keeps it until unpinned."""
         if node.pins:
             return
-        self.tiers[tier].allocator.free(node.slots.pop(tier))
+        self._free(node, tier, node.slots.pop(tier))
         node.ready.discard(tier)
         self._left(node, tier, evicted=False)
+
+    def _free(self, node: Node, tier: Tier, slots: tuple[int, ...]) -> None:
+        """`node`'s copy left `tier`: its slots go back to the allocator, or to the host lease
+        when they were lent as a victim (the engine may be writing them)."""
+        if tier is Tier.HOST and node.lent:
+            del self.host_victims[node.lent]
+            node.lent = 0
+            self.host_lease.update(slots)
+        else:
+            self.tiers[tier].allocator.free(slots)
 
     def _keep_or_free(self, node: Node) -> None:
         """A node just detached: a pinned one waits for its last pin, the rest is freed."""
@@ -381,6 +441,11 @@ class Placement:
                 fail(f"{node!r}: pins={node.pins}, open requests hold {holdings.pins[id(node)]}")
         for tier in Tier:
             self._check_tier(tier, [*nodes, *self.detached_pinned], holdings)
+        lent = [n for n in [*nodes, *self.detached_pinned] if n.lent]
+        if len(lent) != len(self.host_victims) or any(
+            self.host_victims.get(n.lent) is not n or Tier.HOST not in n.slots for n in lent
+        ):
+            fail(f"host victims {sorted(self.host_victims)} do not match the lent nodes {lent}")
 
     def _check_node(self, node: Node, holdings: OpenHoldings) -> None:
         """The copy rules of one attached node (GPU parent rule, readiness, pins)."""

@@ -39,6 +39,10 @@ class ConnectorResult:
     `host_gone`: (keep key, plan version) of the kept documents whose blocks left vLLM's cache
     since then, or that the engine stopped following (a dropped key, a span it could not
     record): the tree stops counting them as held in vLLM's blocks (`Node.resident`).
+    `host_overwritten`: the lease's victims (host copies the tree lent, `HostLease.victims`)
+    the engine overwrote since then, (sequence number, victim id), numbered with the copies;
+    `overwritten_tokens`: tokens past vLLM's hit that this request's plan would have loaded
+    from such a victim, refused (vLLM computed them).
     `host_lost`: the kept documents that left vLLM's cache uncopied since the previous
     report (`WindowLosses`, deltas: each counted once).
     `stranded_blocks`: blocks the engine found held with no copy in flight, since it started
@@ -59,6 +63,8 @@ class ConnectorResult:
     store_copy_s: float = 0.0
     window_copy_s: float = 0.0
     host_copied: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    host_overwritten: tuple[tuple[int, int], ...] = ()
+    overwritten_tokens: int = 0
     host_dropped: tuple[int, ...] = ()
     host_gone: tuple[tuple[int, int], ...] = ()
     host_lost: WindowLosses = NO_LOSSES
@@ -83,6 +89,8 @@ class ConnectorResult:
             "store_copy_s": self.store_copy_s,
             "window_copy_s": self.window_copy_s,
             "host_copied": [[seq, key, list(slots)] for seq, key, slots in self.host_copied],
+            "host_overwritten": [[seq, vid] for seq, vid in self.host_overwritten],
+            "overwritten_tokens": self.overwritten_tokens,
             "host_dropped": list(self.host_dropped),
             "host_gone": [[key, version] for key, version in self.host_gone],
             "host_lost": self.host_lost.to_json(),
@@ -107,6 +115,10 @@ class ConnectorResult:
                 (int(seq), int(key), tuple(int(s) for s in slots))
                 for seq, key, slots in data.get("host_copied", ())
             ),
+            host_overwritten=tuple(
+                (int(seq), int(vid)) for seq, vid in data.get("host_overwritten", ())
+            ),
+            overwritten_tokens=int(data.get("overwritten_tokens", 0)),
             host_dropped=tuple(int(k) for k in data.get("host_dropped", ())),
             host_gone=tuple((int(k), int(v)) for k, v in data.get("host_gone", ())),
             host_lost=WindowLosses.from_json(data.get("host_lost", (0, 0, 0))),

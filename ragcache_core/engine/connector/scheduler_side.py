@@ -62,6 +62,10 @@ class _Tracked:
     """The tokens vLLM accepted from the connector at the request's first scheduling: what
     its `num_cached_tokens` counts beside its own hit (vLLM reports the first scheduling's
     counts; a preempted request that loads again does not change them)."""
+    overwritten_tokens: int = 0
+    """Tokens past vLLM's hit the plan would have loaded that this side refused at the last
+    scheduling: their host copy, a lease victim, was overwritten before the plan's tree heard
+    of it (`EvictionWindow.load_limit`); vLLM computed them."""
     load_pending: bool = False
     store_sent: bool = False
     failed_spans: list[int] = field(default_factory=list)
@@ -130,7 +134,14 @@ class SchedulerSide:
         if tracked is None or tracked.problems or tracked.store_sent:
             return 0
         tracked.query_start = num_computed
-        return max(0, tracked.num_loadable - num_computed)
+        loadable = tracked.num_loadable
+        limit = self.window.load_limit(tracked.plan) if self.window is not None else None
+        if limit is not None and limit < loadable:
+            tracked.overwritten_tokens = loadable - max(limit, num_computed, 0)
+            loadable = limit
+        else:
+            tracked.overwritten_tokens = 0
+        return max(0, loadable - num_computed)
 
     def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
         tracked = self._tracked.get(req_id)
@@ -278,6 +289,7 @@ class SchedulerSide:
             result = dataclasses.replace(
                 result,
                 host_copied=copied,
+                host_overwritten=window.take_overwritten() if window is not None else (),
                 host_dropped=dropped,
                 host_gone=gone,
                 host_lost=window.take_losses() if window is not None else WindowLosses(),
@@ -367,4 +379,5 @@ def _result(tracked: _Tracked) -> ConnectorResult:
         load_copy_s=tracked.load_copy_s,
         store_copy_s=tracked.store_copy_s,
         window_copy_s=tracked.window_copy_s,
+        overwritten_tokens=max(0, tracked.overwritten_tokens),
     )

@@ -30,10 +30,10 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
 
     Valid means: the pools' page size; loads are contiguous from position 0; every span's
     slot count matches its tokens; every slot is inside the host pool; stores lie in the
-    prompt; keep spans lie in the prompt in order (a keep span's parent is an
-    earlier one); lease slots are in the host pool, once each. The engine has no GPU pool (its
-    GPU tier is vLLM's own KV cache), so a GPU load or store (the simulator's two pools) is
-    refused.
+    prompt; keep spans lie in the prompt in order (a keep span's parent is an earlier one);
+    lease slots (free and victims') are in the host pool, once each. The engine has no GPU
+    pool (its GPU tier is vLLM's own KV cache), so a GPU load or store (the simulator's two
+    pools) is refused.
     """
     problems: list[str] = []
 
@@ -100,8 +100,13 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
         problems.append("a plan writes the host tier at compute (store) or at eviction (keep)")
     if plan.lease is not None:
         check_slots("lease", plan.lease.slots, Tier.HOST)
-        if len(set(plan.lease.slots)) != len(plan.lease.slots):
+        victim_slots = [slot for _, slots in plan.lease.victims for slot in slots]
+        check_slots("lease victims", victim_slots, Tier.HOST)
+        lent = [*plan.lease.slots, *victim_slots]
+        if len(set(lent)) != len(lent):
             problems.append("the lease repeats a host slot")
+        if len({vid for vid, _ in plan.lease.victims}) != len(plan.lease.victims):
+            problems.append("the lease repeats a victim")
     return problems
 
 

@@ -10,15 +10,21 @@ vLLM's `SimpleCPUOffloadConnector` with `lazy_offload` (`_prepare_lazy_store_spe
                      next to be evicted); a recorded document there whose blocks still carry
                      their hashes is copied with its uncopied recorded ancestors (a host copy
                      needs its parent's) into leased slots, its blocks held (`touch`) meanwhile;
-                     without lease room it is let go (vLLM's LRU takes it)
+                     when the free lent slots run out it overwrites the lease's victims (host
+                     copies the tree lent, least wanted first) and reports each; without room
+                     even then it is let go (vLLM's LRU takes it)
+    load_limit()     a plan's loads end before the first span that reads a victim overwritten
+                     after the plan was made (the tree had not heard of it): vLLM computes the
+                     rest, exactly
     on_report()      the step's worker report: held blocks go back (`free_blocks`), copies
                      that ran are numbered and queued for the tree, failed ones give their
                      slots back to the lease and are dropped
     take_changes()   what the next report of any request carries to the tree, once each:
-                     copies done, keys dropped, and the recorded documents whose blocks left
-                     vLLM's cache (or that it stopped following) since the last call; a
-                     record lives, copied or not, until its blocks leave vLLM's cache, so the
-                     tree knows which documents vLLM's blocks hold (`Node.resident`)
+                     copies done, victims overwritten (`take_overwritten`), keys dropped,
+                     and the recorded documents whose blocks left vLLM's cache (or that it
+                     stopped following) since the last call; a record lives, copied or not,
+                     until its blocks leave vLLM's cache, so the tree knows which documents
+                     vLLM's blocks hold (`Node.resident`)
 
 Blocks are held only between `scan` and the same step's `on_report`; a block found still held
 at the next `scan` (no report came) is handed back and counted (`stranded_blocks`). Pure Python
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.plan import HostLease, KeepSpan, WindowLosses
+from ragcache_core.plan import HostLease, KeepSpan, Plan, WindowLosses
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +112,18 @@ class EvictionWindow:
         """vLLM block id -> keys of the uncopied records holding it."""
         self._epoch: int | None = None
         self._lease_version = -1
-        self._lease_set: frozenset[int] = frozenset()
+        self._lease_set: set[int] = set()
         self._lease: list[int] = []
         """Leased slots free for a copy."""
+        self._victims: list[tuple[int, tuple[int, ...]]] = []
+        """The lease's victims not overwritten yet, least wanted first: (victim id, slots)."""
+        self._overwritten: dict[int, int] = {}
+        """Victims overwritten that the tree has not applied yet: sequence number -> id."""
+        self._overwrites: list[tuple[int, int]] = []
+        """Victims overwritten since the last report: (sequence number, victim id)."""
+        self._dirty: dict[int, int] = {}
+        """Host slot -> the sequence number of the last victim overwrite that took it: a plan
+        made before the tree applied that number must not load from it (`load_limit`)."""
         self._consumed: dict[int, tuple[int, ...]] = {}
         """Copies done that the tree has not applied yet: sequence number -> slots."""
         self._seq = 0
@@ -153,15 +168,26 @@ class EvictionWindow:
             self._records, self._by_block, self._consumed = {}, {}, {}
             self._copied, self._dropped, self._gone, self._seq = [], [], [], 0
             self._host_held = OrderedDict()
+            self._overwritten, self._overwrites, self._dirty = {}, [], {}
         if lease.version <= self._lease_version:
             return
         self._lease_version = lease.version
         for seq in [s for s in self._consumed if s <= lease.applied]:
             del self._consumed[seq]
+        for seq in [s for s in self._overwritten if s <= lease.applied]:
+            del self._overwritten[seq]
         busy = {slot for slots in self._consumed.values() for slot in slots}
         busy.update(slot for _, slots in self._copying.values() for slot in slots)
-        self._lease_set = frozenset(lease.slots)
-        self._lease = [slot for slot in lease.slots if slot not in busy]
+        overwritten = set(self._overwritten.values())
+        lent = list(lease.slots)
+        self._victims = []
+        for vid, slots in lease.victims:
+            if vid in overwritten:  # the tree has not heard yet: its slots are the lease's
+                lent.extend(slots)
+            else:
+                self._victims.append((vid, slots))
+        self._lease_set = set(lent)
+        self._lease = [slot for slot in lent if slot not in busy]
 
     def record(
         self,
@@ -240,7 +266,7 @@ class EvictionWindow:
                     self._drop(key)
                     continue
                 counts = [slots_for_tokens(r.num_tokens, self.page_size) for r in chain]
-                if sum(counts) > len(self._lease):
+                if not self._room_for(sum(counts)):
                     for member in chain:
                         member.refused = True
                     continue  # let go: vLLM's LRU takes it unless a later lease has room
@@ -288,6 +314,27 @@ class EvictionWindow:
             from ragcache_core.engine.compat import requeue_at_head
 
             requeue_at_head(block_pool, requeue)
+
+    def load_limit(self, plan: Plan) -> int | None:
+        """Where `plan`'s loads must end: the start of its first load span that reads a slot
+        of a victim overwritten after the plan was made (numbered above `lease.applied`: the
+        tree still served it), None when none does. Called as vLLM asks how many tokens the
+        connector loads; the step's loads run before its forward pass and the window's copies
+        after it, so a load accepted before the overwrite reads the victim whole."""
+        lease = plan.lease
+        if not self._dirty or lease is None or lease.epoch != self._epoch:
+            return None
+        for span in plan.load:
+            if any(self._dirty.get(slot, 0) > lease.applied for slot in span.slots):
+                return span.token_start
+        return None
+
+    def take_overwritten(self) -> tuple[tuple[int, int], ...]:
+        """Victims overwritten since the last call (sequence number, victim id), for the
+        same report as `take_changes`: the tree applies them in number order with the copies,
+        so a victim leaves before a copy onto its slots lands."""
+        overwrites, self._overwrites = tuple(self._overwrites), []
+        return overwrites
 
     def unfollowed(self, keep: tuple[KeepSpan, ...], *, epoch: int, version: int) -> None:
         """A finished request's keep spans that are not recorded (it was aborted, or its blocks
@@ -340,6 +387,25 @@ class EvictionWindow:
         self._host_held.clear()
 
     # ------------------------------------------------------------------ internals
+
+    def _room_for(self, count: int) -> bool:
+        """Whether `count` lent slots are free for a copy, overwriting the lease's victims,
+        least wanted first, while the free ones fall short (none when even all of them
+        would not do)."""
+        if count <= len(self._lease):
+            return True
+        if count > len(self._lease) + sum(len(slots) for _, slots in self._victims):
+            return False
+        while len(self._lease) < count:
+            vid, slots = self._victims.pop(0)
+            self._seq += 1
+            self._overwritten[self._seq] = vid
+            self._overwrites.append((self._seq, vid))
+            for slot in slots:
+                self._dirty[slot] = self._seq
+            self._lease_set.update(slots)
+            self._lease.extend(slots)
+        return True
 
     def _chain(self, record: _Record, taken: set[int]) -> list[_Record] | None:
         """`record` and its uncopied recorded ancestors, root first; None if one is gone or
