@@ -335,3 +335,55 @@ def test_copied_blocks_go_back_to_the_tail_or_where_they_were(back_to_head: bool
     else:
         assert order[0] == ids[3] and set(order[1:]) == {ids[0], ids[1], ids[2]}
     assert pool.get_num_free_blocks() == 4
+
+
+def test_a_copy_the_tree_has_not_applied_is_loaded_not_computed_nor_copied_again() -> None:
+    """A plan made before the tree heard of a copy keeps (computes) the document; the engine
+    loads it from its own copy instead, and records it as copied when it finishes."""
+    from types import SimpleNamespace
+
+    from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
+    from ragcache_core.engine.connector.config import RESULT_KEY
+    from ragcache_core.engine.connector.scheduler_side import SchedulerSide
+    from ragcache_core.plan import PLAN_KEY, Plan
+    from ragcache_core.storage.pool_layout import PoolLayout
+
+    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
+    config = ConnectorConfig(
+        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=3
+    )
+    side = SchedulerSide(config, BLOCK)
+    pool, ids = _pool_with_request(8, used=4)
+    side.bind_block_pool(pool)
+    window = side.window
+    assert window is not None
+    lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(8)))
+    window.take_lease(lease)
+    window.record(KEEP, ids, pool, epoch=5, version=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    writes = window.scan(pool)
+    window.on_report({7, 8}, pool)
+    copies = {w.key: w.slots for w in writes}
+    # The next plan (same tree, same lease: it has not applied the copies) computes both.
+    plan = Plan(page_size=PAGE, keep=KEEP, lease=lease)
+    assert side.track_and_count_loads("r", {PLAN_KEY: plan.to_json()}, 15, 0) == 12
+    side.after_alloc("r", 12)
+    new = SimpleNamespace(req_id="r", block_ids=[[0, 1, 2, 3]], num_computed_tokens=0)
+    cached = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    out = SimpleNamespace(
+        num_scheduled_tokens={"r": 3}, scheduled_new_reqs=[new], scheduled_cached_reqs=cached
+    )
+    (ops,) = side.build_step(out).requests
+    assert [(s.slots, s.token_start) for s in ops.load] == [(copies[7], 0), (copies[8], 6)]
+    assert (ops.load_lo, ops.load_hi) == (0, 12)
+    result = ConnectorResult.from_json(side.finished("r")[RESULT_KEY])  # type: ignore[index]
+    assert result.loaded_tokens == 12
+    # Recorded again at its finish as copied: the window never copies it twice.
+    assert window.is_recorded(8) and window._records[8].copied == 2
+    assert 8 not in {k for keys in window._by_block.values() for k in keys}
+    # Once the tree applied them, they are its own to plan: nothing past the plan's loads.
+    window.take_lease(HostLease(epoch=5, version=2, applied=2, slots=()))
+    assert window.copied_loads(Plan(page_size=PAGE, keep=KEEP, lease=lease), 0) == ()

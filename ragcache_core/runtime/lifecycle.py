@@ -207,7 +207,9 @@ def served_hits(
 
     The GPU tier is vLLM's prefix cache: `vllm_cached` (vLLM's `num_cached_tokens`) less the tokens
     it accepted from the connector is its hit, and a document inside it is a GPU hit whether or not
-    the tree holds it; a document of the tree's hit prefix past it was loaded from the host tier.
+    the tree holds it; a document past it inside the tokens the connector loaded was loaded from
+    the host tier (the tree's hit prefix, or a copy the engine made that the tree had not applied
+    yet; fewer when a victim it read was overwritten).
     A document that ends inside a block shared with what follows it (the question, another
     document) and that the host tier does not serve is a GPU hit when vLLM's hit covers every
     block up to that one: only its tail, under `block_size` tokens, was recomputed (with the host
@@ -227,16 +229,15 @@ def served_hits(
     served = (
         handle.state is not RequestState.ABORTED and not result.rejected and not result.load_failed
     )
-    in_tree = len(handle.hits.doc_hits) if served else 0  # the prompt's first documents
     on_gpu = max(0, vllm_cached - result.external_tokens)
     gpu = host = covered = 0
     end = len(prompt.root_ids)
-    for position, spec in enumerate(prompt.doc_specs):
+    for spec in prompt.doc_specs:
         start, end = end, end + spec.num_tokens
         if spec.num_tokens and end <= on_gpu:
             gpu += 1
-        elif position < in_tree and end <= on_gpu + result.loaded_tokens:
-            host += 1
+        elif served and end <= on_gpu + result.loaded_tokens:  # loaded: the tree's hits, or
+            host += 1  # copies the engine made that the tree had not applied
         elif start < on_gpu and end - end % block_size <= on_gpu:
             gpu += 1  # its tail, in the block it shares with what follows, was recomputed
             covered += on_gpu - start

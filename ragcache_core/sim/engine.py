@@ -200,6 +200,10 @@ class EngineSimulator:
         limit = self.window.load_limit(plan) if self.window is not None else None
         if limit is not None:  # a lent victim it reads was overwritten: vLLM computes it
             loadable = min(loadable, limit)
+        elif self.window is not None and loadable == plan.num_loaded_tokens:
+            copied = self.window.copied_loads(plan, loadable)  # copies the tree has not applied
+            if copied:
+                loadable = min(copied[-1].token_start + copied[-1].num_tokens, prompt_len - 1)
         loaded = max(0, loadable - gpu_tokens)
         pool.touch(hit)
         blocks: list[Block] = list(hit)
@@ -235,9 +239,7 @@ class EngineSimulator:
         self.tree.confirm(handle)
         copied, dropped, gone = changes
         self.tree.apply_host_writes(copied, dropped, gone=gone, overwritten=overwritten)
-        return _served(
-            request, handle.hits.doc_hits, prompt_len, gpu_tokens, loaded, cfg.block_size
-        )
+        return _served(request, prompt_len, gpu_tokens, loaded, cfg.block_size)
 
     def run(self, requests: Sequence[EngineRequest], *, skip: int = 0) -> EngineResult:
         """Serve `requests` in order; totals over all but the first `skip` (a warm-up)."""
@@ -275,24 +277,23 @@ class EngineSimulator:
 
 def _served(
     request: EngineRequest,
-    doc_hits: Sequence[Any],
     prompt_len: int,
     gpu: int,
     loaded: int,
     block_size: int,
 ) -> Served:
     """Per document as `runtime.lifecycle.served_hits` counts: on GPU when vLLM's hit covers
-    it (or every block of it up to the one it shares with what follows), from the host when it
-    is in the tree's hit prefix, else computed."""
+    it (or every block of it up to the one it shares with what follows), from the host when the
+    tokens loaded cover it, else computed."""
     cached = gpu + loaded
     end = request.root_tokens
     gpu_docs = host_docs = cached_doc_tokens = 0
-    for position, spec in enumerate(request.docs):
+    for spec in request.docs:
         start, end = end, end + spec.num_tokens
         cached_doc_tokens += max(0, min(end, cached) - start)
         if spec.num_tokens and end <= gpu:
             gpu_docs += 1
-        elif position < len(doc_hits) and end <= cached:
+        elif end <= cached:  # the tree's hits, or copies it had not applied (`copied_loads`)
             host_docs += 1
         elif start < gpu and end - end % block_size <= gpu:
             gpu_docs += 1

@@ -66,6 +66,9 @@ class _Tracked:
     """Tokens past vLLM's hit the plan would have loaded that this side refused at the last
     scheduling: their host copy, a lease victim, was overwritten before the plan's tree heard
     of it (`EvictionWindow.load_limit`); vLLM computed them."""
+    copied_load: tuple[LoadSpan, ...] = ()
+    """Load spans past the plan's, from copies the window made that the plan's tree had not
+    applied (`EvictionWindow.copied_loads`), as accepted at the last scheduling."""
     load_pending: bool = False
     store_sent: bool = False
     failed_spans: list[int] = field(default_factory=list)
@@ -135,12 +138,17 @@ class SchedulerSide:
             return 0
         tracked.query_start = num_computed
         loadable = tracked.num_loadable
-        limit = self.window.load_limit(tracked.plan) if self.window is not None else None
+        window, plan = self.window, tracked.plan
+        limit = window.load_limit(plan) if window is not None else None
+        tracked.overwritten_tokens, tracked.copied_load = 0, ()
         if limit is not None and limit < loadable:
             tracked.overwritten_tokens = loadable - max(limit, num_computed, 0)
             loadable = limit
-        else:
-            tracked.overwritten_tokens = 0
+        elif window is not None and loadable == plan.num_loaded_tokens:
+            tracked.copied_load = window.copied_loads(plan, loadable)
+            if tracked.copied_load:
+                last = tracked.copied_load[-1]
+                loadable = min(last.token_start + last.num_tokens, tracked.prompt_len - 1)
         return max(0, loadable - num_computed)
 
     def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
@@ -232,7 +240,8 @@ class SchedulerSide:
             tracked.failed_spans.append(span)
             tracked.store_sent = False
             tracked.store_ran = False
-            first = max(tracked.plan.load[span].token_start, tracked.load_lo)
+            loads = tracked.plan.load + tracked.copied_load
+            first = max(loads[span].token_start, tracked.load_lo)
             tracked.loaded_end = min(tracked.loaded_end, first - first % self.block_size)
             self._evict_from(tracked, first // self.block_size)
 
@@ -340,7 +349,7 @@ class SchedulerSide:
         lo = hi = 0
         if tracked.load_pending:
             tracked.load_pending = False
-            load, lo, hi = plan.load, tracked.load_lo, tracked.load_hi
+            load, lo, hi = plan.load + tracked.copied_load, tracked.load_lo, tracked.load_hi
         store: tuple[StoreSpan, ...] = ()
         completes_prompt = (
             num_computed < tracked.prompt_len <= num_computed + num_scheduled.get(req_id, 0)
@@ -363,7 +372,7 @@ class SchedulerSide:
 
 def _result(tracked: _Tracked) -> ConnectorResult:
     host = 0
-    for span in tracked.plan.load:
+    for span in tracked.plan.load + tracked.copied_load:
         first = max(span.token_start, tracked.load_lo)
         last = min(span.token_start + span.num_tokens, tracked.loaded_end)
         host += max(0, last - first)

@@ -16,6 +16,9 @@ vLLM's `SimpleCPUOffloadConnector` with `lazy_offload` (`_prepare_lazy_store_spe
     load_limit()     a plan's loads end before the first span that reads a victim overwritten
                      after the plan was made (the tree had not heard of it): vLLM computes the
                      rest, exactly
+    copied_loads()   a plan's keep spans right after its loads that the window copied and the
+                     tree has not applied yet (it planned them computed): loaded from those
+                     copies instead, whose slots are still the engine's own
     on_report()      the step's worker report: held blocks go back (`free_blocks`), copies
                      that ran are numbered and queued for the tree, failed ones give their
                      slots back to the lease and are dropped
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.plan import HostLease, KeepSpan, Plan, WindowLosses
+from ragcache_core.plan import HostLease, KeepSpan, LoadSpan, Plan, Tier, WindowLosses
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +223,7 @@ class EvictionWindow:
                 return
             if span.key in self._copying:
                 continue
+            copied = self._unapplied_copy(span.key)
             self._forget(span.key)
             record = _Record(
                 key=span.key,
@@ -231,8 +235,11 @@ class EvictionWindow:
                 fail=fail,
                 version=version,
                 kill=kill,
+                copied=copied,
             )
             self._records[span.key] = record
+            if copied:  # on the host already (the tree has not heard yet): never copied again
+                continue
             for block in blocks:
                 self._by_block.setdefault(block.block_id, set()).add(span.key)
 
@@ -329,6 +336,28 @@ class EvictionWindow:
                 return span.token_start
         return None
 
+    def copied_loads(self, plan: Plan, start: int) -> tuple[LoadSpan, ...]:
+        """Load spans for `plan`'s keep spans from prompt position `start` on, in order and
+        each right after the last, whose documents the window copied after the tree last
+        applied a copy (`lease.applied`): the tree planned them computed (its plan keeps them)
+        although the host holds them. Their slots are the engine's own until the tree applies
+        the copy (no lease hands them out: `take_lease` counts them busy), so they read whole.
+        Empty for a plan of another epoch."""
+        lease = plan.lease
+        if lease is None or lease.epoch != self._epoch or not self._consumed:
+            return ()
+        spans: list[LoadSpan] = []
+        position = start
+        for span in plan.keep:
+            if span.token_start != position:
+                break
+            slots = self._consumed.get(self._unapplied_copy(span.key))
+            if slots is None or len(slots) != slots_for_tokens(span.num_tokens, self.page_size):
+                break
+            spans.append(LoadSpan(Tier.HOST, slots, span.token_start, span.num_tokens))
+            position += span.num_tokens
+        return tuple(spans)
+
     def take_overwritten(self) -> tuple[tuple[int, int], ...]:
         """Victims overwritten since the last call (sequence number, victim id), for the
         same report as `take_changes`: the tree applies them in number order with the copies,
@@ -387,6 +416,12 @@ class EvictionWindow:
         self._host_held.clear()
 
     # ------------------------------------------------------------------ internals
+
+    def _unapplied_copy(self, key: int) -> int:
+        """The sequence number of the copy of `key` the tree has not applied yet (0: none)."""
+        record = self._records.get(key)
+        seq = record.copied if record is not None else self._host_held.get(key, 0)
+        return seq if seq in self._consumed else 0
 
     def _room_for(self, count: int) -> bool:
         """Whether `count` lent slots are free for a copy, overwriting the lease's victims,
