@@ -271,3 +271,59 @@ def test_the_scheduler_side_answers_fewer_tokens_past_an_overwritten_victim() ->
     # Once the tree applied the overwrites (applied >= 2), a plan reading those slots loads.
     later = Plan(page_size=2, load=reads, lease=HostLease(1, 2, 4, (0, 1)))
     assert side.track_and_count_loads("s", {PLAN_KEY: later.to_json()}, 12, 0) == 8
+
+
+def test_a_lost_overwrite_report_is_healed_by_the_copy_onto_its_slots() -> None:
+    tree = _tree(host_slots=32, lease=8)
+    engine = _Engine(tree)
+    engine.serve("a")
+    placement = tree._placement
+    placement.lend_victims(1)
+    ((vid, a),) = placement.host_victims.items()
+    a_slots = a.slots[Tier.HOST]
+    handle = tree.begin_request(4, [doc("d", 8)], 3)
+    tree.confirm(handle)
+    # The engine overwrote a (its report lost) and copied d onto its slots (reported).
+    engine.seq += 2
+    tree.apply_host_writes([(engine.seq, handle.plan.keep[0].key, a_slots)], [])
+    assert _on_host(tree) == {(), ("d",)} and vid not in placement.host_victims
+    assert tree.host_writes is not None and tree.host_writes.overwritten == 1
+    tree.check_integrity()
+
+
+def test_a_detached_pinned_victim_with_a_pinned_host_child_is_overwritten_cleanly() -> None:
+    tree = _tree(host_slots=32, lease=8)
+    engine = _Engine(tree)
+    engine.serve("a")
+    placement = tree._placement
+    placement.lend_victims(1)
+    ((vid, _),) = placement.host_victims.items()
+    engine.serve("a", "b")
+    reader = tree.begin_request(4, [doc("a", 8), doc("b", 8)], 3)  # pins a and b
+    assert len(reader.plan.load) == 3
+    tree.invalidate("a")  # both detached, kept for the reader
+    engine.seq += 1
+    tree.apply_host_writes([], [], overwritten=[(engine.seq, vid)])
+    assert not placement.host_victims
+    tree.check_integrity()
+    tree.confirm(reader)
+    tree.check_integrity()
+
+
+def test_the_engine_never_lends_a_victim_it_overwrote_again_nor_loads_it_after_a_lost_report() -> (
+    None
+):
+    pool, ids = _leaving()
+    window = EvictionWindow(window_blocks=3, block_size=BLOCK, page_size=WINDOW_PAGE)
+    window.take_lease(HostLease(1, 1, 0, slots=(), victims=VICTIMS))
+    window.record(KEEP, ids, pool, epoch=1, version=1, fail=True)
+    _push(pool, ids)
+    assert len(window.scan(pool)) == 2
+    window.on_report(set(), pool)  # the copies failed: the victims are torn all the same
+    assert window.take_overwritten() == ((1, 5), (2, 6))  # and this report is lost
+    # The tree applied a later number from elsewhere; its next lease still lends 5 and 6.
+    window.take_lease(HostLease(1, 2, 2, slots=(), victims=VICTIMS))
+    assert not window._victims and window.lease_free == 6  # free lent slots, not victims
+    reads = (LoadSpan(Tier.HOST, (20,), 0, 2), LoadSpan(Tier.HOST, (10, 11), 2, 4))
+    stale = Plan(page_size=WINDOW_PAGE, load=reads, lease=HostLease(1, 2, 2, (), VICTIMS))
+    assert window.load_limit(stale) == 2  # applied is past 1, but it still lends victim 5

@@ -253,6 +253,15 @@ class HostWrites:
                 placement.overwrite(key)
                 continue
             slots = copy_slots
+            if not placement.host_lease.issuperset(slots):
+                # A copy onto a victim whose overwrite this tree never applied (its report was
+                # lost, or comes late): the copy says it was overwritten.
+                for vid in placement.victims_on(slots):
+                    self.overwritten += 1
+                    placement.overwrite(vid)
+                if not placement.host_lease.issuperset(slots):  # not lent: never attached
+                    self.wasted += 1
+                    continue
             placement.host_lease.difference_update(slots)
             placement.count_host_written(len(slots))
             shadow = self._shadows.get(key)

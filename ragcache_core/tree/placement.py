@@ -247,6 +247,15 @@ class Placement:
             lent += len(node.slots[Tier.HOST])
         return lent
 
+    def victims_on(self, slots: tuple[int, ...]) -> list[int]:
+        """The lent victims owning any of `slots`."""
+        wanted = set(slots)
+        return [
+            vid
+            for vid, node in self.host_victims.items()
+            if not wanted.isdisjoint(node.slots[Tier.HOST])
+        ]
+
     @property
     def victim_slots(self) -> int:
         """Host slots lent as victims now."""
@@ -261,8 +270,9 @@ class Placement:
         node = self.host_victims.get(vid)
         if node is None:
             return False
-        for child in [c for c in node.children.values() if Tier.HOST in c.slots]:
-            self.remove(child)
+        if node.attached:  # a detached one's children left the tree with it
+            for child in [c for c in node.children.values() if Tier.HOST in c.slots]:
+                self.remove(child)
         if Tier.HOST in node.priority:
             self.policy.on_evict(Tier.HOST, node.priority[Tier.HOST])
         self._host_evictions += 1

@@ -14,8 +14,8 @@ vLLM's `SimpleCPUOffloadConnector` with `lazy_offload` (`_prepare_lazy_store_spe
                      copies the tree lent, least wanted first) and reports each; without room
                      even then it is let go (vLLM's LRU takes it)
     load_limit()     a plan's loads end before the first span that reads a victim overwritten
-                     after the plan was made (the tree had not heard of it): vLLM computes the
-                     rest, exactly
+                     before the plan's tree heard of it (by number, or the plan still lends
+                     it): vLLM computes the rest, exactly
     copied_loads()   a plan's keep spans right after its loads that the window copied and the
                      tree has not applied yet (it planned them computed): loaded from those
                      copies instead, whose slots are still the engine's own
@@ -120,13 +120,14 @@ class EvictionWindow:
         """Leased slots free for a copy."""
         self._victims: list[tuple[int, tuple[int, ...]]] = []
         """The lease's victims not overwritten yet, least wanted first: (victim id, slots)."""
-        self._overwritten: dict[int, int] = {}
-        """Victims overwritten that the tree has not applied yet: sequence number -> id."""
         self._overwrites: list[tuple[int, int]] = []
         """Victims overwritten since the last report: (sequence number, victim id)."""
-        self._dirty: dict[int, int] = {}
-        """Host slot -> the sequence number of the last victim overwrite that took it: a plan
-        made before the tree applied that number must not load from it (`load_limit`)."""
+        self._dirty: dict[int, tuple[int, int]] = {}
+        """Host slot -> (sequence number, victim id) of the last victim overwrite that took
+        it: a plan made before the tree applied that number, or whose lease still lists that
+        victim (its report was lost or is late), must not load from it (`load_limit`); a
+        victim a lease lists with one of its slots here is known overwritten (never lent
+        again as a victim: its slots are free lent ones)."""
         self._consumed: dict[int, tuple[int, ...]] = {}
         """Copies done that the tree has not applied yet: sequence number -> slots."""
         self._seq = 0
@@ -171,21 +172,18 @@ class EvictionWindow:
             self._records, self._by_block, self._consumed = {}, {}, {}
             self._copied, self._dropped, self._gone, self._seq = [], [], [], 0
             self._host_held = OrderedDict()
-            self._overwritten, self._overwrites, self._dirty = {}, [], {}
+            self._overwrites, self._dirty = [], {}
         if lease.version <= self._lease_version:
             return
         self._lease_version = lease.version
         for seq in [s for s in self._consumed if s <= lease.applied]:
             del self._consumed[seq]
-        for seq in [s for s in self._overwritten if s <= lease.applied]:
-            del self._overwritten[seq]
         busy = {slot for slots in self._consumed.values() for slot in slots}
         busy.update(slot for _, slots in self._copying.values() for slot in slots)
-        overwritten = set(self._overwritten.values())
         lent = list(lease.slots)
         self._victims = []
         for vid, slots in lease.victims:
-            if vid in overwritten:  # the tree has not heard yet: its slots are the lease's
+            if self._overwrote(vid, slots):  # the tree has not heard yet: its slots are lent
                 lent.extend(slots)
             else:
                 self._victims.append((vid, slots))
@@ -324,16 +322,21 @@ class EvictionWindow:
 
     def load_limit(self, plan: Plan) -> int | None:
         """Where `plan`'s loads must end: the start of its first load span that reads a slot
-        of a victim overwritten after the plan was made (numbered above `lease.applied`: the
-        tree still served it), None when none does. Called as vLLM asks how many tokens the
-        connector loads; the step's loads run before its forward pass and the window's copies
-        after it, so a load accepted before the overwrite reads the victim whole."""
+        of a victim overwritten before the plan's tree heard of it: the overwrite is numbered
+        above `lease.applied`, or the plan's lease still lists that victim (the tree applied
+        later numbers: its report was lost, or comes late). None when none does. Called as
+        vLLM asks how many tokens the connector loads; the step's loads run before its forward
+        pass and the window's copies after it, so a load accepted before the overwrite reads
+        the victim whole."""
         lease = plan.lease
         if not self._dirty or lease is None or lease.epoch != self._epoch:
             return None
+        listed = {vid for vid, _ in lease.victims}
         for span in plan.load:
-            if any(self._dirty.get(slot, 0) > lease.applied for slot in span.slots):
-                return span.token_start
+            for slot in span.slots:
+                seq, vid = self._dirty.get(slot, (0, 0))
+                if seq > lease.applied or vid in listed:
+                    return span.token_start
         return None
 
     def copied_loads(self, plan: Plan, start: int) -> tuple[LoadSpan, ...]:
@@ -417,6 +420,11 @@ class EvictionWindow:
 
     # ------------------------------------------------------------------ internals
 
+    def _overwrote(self, vid: int, slots: tuple[int, ...]) -> bool:
+        """Whether this engine overwrote victim `vid` (of `slots`), as far as its slots say:
+        no other victim can own them while the tree still lends `vid`."""
+        return any(self._dirty.get(slot, (0, 0))[1] == vid for slot in slots)
+
     def _unapplied_copy(self, key: int) -> int:
         """The sequence number of the copy of `key` the tree has not applied yet (0: none)."""
         record = self._records.get(key)
@@ -434,10 +442,9 @@ class EvictionWindow:
         while len(self._lease) < count:
             vid, slots = self._victims.pop(0)
             self._seq += 1
-            self._overwritten[self._seq] = vid
             self._overwrites.append((self._seq, vid))
             for slot in slots:
-                self._dirty[slot] = self._seq
+                self._dirty[slot] = (self._seq, vid)
             self._lease_set.update(slots)
             self._lease.extend(slots)
         return True
