@@ -61,6 +61,16 @@ class _Engine:
         return handle.plan
 
 
+def _a_lent() -> tuple[KnowledgeTree, _Engine, Node, int]:
+    """A tree whose host holds the root and document a, with a lent as the only victim."""
+    tree = _tree(host_slots=32, lease=8)
+    engine = _Engine(tree)
+    engine.serve("a")
+    assert tree._placement.lend_victims(1) == 2  # the only host leaf: a
+    ((vid, a),) = tree._placement.host_victims.items()
+    return tree, engine, a, vid
+
+
 def _on_host(tree: KnowledgeTree) -> set[tuple[str, ...]]:
     return {p for p, tiers in cached_paths(tree).items() if "host" in tiers}
 
@@ -111,12 +121,8 @@ def test_the_lease_is_topped_up_with_victims_that_stay_readable() -> None:
 
 
 def test_an_overwritten_victims_host_children_leave_with_it() -> None:
-    tree = _tree(host_slots=32, lease=8)
-    engine = _Engine(tree)
-    engine.serve("a")
+    tree, engine, a, vid = _a_lent()
     placement = tree._placement
-    assert placement.lend_victims(1) == 2  # the only host leaf: a
-    ((vid, a),) = placement.host_victims.items()
     assert node_path(a) == ("a",)
     a_slots = a.slots[Tier.HOST]
     engine.serve("a", "b")  # reads a from the host; b's copy lands below it
@@ -131,12 +137,8 @@ def test_an_overwritten_victims_host_children_leave_with_it() -> None:
 
 
 def test_a_victim_invalidated_gives_its_slots_to_the_lease_and_a_late_overwrite_is_moot() -> None:
-    tree = _tree(host_slots=32, lease=8)
-    engine = _Engine(tree)
-    engine.serve("a")
+    tree, engine, a, vid = _a_lent()
     placement = tree._placement
-    placement.lend_victims(1)
-    ((vid, a),) = placement.host_victims.items()
     slots = a.slots[Tier.HOST]
     free = placement.tiers[Tier.HOST].allocator.num_free
     tree.invalidate("a")
@@ -149,10 +151,7 @@ def test_a_victim_invalidated_gives_its_slots_to_the_lease_and_a_late_overwrite_
 
 
 def test_a_lost_engine_takes_every_lent_victim_with_it() -> None:
-    tree = _tree(host_slots=32, lease=8)
-    engine = _Engine(tree)
-    engine.serve("a")
-    tree._placement.lend_victims(1)
+    tree, *_ = _a_lent()
     tree.drop_tier(Tier.GPU)
     assert _on_host(tree) == {()} and not tree._placement.host_victims
     tree.check_integrity()
@@ -274,12 +273,8 @@ def test_the_scheduler_side_answers_fewer_tokens_past_an_overwritten_victim() ->
 
 
 def test_a_lost_overwrite_report_is_healed_by_the_copy_onto_its_slots() -> None:
-    tree = _tree(host_slots=32, lease=8)
-    engine = _Engine(tree)
-    engine.serve("a")
+    tree, engine, a, vid = _a_lent()
     placement = tree._placement
-    placement.lend_victims(1)
-    ((vid, a),) = placement.host_victims.items()
     a_slots = a.slots[Tier.HOST]
     handle = tree.begin_request(4, [doc("d", 8)], 3)
     tree.confirm(handle)
@@ -292,12 +287,8 @@ def test_a_lost_overwrite_report_is_healed_by_the_copy_onto_its_slots() -> None:
 
 
 def test_a_detached_pinned_victim_with_a_pinned_host_child_is_overwritten_cleanly() -> None:
-    tree = _tree(host_slots=32, lease=8)
-    engine = _Engine(tree)
-    engine.serve("a")
+    tree, engine, _, vid = _a_lent()
     placement = tree._placement
-    placement.lend_victims(1)
-    ((vid, _),) = placement.host_victims.items()
     engine.serve("a", "b")
     reader = tree.begin_request(4, [doc("a", 8), doc("b", 8)], 3)  # pins a and b
     assert len(reader.plan.load) == 3
