@@ -52,6 +52,23 @@ def _window(lease: int = 8, window: int = 3) -> EvictionWindow:
     return w
 
 
+def _side() -> tuple[Any, BlockPool, list[int]]:
+    """A scheduler side in eviction mode (a 16-slot host pool, a window of 3 blocks) bound to
+    a pool whose first request's 4 blocks are cached and still held (`_pool_with_request`)."""
+    from ragcache_core.engine.connector import ConnectorConfig
+    from ragcache_core.engine.connector.scheduler_side import SchedulerSide
+    from ragcache_core.storage.pool_layout import PoolLayout
+
+    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
+    config = ConnectorConfig(
+        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=3
+    )
+    side = SchedulerSide(config, BLOCK)
+    pool, ids = _pool_with_request(8, used=4)
+    side.bind_block_pool(pool)
+    return side, pool, ids
+
+
 def test_this_vllm_has_the_hooks() -> None:
     check_eviction_window_hooks()
 
@@ -235,20 +252,12 @@ def test_the_scheduler_side_records_at_finish_copies_and_reports_on_the_next_fin
     """`SchedulerSide` in eviction mode, hook by hook as vLLM calls them."""
     from types import SimpleNamespace
 
-    from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
+    from ragcache_core.engine.connector import ConnectorResult
     from ragcache_core.engine.connector.config import RESULT_KEY
     from ragcache_core.engine.connector.metadata import WorkerReport
-    from ragcache_core.engine.connector.scheduler_side import SchedulerSide
     from ragcache_core.plan import PLAN_KEY, Plan
-    from ragcache_core.storage.pool_layout import PoolLayout
 
-    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
-    config = ConnectorConfig(
-        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=3
-    )
-    side = SchedulerSide(config, BLOCK)
-    pool, ids = _pool_with_request(8, used=4)
-    side.bind_block_pool(pool)
+    side, pool, ids = _side()
     lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(8)))
     plan = Plan(page_size=PAGE, keep=KEEP, lease=lease)
     params = {PLAN_KEY: plan.to_json()}
@@ -284,19 +293,11 @@ def test_the_scheduler_side_records_at_finish_copies_and_reports_on_the_next_fin
 
 
 def test_an_aborted_request_records_nothing_and_the_next_report_says_so() -> None:
-    from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
+    from ragcache_core.engine.connector import ConnectorResult
     from ragcache_core.engine.connector.config import RESULT_KEY
-    from ragcache_core.engine.connector.scheduler_side import SchedulerSide
     from ragcache_core.plan import PLAN_KEY, Plan
-    from ragcache_core.storage.pool_layout import PoolLayout
 
-    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
-    config = ConnectorConfig(
-        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=3
-    )
-    side = SchedulerSide(config, BLOCK)
-    pool, ids = _pool_with_request(8, used=4)
-    side.bind_block_pool(pool)
+    side, _, ids = _side()
     lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(8)))
     params = {PLAN_KEY: Plan(page_size=PAGE, keep=KEEP, lease=lease).to_json()}
     side.track_and_count_loads("r", params, 15, 0)
@@ -342,19 +343,11 @@ def test_a_copy_the_tree_has_not_applied_is_loaded_not_computed_nor_copied_again
     loads it from its own copy instead, and records it as copied when it finishes."""
     from types import SimpleNamespace
 
-    from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
+    from ragcache_core.engine.connector import ConnectorResult
     from ragcache_core.engine.connector.config import RESULT_KEY
-    from ragcache_core.engine.connector.scheduler_side import SchedulerSide
     from ragcache_core.plan import PLAN_KEY, Plan
-    from ragcache_core.storage.pool_layout import PoolLayout
 
-    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=PAGE)
-    config = ConnectorConfig(
-        layout=layout, host_slots=16, host_pool_name="x", host_write="eviction", window_blocks=3
-    )
-    side = SchedulerSide(config, BLOCK)
-    pool, ids = _pool_with_request(8, used=4)
-    side.bind_block_pool(pool)
+    side, pool, ids = _side()
     window = side.window
     assert window is not None
     lease = HostLease(epoch=5, version=1, applied=0, slots=tuple(range(8)))

@@ -220,18 +220,6 @@ def test_without_room_even_with_every_victim_nothing_is_overwritten() -> None:
     assert window.scan(pool) == [] and window.take_overwritten() == ()
 
 
-def test_a_failed_copy_onto_a_victim_still_reports_the_victim_and_keeps_its_slots_lent() -> None:
-    pool, ids = _leaving()
-    window = EvictionWindow(window_blocks=3, block_size=BLOCK, page_size=WINDOW_PAGE)
-    window.take_lease(HostLease(1, 1, 0, slots=(), victims=VICTIMS))
-    window.record(KEEP, ids, pool, epoch=1, version=1, fail=True)
-    _push(pool, ids)
-    assert len(window.scan(pool)) == 2
-    window.on_report(set(), pool)  # neither copy ran whole: the victims are torn anyway
-    assert window.take_overwritten() == ((1, 5), (2, 6))
-    assert window.lease_free == 6
-
-
 def test_the_scheduler_side_answers_fewer_tokens_past_an_overwritten_victim() -> None:
     layout = PoolLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", page_size=2)
     config = ConnectorConfig(
@@ -301,7 +289,7 @@ def test_a_detached_pinned_victim_with_a_pinned_host_child_is_overwritten_cleanl
     tree.check_integrity()
 
 
-def test_the_engine_never_lends_a_victim_it_overwrote_again_nor_loads_it_after_a_lost_report() -> (
+def test_a_failed_copy_onto_victims_tears_them_and_a_lost_report_never_makes_them_readable() -> (
     None
 ):
     pool, ids = _leaving()
