@@ -185,6 +185,29 @@ def test_simulate_engine_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert 0 < out["doc_token_hit_rate"] <= 1
 
 
+def test_the_reuse_ceiling_counts_a_document_only_after_the_same_prefix() -> None:
+    """A document is cached at best when an earlier request had the same documents before it:
+    b after a (request 2) is new although b came before (request 1, first); the warm-up's
+    requests count as seen but not as measured."""
+    from ragcache_core.bench.replay import reuse_ceiling
+
+    a, b, c = _doc("a", 100), _doc("b", 300), _doc("c", 50)
+
+    def req(i: int, *docs: DocSpec) -> EngineRequest:
+        return EngineRequest(root_tokens=40, docs=docs, question_tokens=20, question=i)
+
+    stream = [req(0, a), req(1, b, a), req(2, a, b), req(3, a, b), req(4, c)]
+    # Measured (after 2 warm-up requests): [a, b] (a seen: 100; b after a new: 0),
+    # [a, b] again (400), [c] (0): 500 of 850.
+    assert reuse_ceiling(stream, 2) == pytest.approx(500 / 850)
+    assert reuse_ceiling(stream, 0) == pytest.approx(500 / (100 + 400 + 400 + 400 + 50))
+    assert reuse_ceiling(stream, 5) == 0.0  # nothing measured
+    # A simulated engine with memory to spare reaches it; none exceeds it.
+    roomy = EngineSimulator(_config(vllm_blocks=400))
+    served = [roomy.serve(r) for r in stream]
+    assert roomy.result(served[2:]).doc_token_hit_rate <= reuse_ceiling(stream, 2) + 1e-9
+
+
 def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -226,6 +249,11 @@ def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
     assert main(["simulate", "--replay", str(path)]) == 0
     out = capsys.readouterr().out
     assert "ragcache" in out and "vllm-apc" in out and "30.0%/" in out
+    # The stream's ceiling bounds every system's simulated document-token rate.
+    assert all(
+        r.sim.doc_token_hit_rate <= r.ceiling_doc_token_hit_rate + 1e-9 for r in rows.values()
+    )
+    assert f"{ours.ceiling_doc_token_hit_rate:.1%}" in out
     with pytest.raises(InputError, match="no workload"):
         replay(path, ("long",))
     # A capacity-constrained workload's host tier is its own (`host_sizing`), not the run's.

@@ -16,6 +16,10 @@ run's points (every point starts cold and replays the same stream):
     no question token is (questions are not repeated within a stream), so the engine's
     cached document tokens are its cached tokens less the roots'.
 
+Beside them, the stream's ceiling (`reuse_ceiling`): the document-token hit rate with unbounded
+memory. A system at the ceiling hits every document the stream repeats; no policy, tier or
+amount of memory can add a hit there.
+
 The simulator runs requests one at a time; the engine's warm-up runs 4 at a time and its
 measured requests arrive as a Poisson stream, so their steps interleave (docs/control-plane.md,
 "The engine's tiers, simulated").
@@ -65,6 +69,8 @@ class ReplayRow:
     """Of those, tokens of documents vLLM's blocks hold too (promoted by a host hit and not yet
     evicted again, or written through): what dropping a promoted document's host copy could
     add to the two tiers' union at most."""
+    ceiling_doc_token_hit_rate: float = 0.0
+    """The stream's own bound (`reuse_ceiling`): what any cache of any size could hit."""
 
     @property
     def gap_points(self) -> float:
@@ -85,6 +91,7 @@ class ReplayRow:
             "sim_prompt_tokens_mean": self.sim_prompt_tokens_mean,
             "sim_host_tokens_mean": self.sim_host_tokens_mean,
             "sim_both_tiers_tokens_mean": self.sim_both_tiers_tokens_mean,
+            "ceiling_doc_token_hit_rate": self.ceiling_doc_token_hit_rate,
             "sim": self.sim.to_json(),
             "config": {k: getattr(self.config, k) for k in self.config.__dataclass_fields__},
         }
@@ -195,6 +202,26 @@ def _engine_config(settings: dict[str, Any], system: str) -> EngineConfig | None
     )
 
 
+def reuse_ceiling(requests: list[EngineRequest], warmup: int) -> float:
+    """The document-token hit rate of the measured requests (those after `warmup`) with
+    unbounded memory: a document's tokens count as cached when an earlier request (warm-up
+    included) had the same prefix up to and including it (the same root and the same
+    documents before it, in order), since its KV is that of its prefix. No cache, of any policy
+    or tier, hits more on this stream; at this rate, more memory or a better policy adds
+    nothing and a host tier's copies can only cost."""
+    seen: set[tuple[object, ...]] = set()
+    cached = total = 0
+    for index, request in enumerate(requests):
+        path: tuple[object, ...] = (request.root_tokens,)
+        for doc in request.docs:
+            path = (*path, doc.key)
+            if index >= warmup:
+                total += doc.num_tokens
+                cached += doc.num_tokens if path in seen else 0
+            seen.add(path)
+    return cached / total if total else 0.0
+
+
 def _row(
     name: str,
     system: str,
@@ -234,15 +261,17 @@ def _row(
         config=config,
         sim_host_tokens_mean=statistics.fmean(host) if host else 0.0,
         sim_both_tiers_tokens_mean=statistics.fmean(both) if both else 0.0,
+        ceiling_doc_token_hit_rate=reuse_ceiling(requests, warmup),
     )
 
 
 def print_rows(rows: list[ReplayRow], out: Any) -> None:
-    """One line per system: engine and simulator, token and document-token hit rates, and the
-    simulated host tier's mean tokens with the share vLLM's blocks hold too."""
+    """One line per system: engine and simulator, token and document-token hit rates, the
+    stream's ceiling (`reuse_ceiling`), and the simulated host tier's mean tokens with the
+    share vLLM's blocks hold too."""
     print(
         f"{'workload':<14} {'system':<22} {'pts':>3}  {'tokens eng/sim':>15}  "
-        f"{'doc tokens eng/sim':>19}  {'gap':>6}  {'prompt eng/sim':>15}  "
+        f"{'doc tokens eng/sim':>19}  {'gap':>6}  {'ceiling':>7}  {'prompt eng/sim':>15}  "
         f"{'host tokens (both tiers)':>24}",
         file=out,
     )
@@ -253,7 +282,7 @@ def print_rows(rows: list[ReplayRow], out: Any) -> None:
             f"{r.workload:<14} {r.system:<22} {r.points:>3}  "
             f"{r.engine_token_hit_rate:>7.1%}/{r.sim.token_hit_rate:<7.1%}  "
             f"{r.engine_doc_token_hit_rate:>9.1%}/{r.sim.doc_token_hit_rate:<9.1%}  "
-            f"{r.gap_points:>+5.1f}p  "
+            f"{r.gap_points:>+5.1f}p  {r.ceiling_doc_token_hit_rate:>7.1%}  "
             f"{r.engine_prompt_tokens_mean:>7.0f}/{r.sim_prompt_tokens_mean:<7.0f}  "
             f"{host:>14,.0f} ({both:>5.1%})",
             file=out,
