@@ -21,7 +21,7 @@ from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.engine.connector.window import EvictionWindow
 from ragcache_core.plan import PLAN_KEY, HostLease, KeepSpan, LoadSpan, Plan, Tier
 from ragcache_core.storage.pool_layout import PoolLayout
-from ragcache_core.tree import KnowledgeTree
+from ragcache_core.tree import KnowledgeTree, RootKey
 from ragcache_core.tree.node import Node
 from tests._tree_helpers import ROOT, cached_paths, doc, node_path
 
@@ -157,6 +157,54 @@ def test_a_lost_engine_takes_every_lent_victim_with_it() -> None:
     tree.check_integrity()
 
 
+def test_a_root_of_no_tokens_is_never_lent_as_a_victim() -> None:
+    """A prompt with nothing before its first document has a root of no tokens, whose host
+    copy holds no slot. Lent as a victim it would give the engine nothing, and its overwrite
+    would drop every host copy below it (review 52): it is no eviction candidate at all."""
+    tree = _tree(host_slots=8, lease=4)
+    engine = _Engine(tree)
+    engine.serve("x")  # the root (1 slot) and x (2)
+    engine.serve("y")  # y (2): 1 slot left free
+    bare = RootKey("model", "tokenizer", "no-text-before-the-documents", "float16")
+    handle = tree.begin_request(0, [doc("a", 8)], 3, root_key=bare)
+    tree.confirm(handle)
+    (a_span,) = handle.plan.keep  # the bare root's copy of no slot is planned ready
+    assert handle.plan.lease is not None
+    free = [s for s in handle.plan.lease.slots if s in tree._placement.host_lease][:2]
+    engine.seq += 1
+    tree.apply_host_writes([(engine.seq, a_span.key, tuple(free))], [])
+    assert ("a",) in _on_host(tree)
+    reader = tree.begin_request(0, [doc("a", 8)], 3, root_key=bare)  # tops the lease up
+    assert reader.plan.lease is not None and reader.plan.lease.victims
+    assert all(slots for _, slots in reader.plan.lease.victims)
+    tree.confirm(reader)
+    tree.check_integrity()
+
+
+def test_a_lost_engines_late_report_is_ignored() -> None:
+    """A report the lost engine made, applied after the loss (its request's settle ran after
+    the supervisor's restart dropped the GPU tier), is ignored and counted: its numbers would
+    otherwise hide the new engine's copies, numbered from 1 again (review 52)."""
+    tree = _tree(host_slots=32, lease=8)
+    old = _Engine(tree)
+    old.serve("x")  # the root and x: copies 1 and 2
+    handle = tree.begin_request(4, [doc("x", 8), doc("y", 8)], 3)
+    tree.confirm(handle)
+    assert handle.plan.lease is not None
+    (y_span,) = handle.plan.keep
+    lent = tuple(s for s in handle.plan.lease.slots if s in tree._placement.host_lease)
+    tree.drop_tier(Tier.GPU)  # the engine died; the supervisor restarts it
+    tree.apply_host_writes(
+        [(3, y_span.key, lent[:2])], [], engine_generation=handle.engine_generation
+    )
+    assert tree.host_writes is not None and tree.host_writes.stale_reports == 1
+    assert ("x", "y") not in _on_host(tree)
+    new = _Engine(tree)  # numbers from 1
+    plan = new.serve("z")
+    assert plan.lease is not None and ("z",) in _on_host(tree)
+    tree.check_integrity()
+
+
 # ---------------------------------------------------------------------- the engine's side
 
 BLOCK = 4
@@ -209,6 +257,19 @@ def test_the_window_overwrites_victims_least_wanted_first_only_when_free_slots_r
     assert window.load_limit(stale) == 2
     fresh = Plan(page_size=WINDOW_PAGE, load=reads, lease=HostLease(1, 3, 2, ()))
     assert window.load_limit(fresh) is None
+
+
+def test_a_victim_of_no_slots_is_never_overwritten() -> None:
+    """Defence in depth (the tree lends none): a victim of no slots gives no room, so the
+    window passes over it rather than report it overwritten."""
+    pool, ids = _leaving()
+    window = EvictionWindow(window_blocks=3, block_size=BLOCK, page_size=WINDOW_PAGE)
+    victims = ((4, ()), *VICTIMS)
+    window.take_lease(HostLease(1, 1, 0, slots=(0, 1), victims=victims))
+    window.record(KEEP, ids, pool, epoch=1, version=1)
+    _push(pool, ids)
+    assert [w.key for w in window.scan(pool)] == [7, 8]
+    assert [vid for _, vid in window.take_overwritten()] == [5, 6]
 
 
 def test_without_room_even_with_every_victim_nothing_is_overwritten() -> None:

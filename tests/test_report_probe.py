@@ -50,10 +50,11 @@ class _Engine:
 
 class _Lifecycle:
     def __init__(self, writes: _Writes | None) -> None:
-        self.tree = SimpleNamespace(host_writes=writes)
+        self.tree = SimpleNamespace(host_writes=writes, engine_generation=3)
         self.applied: list[ConnectorResult] = []
 
-    def apply_host_writes(self, result: ConnectorResult) -> None:
+    def apply_host_writes(self, result: ConnectorResult, engine_generation: int) -> None:
+        assert engine_generation == 3  # the engine the probe ran on
         self.applied.append(result)
         assert self.tree.host_writes is not None
         self.tree.host_writes.reports += 1  # as `HostWrites.apply` counts it

@@ -120,12 +120,13 @@ class Lifecycle:
         which its confirmation marks as held there."""
         confirmed = self._settle_copies(handle, result)
         if result.reported:
-            self.apply_host_writes(result)
+            self.apply_host_writes(result, handle.engine_generation)
         return confirmed
 
-    def apply_host_writes(self, result: ConnectorResult) -> None:
+    def apply_host_writes(self, result: ConnectorResult, engine_generation: int) -> None:
         """The eviction-time host writes a report carries (any request's, or the report
-        probe's: `runtime/report_probe.py`) become host copies; see
+        probe's: `runtime/report_probe.py`) become host copies, unless the engine that made
+        it (`engine_generation`, the tree's when its request was planned) was lost since: see
         `KnowledgeTree.apply_host_writes`."""
         self.tree.apply_host_writes(
             result.host_copied,
@@ -134,6 +135,7 @@ class Lifecycle:
             result.host_gone,
             result.host_lost,
             result.host_overwritten,
+            engine_generation=engine_generation,
         )
 
     def _settle_copies(self, handle: RequestHandle, result: ConnectorResult) -> bool:

@@ -339,6 +339,7 @@ class RAGCache(RAGCacheAPI):
                 "lease_peak_slots": writes.lease_peak,
                 "victim_slots": self.tree.host_victim_slots,
                 "victims_overwritten": writes.overwritten,
+                "stale_reports": writes.stale_reports,
                 "report_probes": self._report_probe.probes,
             }
         data["queue_waiting"] = self.admission.waiting

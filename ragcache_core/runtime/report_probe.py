@@ -104,6 +104,7 @@ class ReportProbe:
             return False
         self._owed = False
         before = writes.reports
+        generation = self._lifecycle.tree.engine_generation  # the engine the probe runs on
         try:
             async with self.lock:
                 request_id = f"report-probe-{next(self._ids)}"
@@ -113,7 +114,7 @@ class ReportProbe:
         if result is None:
             logger.error("RAGCache: the connector sent no report on a report probe")
             return False
-        self._lifecycle.apply_host_writes(result)
+        self._lifecycle.apply_host_writes(result, generation)
         # A request's report that came while the probe ran owes a look of its own.
         self._owed = writes.reports > before + 1
         self._seen = writes.reports

@@ -106,6 +106,9 @@ class HostWrites:
         """This tree's name in its leases (another tree on the same engine has another)."""
         self.applied = 0
         """The highest copy sequence number applied (this engine's)."""
+        self.stale_reports = 0
+        """Reports of a lost engine that came after the loss, ignored
+        (`KnowledgeTree.apply_host_writes`)."""
         self.reports = 0
         """Engine reports applied (`apply`; never reset): how the report probe sees that one
         came (`runtime/report_probe.py`)."""

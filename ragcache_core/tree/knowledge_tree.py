@@ -111,6 +111,9 @@ class KnowledgeTree:
                 f"unknown store_policy {store_policy!r}; choose one of {', '.join(STORE_POLICIES)}"
             )
         self.root_key = root_key
+        self.engine_generation = 0
+        """How many engines were lost (`drop_tier(Tier.GPU)`): a request planned now runs on
+        engine `engine_generation`, and its report is applied only while that engine lives."""
         self.page_size = page_size
         self.policy = make_policy(policy)
         self._prefixes = PrefixTree(root_key)
@@ -286,6 +289,7 @@ class KnowledgeTree:
             final=final,
         )
         self._next_request_id += 1
+        handle.engine_generation = self.engine_generation
         self._open[handle.request_id] = handle
         self._placement.compact()
         return handle
@@ -317,13 +321,24 @@ class KnowledgeTree:
         gone: Sequence[tuple[int, int]] = (),
         lost: WindowLosses = NO_LOSSES,
         overwritten: Sequence[tuple[int, int]] = (),
+        *,
+        engine_generation: int | None = None,
     ) -> None:
         """The engine's report of eviction-time host writes (any request's report carries the
         changes since the previous one; each copy is applied once): lent victims the engine
         overwrote leave the host tier, copies become ready host copies, and the paths `gone`
         from vLLM's blocks stop being held there (`HostWrites.apply`). No-op when the host
-        tier is written at compute."""
+        tier is written at compute.
+
+        `engine_generation`: the generation of the engine that made the report (the
+        `engine_generation` of the request it came with, taken when it was planned; None: the
+        current one). A report of an engine lost since (`drop_tier`) is ignored and counted
+        (`HostWrites.stale_reports`): that engine's unreported copies are lost, and its
+        numbers would hide the new engine's, which numbers from 1 again."""
         if self.host_writes is not None:
+            if engine_generation is not None and engine_generation != self.engine_generation:
+                self.host_writes.stale_reports += 1
+                return
             self.host_writes.apply(
                 tuple(copied),
                 tuple(dropped),
@@ -346,8 +361,10 @@ class KnowledgeTree:
         for handle in list(self._open.values()):
             self.abort(handle)
         self._placement.drop_tier(tier)
-        if tier is Tier.GPU and self.host_writes is not None:
-            self.host_writes.engine_lost()
+        if tier is Tier.GPU:
+            self.engine_generation += 1
+            if self.host_writes is not None:
+                self.host_writes.engine_lost()
 
     def invalidate(self, doc_id: str) -> int:
         """Drop every node of document `doc_id` (any content hash, any prefix) and their

@@ -101,12 +101,14 @@ class Node:
         return tuple(reversed(keys))
 
     def is_candidate(self, tier: Tier) -> bool:
-        """Evictable from `tier` now: has a copy there, no child has one, not pinned, not
-        lent to the engine as a victim."""
+        """Evictable from `tier` now: has a copy there that holds slots (a root of no
+        tokens holds none: evicting it, or lending it as a victim, would free nothing and
+        drop what hangs below it), no child has one, not pinned, not lent to the engine as a
+        victim."""
         return (
             self.attached
             and self.pins == 0
-            and tier in self.slots
+            and bool(self.slots.get(tier))
             and self.tier_children[tier] == 0
             and not (self.lent and tier is Tier.HOST)
         )

@@ -65,6 +65,9 @@ class RequestHandle:
         self.stored_docs = 0
         self.stored_root = False
         self.ledger = RequestLedger()
+        self.engine_generation = 0
+        """The tree's engine generation when the request was planned
+        (`KnowledgeTree.engine_generation`): its report comes from that engine."""
 
     @property
     def is_open(self) -> bool:
