@@ -7,6 +7,10 @@ small hosts (its subjects come in runs). The variants span the two:
 
   * `age{r}`: Clock[tier] + frequency / size, the clock moving a share `r` of the way to each
     evicted priority (r = 1 is GDSF with cost 1 / size, r = 0 is LFU per token);
+  * `gdsfa{r}` and `pgdsfa{r}`: GDSF and PGDSF (their own Cost/Size: the document's
+    standalone prefill cost per token, or PGDSF's prefix-aware one), the clock moving a share
+    `r` of the way to each evicted priority (r = 1 is the policy itself; r = 0 keeps no
+    aging: frequency x Cost/Size, what a second-level cache under vLLM's LRU may want);
   * `lrfu{lam}`: LRFU per token: log2(CRF / size), CRF = sum over the node's counted accesses
     of 2^(-lam x age), kept as the snapshot log2(CRF(t_last) / size) + lam x t_last;
   * `duel{decay}[m{margin}][z{z}][f][p{cand}_{cand}...]`: Clock[tier] + frequency x weight
@@ -73,6 +77,23 @@ class AgedPerToken(GreedyDualPolicy):
 
     def cost_per_token(self, stats: NodeStats) -> float:
         return 1.0 / max(stats.num_tokens, 1)
+
+    def on_evict(self, tier: Tier, priority: Priority) -> None:
+        clock = self.clocks[tier]
+        self.clocks[tier] = max(clock, clock + self.PACE * (priority[0] - clock))
+
+
+class AgedCost(GreedyDualPolicy):
+    """GDSF's Cost/Size (`COST` "standalone") or PGDSF's ("prefix"), the clock at `PACE`."""
+
+    name = "gdsfa"
+    PACE = 1.0
+    COST = "standalone"
+
+    def cost_per_token(self, stats: NodeStats) -> float:
+        if self.COST == "prefix":
+            return stats.avg_cost_per_token
+        return stats.standalone_cost_per_token
 
     def on_evict(self, tier: Tier, priority: Priority) -> None:
         clock = self.clocks[tier]
@@ -344,7 +365,12 @@ def variants(spec: str) -> list[type[EvictionPolicy]]:
     out: list[type[EvictionPolicy]] = []
     for item in spec.split(","):
         attrs: dict[str, object] = {"name": item}
-        if item.startswith("age"):
+        if item.startswith(("gdsfa", "pgdsfa")):
+            cost, _, pace = item.partition("gdsfa")
+            attrs["PACE"] = float(pace)
+            attrs["COST"] = "prefix" if cost == "p" else "standalone"
+            out.append(type(item, (AgedCost,), attrs))
+        elif item.startswith("age"):
             attrs["PACE"] = float(item[3:])
             out.append(type(item, (AgedPerToken,), attrs))
         elif item.startswith("lrfu"):

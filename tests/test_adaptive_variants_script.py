@@ -47,6 +47,8 @@ def test_spec_grammar() -> None:
     assert candidates == (cand(1.0), cand(0.0, uniform=True))
     with pytest.raises(SystemExit):
         script.variants("duel0.999q1")
+    gdsf, pgdsf = script.variants("gdsfa0,pgdsfa0.5")
+    assert (gdsf.PACE, gdsf.COST, pgdsf.PACE, pgdsf.COST) == (0.0, "standalone", 0.5, "prefix")
 
 
 def test_shadow_holds_what_fits_and_counts_hits() -> None:
@@ -196,3 +198,28 @@ def test_table_on_a_tiny_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str
     rows = [line for line in out.splitlines() if line.startswith("| tiny")]
     assert len(rows) == 5
     assert "duel0.999m0fp1_0_c1 on held-out traces" in out
+
+
+def test_a_clock_at_full_pace_is_the_policy_itself() -> None:
+    """`gdsfa1` and `pgdsfa1` are GDSF and PGDSF (the same hits on a trace with Zipf
+    popularity and mixed sizes); `gdsfa0`, whose clock never moves, is another policy."""
+    import random
+
+    from policy_hit_rates import simulate_cell
+
+    script = _script()
+    rng = random.Random(0)
+    sizes = {str(d): 50 + d * 37 % 150 for d in range(30)}
+    weights = [1 / (rank + 1) for rank in range(30)]
+    requests = []
+    for i in range(300):
+        name = rng.choices(list(sizes), weights)[0]
+        requests.append(TraceRequest(f"q{i}", float(i), (name,), (sizes[name],), 20))
+    for cls in script.variants("gdsfa1,pgdsfa1,gdsfa0"):
+        script.POLICIES[cls.name] = cls
+
+    def rate(policy: str) -> float:
+        return simulate_cell(requests, 300, 600, policy, 64, host_write="compute").doc_hit_rate
+
+    assert rate("gdsfa1") == rate("gdsf") > 0 and rate("pgdsfa1") == rate("pgdsf") > 0
+    assert rate("gdsfa0") != rate("gdsf")
