@@ -18,7 +18,7 @@
 | `ragcache-offload-proxy-lazy` | as SimpleCPUOffloadConnector lazy_offload: eviction-time     |
 |                   | writes, LRU, copied blocks back at the free queue's tail, FCFS          |
 | `ragcache-docorder` | RAGCache, `document_order="cache"` (its prompts differ: not compared) |
-| `ragcache-nohost` / `-lru` / `-noreorder` / `-nospec`: ablations (host pool 0, LRU, ...)    |
+| `ragcache-nohost` / `-lru` / `-lfu` / `-noreorder` / `-nospec`: ablations (host pool 0, ...) |
 | `ragcache-twin`: a second identical RAGCache engine (the A/A check of a run's spread)     |
 | `ragcache-onefill` (`-fcfs`), `ragcache-twofill`: one (two) requests in prefill at most      |
 | `vllm-noconn` / `vllm-apc-noconn`: the baselines without the idle connector they load       |
@@ -168,6 +168,13 @@ SYSTEMS: dict[str, SystemSpec] = {
             "ragcache",
             "RAGCache, LRU instead of PGDSF",
             {"policy": "lru"},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-lfu",
+            "ragcache",
+            "RAGCache, LFU instead of PGDSF",
+            {"policy": "lfu"},
             parent="ragcache",
         ),
         SystemSpec(
