@@ -45,6 +45,18 @@ def test_proxies_do_not_follow_a_changed_default() -> None:
         assert base.with_(**SYSTEMS[name].changes).host_write == "compute"
 
 
+@pytest.mark.parametrize("name", sorted(n for n, s in SYSTEMS.items() if s.kind == "ragcache"))
+def test_every_ragcache_system_is_a_valid_config(name: str) -> None:
+    config = CacheConfig(host_pool_tokens=4096).with_(**SYSTEMS[name].changes)
+    for key, value in SYSTEMS[name].changes.items():
+        assert getattr(config, key) == value
+
+
+def test_the_policy_ablations_change_only_the_policy() -> None:
+    assert dict(SYSTEMS["ragcache-lfu"].changes) == {"policy": "lfu"}
+    assert dict(SYSTEMS["ragcache-lru"].changes) == {"policy": "lru"}
+
+
 def test_cuda_only_systems_are_the_two_vllm_offloads() -> None:
     assert CUDA_ONLY == ("vllm-offload", "vllm-offload-lazy")
     assert all(SYSTEMS[n].kind == "vllm" for n in CUDA_ONLY)
