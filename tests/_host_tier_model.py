@@ -28,8 +28,10 @@ from ragcache_core.engine.connector.metadata import StepOps, WorkerReport
 from ragcache_core.engine.connector.scheduler_side import SchedulerSide
 from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.plan import PLAN_KEY, Plan, Tier
+from ragcache_core.runtime.lifecycle import Lifecycle
 from ragcache_core.storage.pool_layout import PoolLayout
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RequestHandle
+from tests._host_tier_counts import Counts
 from tests._tree_helpers import ROOT
 
 TICKS = 240
@@ -38,43 +40,6 @@ DOC_IDS = "abcde"
 Token = tuple[tuple[str, ...], int]
 """A token's identity: the path it sits on (root, documents with their versions, the question,
 the answer) and its offset there. Two positions hold the same KV iff their identities match."""
-
-
-@dataclass
-class Counts:
-    """What the scenarios exercised (printed once; asserted to be nonzero)."""
-
-    scenarios: int = 0
-    actions: int = 0
-    steps: int = 0
-    requests: int = 0
-    host_loads: int = 0
-    """Load spans read (wholly or in part) from the host pool."""
-    host_tokens: int = 0
-    copied_loads: int = 0
-    """Of those, spans from copies the tree had not applied (`EvictionWindow.copied_loads`)."""
-    victim_loads: int = 0
-    """Load spans read from slots the plan's lease lent as a victim."""
-    copies: int = 0
-    failed_copies: int = 0
-    overwrites: int = 0
-    refused_tokens: int = 0
-    """Tokens the scheduler side refused to load past an overwritten victim (`load_limit`)."""
-    reports: int = 0
-    late_reports: int = 0
-    """Reports applied after a report the engine produced later."""
-    lost_reports: int = 0
-    aborts: int = 0
-    restarts: int = 0
-    after_restart: int = 0
-    """Reports of a dead engine that reached the app after the restart (to be ignored)."""
-    preemptions: int = 0
-    invalidations: int = 0
-    clears: int = 0
-
-    def add(self, other: Counts) -> None:
-        for name in vars(self):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class Violation(AssertionError):
@@ -172,6 +137,7 @@ class Scenario:
             window_blocks=s.window_blocks,
             back_to_head=s.back_to_head,
         )
+        self.lifecycle = Lifecycle(self.tree, self.config)  # the app's path for a report
         self.new_engine()
         self.host: dict[tuple[int, int], Token | None] = {}
         """(host slot, row) -> the token whose KV it holds (written by copies only)."""
@@ -340,11 +306,9 @@ class Scenario:
         self.dying = False
         now, later = [], []
         for _, order, kind, req, result in self.inbox:
-            fate = self.rng.random()
-            if fate < 1 / 3:
-                now.append((self.tick, order, kind, req, result))
-            elif fate < 2 / 3:
-                now.append((self.tick, order, "lost", req, result))
+            fate = self.rng.randrange(3)  # reaches the app before the restart, never, or after
+            if fate < 2:
+                now.append((self.tick, order, kind if fate == 0 else "lost", req, result))
             else:
                 later.append((self.tick + self.rng.choice([0, 1, 5]), order, kind, req, result))
         self.inbox = now
@@ -381,15 +345,7 @@ class Scenario:
             self.log.append(f"{self.tick} report {req.rid}#{order} {_report_str(result)}")
             if req.handle.is_open:
                 self.tree.confirm(req.handle)
-            self.tree.apply_host_writes(
-                result.host_copied,
-                result.host_dropped,
-                result.stranded_blocks,
-                result.host_gone,
-                result.host_lost,
-                result.host_overwritten,
-                engine_generation=req.handle.engine_generation,
-            )
+            self.lifecycle.apply_host_writes(result, req.handle.engine_generation)
             self.tree.check_integrity()
 
     def send(self, kind: str, req: Request, result: ConnectorResult | None = None) -> None:
