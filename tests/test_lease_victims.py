@@ -259,17 +259,13 @@ def test_the_window_overwrites_victims_least_wanted_first_only_when_free_slots_r
     assert window.load_limit(fresh) is None
 
 
-def test_a_victim_of_no_slots_is_never_overwritten() -> None:
-    """Defence in depth (the tree lends none): a victim of no slots gives no room, so the
-    window passes over it rather than report it overwritten."""
-    pool, ids = _leaving()
-    window = EvictionWindow(window_blocks=3, block_size=BLOCK, page_size=WINDOW_PAGE)
-    victims = ((4, ()), *VICTIMS)
-    window.take_lease(HostLease(1, 1, 0, slots=(0, 1), victims=victims))
-    window.record(KEEP, ids, pool, epoch=1, version=1)
-    _push(pool, ids)
-    assert [w.key for w in window.scan(pool)] == [7, 8]
-    assert [vid for _, vid in window.take_overwritten()] == [5, 6]
+def test_a_lease_with_a_victim_of_no_slots_is_refused() -> None:
+    """The tree lends none (above); a plan that did would be refused whole by the engine."""
+    lease = HostLease(1, 1, 0, slots=(0, 1), victims=((4, ()), *VICTIMS))
+    problems = plan_problems(
+        Plan(page_size=PAGE, lease=lease), prompt_len=8, page_size=PAGE, host_slots=32
+    )
+    assert problems == ["the lease lends a victim of no slots (its overwrite frees nothing)"]
 
 
 def test_without_room_even_with_every_victim_nothing_is_overwritten() -> None:

@@ -31,9 +31,9 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
     Valid means: the pools' page size; loads are contiguous from position 0; every span's
     slot count matches its tokens; every slot is inside the host pool; stores lie in the
     prompt; keep spans lie in the prompt in order (a keep span's parent is an earlier one);
-    lease slots (free and victims') are in the host pool, once each. The engine has no GPU
-    pool (its GPU tier is vLLM's own KV cache), so a GPU load or store (the simulator's two
-    pools) is refused.
+    lease slots (free and victims') are in the host pool, once each, and every victim holds
+    some. The engine has no GPU pool (its GPU tier is vLLM's own KV cache), so a GPU load or
+    store (the simulator's two pools) is refused.
     """
     problems: list[str] = []
 
@@ -107,6 +107,8 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
             problems.append("the lease repeats a host slot")
         if len({vid for vid, _ in plan.lease.victims}) != len(plan.lease.victims):
             problems.append("the lease repeats a victim")
+        if any(not slots for _, slots in plan.lease.victims):
+            problems.append("the lease lends a victim of no slots (its overwrite frees nothing)")
     return problems
 
 

@@ -441,8 +441,6 @@ class EvictionWindow:
             return False
         while len(self._lease) < count:
             vid, slots = self._victims.pop(0)
-            if not slots:  # gives no room: overwriting it would only drop it (never lent now)
-                continue
             self._seq += 1
             self._overwrites.append((self._seq, vid))
             for slot in slots:
