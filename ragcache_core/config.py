@@ -357,6 +357,11 @@ def check_document_order(value: object) -> str:
     return str(value)
 
 
+DEFAULT_POLICY = "dgdsf"
+"""The replacement policy a cache, the simulators and the commands use unless told otherwise
+(`CacheConfig.policy`; DGDSF: docs/benchmarks.md, "Decayed frequency")."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Settings of a `RAGCache`. Immutable; derive variants with `with_(...)`."""
@@ -375,7 +380,12 @@ class CacheConfig:
     """Capacity of the host-tier pool (shared memory) in tokens; 0 turns the host tier off."""
     page_size: int = 16
     """Tokens per pool slot (see docs/data-plane.md, "Page size")."""
-    policy: str = "pgdsf"
+    policy: str = DEFAULT_POLICY
+    """The host tier's replacement policy: "dgdsf" (the default: GDSF's Cost/Size times a
+    frequency whose retrievals' weights halve every 2,000 final requests; measured at 0.995 or
+    more of the best of LRU, LFU, GDSF, PGDSF and ARC in every cell of the eviction-time policy
+    table, where PGDSF falls to 0.654: docs/benchmarks.md, "Decayed frequency"), "pgdsf" (the
+    paper's), "gdsf", "lru", "lfu", "arc" or "apgdsf" (docs/design.md 2.3)."""
     store_policy: str = "always"
     """Which computed documents are stored: "always" (the paper), "second" (only a document
     met before at the same prefix) or "no_evict" (only into free room). See

@@ -13,6 +13,11 @@ small hosts (its subjects come in runs). The variants span the two:
     aging: frequency x Cost/Size, what a second-level cache under vLLM's LRU may want);
   * `lrfu{lam}`: LRFU per token: log2(CRF / size), CRF = sum over the node's counted accesses
     of 2^(-lam x age), kept as the snapshot log2(CRF(t_last) / size) + lam x t_last;
+  * `alfu{h}`, `aclfu{h}` and `aslfu{h}`: aged LFU: the same decayed count CRF with a
+    half-life of `h` requests (lam = 1 / h), without the size: log2(CRF) (LFU whose counts
+    fade), or weighted by PGDSF's cost term (`aclfu`: log2(CRF x the node's mean prefill cost
+    per computed token, its standalone cost until it has been computed)) or by GDSF's
+    (`aslfu`: the standalone cost per token);
   * `duel{decay}[m{margin}][z{z}][f][p{cand}_{cand}...]`: Clock[tier] + frequency x weight
     whose candidate, per tier, follows shadow dueling (set dueling without sets): one
     metadata-only shadow cache per candidate, each of the tier's capacity (the most tokens it
@@ -148,6 +153,20 @@ class LRFUPerToken(EvictionPolicy):
 
     def reset(self) -> None:
         self.history = {}
+
+
+class AgedLFU(LRFUPerToken):
+    name = "alfu"
+    WEIGHT = "uniform"  # or "prefix": PGDSF's cost term, "standalone": GDSF's
+
+    def priority(self, stats: NodeStats, tier: Tier) -> Priority:
+        crf, time = self._crf(stats)
+        if self.WEIGHT == "prefix":
+            crf *= stats.avg_cost_per_token or stats.standalone_cost_per_token or 1.0
+        elif self.WEIGHT == "standalone":
+            crf *= stats.standalone_cost_per_token or 1.0
+        value = math.log2(max(crf, 1e-12)) + self.LAMBDA * time
+        return (value, float(stats.last_access))
 
 
 class Candidate(NamedTuple):
@@ -365,11 +384,18 @@ def variants(spec: str) -> list[type[EvictionPolicy]]:
     out: list[type[EvictionPolicy]] = []
     for item in spec.split(","):
         attrs: dict[str, object] = {"name": item}
-        if item.startswith(("gdsfa", "pgdsfa")):
+        if item in POLICIES:  # a registered policy, as it ships
+            out.append(POLICIES[item])
+        elif item.startswith(("gdsfa", "pgdsfa")):
             cost, _, pace = item.partition("gdsfa")
             attrs["PACE"] = float(pace)
             attrs["COST"] = "prefix" if cost == "p" else "standalone"
             out.append(type(item, (AgedCost,), attrs))
+        elif item.startswith(("alfu", "aclfu", "aslfu")):
+            weight, _, halflife = item.partition("lfu")
+            attrs["LAMBDA"] = 1.0 / float(halflife)
+            attrs["WEIGHT"] = {"a": "uniform", "ac": "prefix", "as": "standalone"}[weight]
+            out.append(type(item, (AgedLFU,), attrs))
         elif item.startswith("age"):
             attrs["PACE"] = float(item[3:])
             out.append(type(item, (AgedPerToken,), attrs))

@@ -12,11 +12,11 @@ Served FCFS one request at a time (hit rates then do not depend on arrival times
 
 Each cell is the document hit rate / document-token hit rate, then (in brackets) the document
 hit rate relative to the best of the fixed policies (pgdsf, gdsf, lru, lfu, arc) in that row.
-Then the default policy (pgdsf) with `store_policy="second"` (a document is stored on its
-second sight, as vLLM's `store_threshold=2`) and adaptive PGDSF (`apgdsf`), each relative to
-the same best. The verdict lines say whether the default comes within 1% of the best in every
-row, and how close apgdsf comes on the traces its STEP was tuned on (`--tuned`, by file stem:
-`scripts/tune_adaptive_pgdsf.py`) and on the others, apart.
+Then the default policy (`DEFAULT_POLICY`, dgdsf), the default with `store_policy="second"`
+(a document is stored on its second sight, as vLLM's `store_threshold=2`) and adaptive PGDSF
+(`apgdsf`), each relative to the same best. The verdict lines say whether the default comes
+within 1% of the best in every row, and how close apgdsf comes on the traces its STEP was
+tuned on (`--tuned`, by file stem: `scripts/tune_adaptive_pgdsf.py`) and on the others, apart.
 
     .venv/bin/python scripts/policy_hit_rates.py /tmp/ragcache-traces/*.jsonl
 """
@@ -29,12 +29,13 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
+from ragcache_core.policy import DEFAULT_POLICY
 from ragcache_core.sim import EngineConfig, EngineRequest, EngineSimulator, SimConfig, simulate
 from ragcache_core.trace import TraceRequest, load_trace
 
 FRACTIONS = (0.025, 0.05, 0.1, 0.2, 0.4)
 FIXED = ("pgdsf", "gdsf", "lru", "lfu", "arc")
-DEFAULT = "pgdsf"
+DEFAULT = DEFAULT_POLICY
 ADAPTIVE = "apgdsf"
 BLOCK_SIZE = 32
 WITHIN = 0.99
@@ -183,16 +184,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"token hit {ceiling.token_hit_rate:.3f}"
         )
         role = "tuned" if path.stem in tuned else "held out"
-        heads = [*FIXED, f"{DEFAULT} + second", f"{ADAPTIVE} ({role})"]
+        shown = [*FIXED, *([] if DEFAULT in FIXED else [DEFAULT])]
+        heads = [*shown, f"{DEFAULT} + second", f"{ADAPTIVE} ({role})"]
         print("| host tokens (share) | " + " | ".join(heads) + " |")
-        print("|---|" + "---|" * (len(FIXED) + 2))
+        print("|---|" + "---|" * len(heads))
         for fraction in fractions:
             host = int(distinct * fraction)
-            results = {p: cell(requests, gpu, host, p, args.system_tokens) for p in FIXED}
+            results = {p: cell(requests, gpu, host, p, args.system_tokens) for p in shown}
             second = cell(requests, gpu, host, DEFAULT, args.system_tokens, "second")
             adapted = cell(requests, gpu, host, ADAPTIVE, args.system_tokens)
-            best = max(r.doc_hit_rate for r in results.values())
-            cells = [_cell(results[p], best) for p in FIXED]
+            best = max(results[p].doc_hit_rate for p in FIXED)
+            cells = [_cell(results[p], best) for p in shown]
             cells += [_cell(second, best), _cell(adapted, best)]
             where = f"{path.stem} at {fraction:.1%}"
             adaptive[path.stem in tuned].append(

@@ -157,6 +157,7 @@ FREQUENCY_ORDER = {
     "pgdsf": ["b", "c", "d"],
     "arc": ["b", "d", "e"],  # a and c were reused (T2); b, then each newcomer, is T1's LRU
     "apgdsf": ["b", "c", "d"],  # no evicted key comes back: theta stays 1, PGDSF's order
+    "dgdsf": ["b", "d", "e"],  # no clock: frequency decides (a few requests decay nothing)
 }
 
 
@@ -190,7 +191,15 @@ class PrefixCost:
 
 # Two leaves of equal size and frequency: x was computed after a 1,000-token cached prefix
 # (cost/token 11), y after a 10-token one (1.1). x is older. Only PGDSF keeps x.
-PREFIX_ORDER = {"lru": "x", "lfu": "x", "gdsf": "x", "pgdsf": "y", "arc": "x", "apgdsf": "y"}
+PREFIX_ORDER = {
+    "lru": "x",
+    "lfu": "x",
+    "gdsf": "x",
+    "pgdsf": "y",
+    "arc": "x",
+    "apgdsf": "y",
+    "dgdsf": "x",  # GDSF's standalone cost: equal; x's retrieval is older
+}
 
 
 @pytest.mark.parametrize("policy", ALL)

@@ -61,7 +61,9 @@ def test_table_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: 
     out = capsys.readouterr().out
     rows = _rows(out)
     assert len(rows) == 2
-    assert all(len(row) == 1 + len(script.FIXED) + 2 for row in rows)
+    # the five fixed policies, the default (dgdsf, not one of them), then two more columns
+    assert script.DEFAULT not in script.FIXED
+    assert all(len(row) == 1 + len(script.FIXED) + 1 + 2 for row in rows)
     shares = [float(cell.rsplit("(", 1)[1].rstrip(")")) for cell in rows[0][1:6]]
     assert max(shares) == pytest.approx(1.0)
     assert "of the best fixed policy in every cell" in out

@@ -500,7 +500,7 @@ def test_a_failed_load_removes_only_the_node_it_read() -> None:
 
 
 def test_a_failed_root_load_empties_the_tree_but_keeps_the_policys_clocks() -> None:
-    cache = make(gpu=6, host=0)
+    cache = make(gpu=6, host=0, policy="pgdsf")  # a policy with clocks
     for name in "abcdef":  # evictions move the GPU clock
         run(cache, doc(name, 8), root=4)
     clock = cache.policy.clocks[Tier.GPU]  # type: ignore[attr-defined]

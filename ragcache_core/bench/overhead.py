@@ -15,6 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from ragcache_core.policy import DEFAULT_POLICY
 from ragcache_core.runtime.reorder import CacheAwareQueue
 from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
@@ -53,7 +54,7 @@ class _Stream:
 
 
 def measure(
-    nodes: int, requests: int = 2000, policy: str = "pgdsf", seed: int = 0
+    nodes: int, requests: int = 2000, policy: str = DEFAULT_POLICY, seed: int = 0
 ) -> OverheadResult:
     """Fill a knowledge tree to about `nodes` nodes, then time `requests` requests."""
     page = 16

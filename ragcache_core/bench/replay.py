@@ -176,7 +176,7 @@ def _engine_config(settings: dict[str, Any], system: str) -> EngineConfig | None
     base = CacheConfig(
         host_pool_tokens=int(settings["host_pool_tokens"]),
         vllm_kv_cache_gib=settings["vllm_kv_gib"],
-        policy=str(settings.get("policy", "pgdsf")),
+        policy=str(settings.get("policy", "pgdsf")),  # a run that names none predates DGDSF
     )
     token_bytes = int(settings["kv_bytes_per_token"])
     kv_bytes = int(float(settings["vllm_kv_gib"]) * GIB)

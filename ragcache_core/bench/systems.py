@@ -166,15 +166,22 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec(
             "ragcache-lru",
             "ragcache",
-            "RAGCache, LRU instead of PGDSF",
+            "RAGCache, LRU instead of DGDSF",
             {"policy": "lru"},
             parent="ragcache",
         ),
         SystemSpec(
             "ragcache-lfu",
             "ragcache",
-            "RAGCache, LFU instead of PGDSF",
+            "RAGCache, LFU instead of DGDSF",
             {"policy": "lfu"},
+            parent="ragcache",
+        ),
+        SystemSpec(
+            "ragcache-pgdsf",
+            "ragcache",
+            "RAGCache, PGDSF (the paper's policy) instead of DGDSF",
+            {"policy": "pgdsf"},
             parent="ragcache",
         ),
         SystemSpec(

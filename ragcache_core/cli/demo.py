@@ -31,6 +31,7 @@ from typing import Any
 from ragcache_core.bench.workloads import RETRIEVERS
 from ragcache_core.cli.output import add_removed_option, add_verbose
 from ragcache_core.errors import CliError
+from ragcache_core.policy import DEFAULT_POLICY, POLICIES
 
 WARMUP_CONCURRENCY = 4
 """Warm-up requests in flight at once (a closed loop)."""
@@ -93,7 +94,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host-pool-tokens", type=int, default=65536, help="RAGCache's host pool")
     p.add_argument("--speculation", choices=("on", "off"), default="on")
     p.add_argument("--reorder", choices=("on", "off"), default="on")
-    p.add_argument("--policy", default="pgdsf", help="pgdsf, gdsf, lru, lfu, arc or apgdsf")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"{', '.join(POLICIES)} (%(default)s)")
     p.add_argument("--chart", type=Path, default=Path("ragcache-demo.png"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=("tiny", "bench"), default="bench", help="built model size")

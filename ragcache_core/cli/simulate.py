@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ragcache_core.errors import CliError
+from ragcache_core.policy import DEFAULT_POLICY, POLICIES
 
 
 def register(subparsers: Any) -> None:
@@ -27,7 +28,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--trace", type=Path, default=None, metavar="T.jsonl")
     parser.add_argument(
-        "--policy", default="pgdsf", help="pgdsf, gdsf, lru, lfu, arc or apgdsf (%(default)s)"
+        "--policy", default=DEFAULT_POLICY, help=f"{', '.join(POLICIES)} (%(default)s)"
     )
     parser.add_argument(
         "--gpu-tokens", type=int, default=None, metavar="N", help="the GPU pool (not --engine)"

@@ -11,6 +11,7 @@ Adding a policy is adding one small subclass and one registry entry (`registry.p
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from typing import ClassVar
@@ -19,6 +20,11 @@ from ragcache_core.plan import Tier
 
 Priority = tuple[float, float]
 """Sortable priority; compared lexicographically, lowest evicted first."""
+
+FREQUENCY_HALF_LIFE = 2000.0
+"""Final requests over which a retrieval's weight in `NodeStats.log2_decayed_frequency` halves
+(DGDSF's aging, docs/design.md 2.3; the figure that chose it: docs/benchmarks.md, "Decayed
+frequency")."""
 
 
 class NodeStats:
@@ -33,6 +39,11 @@ class NodeStats:
     - `last_access`: logical time (request counter) of the latest access, any request.
     - `accesses`: accesses of any request since the node was created (never windowed; ARC
       tells a reuse from the store by it).
+    - `log2_decayed_frequency`: log2 of the sum, over the counted retrievals, of
+      2^(f / FREQUENCY_HALF_LIFE), f the number of final requests at that retrieval: the
+      frequency with each retrieval's weight halving every `FREQUENCY_HALF_LIFE` final
+      requests, on a scale where every node's value compares with every other's whenever it
+      was taken (-inf before the first count; windowed as `frequency` is).
     """
 
     __slots__ = (
@@ -40,6 +51,7 @@ class NodeStats:
         "cost_per_token_sum",
         "frequency",
         "last_access",
+        "log2_decayed_frequency",
         "num_computed",
         "num_tokens",
         "standalone_cost_per_token",
@@ -55,16 +67,19 @@ class NodeStats:
         self.last_access = now
         self.window = 0
         self.accesses = 0
+        self.log2_decayed_frequency = -math.inf
 
     @property
     def avg_cost_per_token(self) -> float:
         """Algorithm 1's `avg_cost`: mean of T(alpha, beta) / beta over computing requests."""
         return self.cost_per_token_sum / self.num_computed if self.num_computed else 0.0
 
-    def touch(self, now: int, *, count: bool, window: int) -> None:
+    def touch(self, now: int, *, count: bool, window: int, final: int | None = None) -> None:
         """An access at logical time `now`; `count` bumps the frequency (final requests).
 
         `window` is the current frequency-window index; a count from an older window is reset.
+        `final` is the number of final requests so far, the decayed frequency's time (None:
+        `now`).
         """
         self.last_access = now
         self.accesses += 1
@@ -72,13 +87,24 @@ class NodeStats:
             if self.window != window:
                 self.window = window
                 self.frequency = 0
+                self.log2_decayed_frequency = -math.inf
             self.frequency += 1
+            weight = (now if final is None else final) / FREQUENCY_HALF_LIFE
+            self.log2_decayed_frequency = _log2_add(self.log2_decayed_frequency, weight)
 
     def record_computed(self, cost_per_new_token: float) -> None:
         """The node was computed (not cached) by a request whose prefill cost this much per
         computed token."""
         self.cost_per_token_sum += cost_per_new_token
         self.num_computed += 1
+
+
+def _log2_add(a: float, b: float) -> float:
+    """log2(2^a + 2^b), without overflow."""
+    high, low = (a, b) if a >= b else (b, a)
+    if low == -math.inf:
+        return high
+    return high + math.log2(1.0 + 2.0 ** (low - high))
 
 
 class EvictionPolicy(ABC):

@@ -1,9 +1,15 @@
-"""The four replacement policies of the paper's ablation (docs/design.md 2.3)."""
+"""The four replacement policies of the paper's ablation, and DGDSF, the default
+(docs/design.md 2.3)."""
 
 from __future__ import annotations
 
+import math
+
 from ragcache_core.plan import Tier
 from ragcache_core.policy.base import EvictionPolicy, GreedyDualPolicy, NodeStats, Priority
+
+LOWEST = -1e300
+"""The priority of a node never retrieved by a final request (DGDSF): below every other."""
 
 
 class PGDSF(GreedyDualPolicy):
@@ -42,3 +48,26 @@ class LFU(EvictionPolicy):
 
     def priority(self, stats: NodeStats, tier: Tier) -> Priority:
         return (float(stats.frequency), float(stats.last_access))
+
+
+class DGDSF(EvictionPolicy):
+    """GDSF with decayed frequency (the default): Frequency x Cost/Size, Cost/Size as GDSF's
+    (the document computed alone, T(0, n) / n), each retrieval's weight in the frequency
+    halving every `FREQUENCY_HALF_LIFE` final requests instead of GDSF's clock.
+
+    The priority is log2 of that product, kept as `NodeStats.log2_decayed_frequency` +
+    log2(Cost/Size): the decayed sum is scaled to time 0, so a priority taken at any time
+    orders against any other as the products would at one common time, and a snapshot never
+    goes stale (no clock). Ties are broken by recency. With eviction-time host writes the host
+    tier holds what vLLM's LRU let go, so recency is already served and what the tier adds is
+    frequency; the decay lets a document that stopped being retrieved go (docs/benchmarks.md,
+    "Decayed frequency")."""
+
+    name = "dgdsf"
+
+    def priority(self, stats: NodeStats, tier: Tier) -> Priority:
+        cost = stats.standalone_cost_per_token
+        if stats.log2_decayed_frequency == -math.inf or cost <= 0.0:
+            return (LOWEST, float(stats.last_access))
+        value = stats.log2_decayed_frequency + math.log2(cost)
+        return (value, float(stats.last_access))

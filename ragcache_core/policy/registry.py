@@ -1,4 +1,4 @@
-"""Policies by name: `make_policy("pgdsf")`. Adding a policy = one class + one line here."""
+"""Policies by name: `make_policy("dgdsf")`. Adding a policy = one class + one line here."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from ragcache_core.errors import ConfigError
 from ragcache_core.policy.adaptive import AdaptivePGDSF
 from ragcache_core.policy.arc import ARC
 from ragcache_core.policy.base import EvictionPolicy
-from ragcache_core.policy.policies import GDSF, LFU, LRU, PGDSF
+from ragcache_core.policy.policies import DGDSF, GDSF, LFU, LRU, PGDSF
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (PGDSF, GDSF, LRU, LFU, ARC, AdaptivePGDSF)
+    cls.name: cls for cls in (DGDSF, PGDSF, GDSF, LRU, LFU, ARC, AdaptivePGDSF)
 }
 
 

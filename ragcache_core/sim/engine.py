@@ -34,6 +34,7 @@ from ragcache_core.capacity import slots_in_tokens
 from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.engine.connector.window import EvictionWindow
 from ragcache_core.errors import ConfigError
+from ragcache_core.policy import DEFAULT_POLICY
 from ragcache_core.sim.blocks import Block, BlockHasher, BlockPool, Segment, TokenIds
 from ragcache_core.trace import TraceRequest
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
@@ -53,7 +54,7 @@ class EngineConfig:
     host_tokens: int
     block_size: int = 32
     page_size: int = 16
-    policy: str = "pgdsf"
+    policy: str = DEFAULT_POLICY
     store_policy: str = "always"
     host_write: str = "compute"
     host_write_return: str = "head"

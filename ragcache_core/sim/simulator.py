@@ -18,6 +18,7 @@ from ragcache_core.capacity import slots_in_tokens
 from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import Tier
+from ragcache_core.policy import DEFAULT_POLICY
 from ragcache_core.runtime.reorder import make_queue
 from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.trace import TraceRequest
@@ -31,7 +32,7 @@ SIM_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
 class SimConfig:
     gpu_tokens: int
     host_tokens: int
-    policy: str = "pgdsf"
+    policy: str = DEFAULT_POLICY
     system_tokens: int = 0
     max_depth: int | None = None
     reorder: bool = False

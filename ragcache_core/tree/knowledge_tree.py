@@ -31,7 +31,7 @@ from ragcache_core.capacity import slots_in_tokens
 from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.errors import ConfigError, RAGCacheError
 from ragcache_core.plan import NO_LOSSES, Tier, WindowLosses
-from ragcache_core.policy import make_policy
+from ragcache_core.policy import DEFAULT_POLICY, make_policy
 from ragcache_core.tree.gpu_pool import GpuPool
 from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import OpenHoldings, fail
@@ -79,7 +79,7 @@ class KnowledgeTree:
         *,
         host_slots: int,
         page_size: int,
-        policy: str = "pgdsf",
+        policy: str = DEFAULT_POLICY,
         cost_model: CostModel | None = None,
         max_depth: int | None = None,
         frequency_window: int | None = None,

@@ -322,7 +322,9 @@ class Planner:
                 shadow.stats = node.stats  # one record of the path's statistics
             else:
                 shadow.stats.record_computed(cost_per_new)
-                shadow.stats.touch(self.now, count=handle.final, window=self._window())
+                shadow.stats.touch(
+                    self.now, count=handle.final, window=self._window(), final=self.final_requests
+                )
             handle.ledger.keeps.append(shadow)
             if num_tokens and (node is None or not node.resident):
                 self.host_writes.computes(shadow, handle)
@@ -373,7 +375,7 @@ class Planner:
 
     def _touch(self, node: Node, count: bool) -> None:
         """An access to `node` now (`count`: a final request's, which bumps its frequency)."""
-        node.stats.touch(self.now, count=count, window=self._window())
+        node.stats.touch(self.now, count=count, window=self._window(), final=self.final_requests)
         self._placement.refresh(node)
 
     def _window(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ragcache_core.bench import overhead
+from ragcache_core.policy import DEFAULT_POLICY
 
 
 def register(bench_subparsers: Any) -> None:
@@ -21,7 +22,7 @@ def register(bench_subparsers: Any) -> None:
         "--nodes", type=int, nargs="+", default=[10_000, 100_000], help="%(default)s"
     )
     parser.add_argument("--requests", type=int, default=2000, help="%(default)s")
-    parser.add_argument("--policy", default="pgdsf", help="%(default)s")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, help="%(default)s")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=_run)
 
