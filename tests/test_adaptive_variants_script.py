@@ -223,3 +223,28 @@ def test_a_clock_at_full_pace_is_the_policy_itself() -> None:
 
     assert rate("gdsfa1") == rate("gdsf") > 0 and rate("pgdsfa1") == rate("pgdsf") > 0
     assert rate("gdsfa0") != rate("gdsf")
+
+
+def test_aged_lfu_variants_parse_and_a_registered_policy_passes_through() -> None:
+    """`alfu{h}`, `aclfu{h}`, `aslfu{h}`: the decayed count with half-life h, weighted by
+    nothing, PGDSF's cost term or GDSF's; a registered name (`dgdsf`, `lfu`) is the policy as
+    it ships."""
+    script = _script()
+    classes = script.variants("alfu500,aclfu1000,aslfu2000,dgdsf,lfu")
+    assert [c.name for c in classes] == ["alfu500", "aclfu1000", "aslfu2000", "dgdsf", "lfu"]
+    assert [getattr(c, "WEIGHT", None) for c in classes[:3]] == [
+        "uniform",
+        "prefix",
+        "standalone",
+    ]
+    assert abs(classes[2].LAMBDA - 1 / 2000) < 1e-12
+    assert classes[3] is script.POLICIES["dgdsf"] and classes[4] is script.POLICIES["lfu"]
+    # Twice the standalone cost is one more in the log2 priority.
+    policy = classes[2]()
+    cheap, dear = NodeStats(10, 1.0, now=0), NodeStats(10, 2.0, now=0)
+    for stats in (cheap, dear):
+        stats.touch(5, count=True, window=0)
+        policy.on_enter(Tier.HOST, id(stats), stats)
+    assert policy.priority(dear, Tier.HOST)[0] - policy.priority(cheap, Tier.HOST)[0] == (
+        pytest.approx(1.0)
+    )

@@ -262,3 +262,14 @@ def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
     rows = {r.system: r for r in replay(path)}
     assert rows["ragcache"].config.host_tokens == 1024
     assert rows["vllm-apc"].config.vllm_blocks == apc.config.vllm_blocks
+    # --replay-policy: the simulator's host tier under another policy; the engine's columns
+    # stay the run's.
+    assert rows["ragcache"].config.policy == "pgdsf"  # the run's
+    swapped = {r.system: r for r in replay(path, policy="lru")}
+    assert swapped["ragcache"].config.policy == "lru"
+    assert (
+        swapped["ragcache"].engine_doc_token_hit_rate == rows["ragcache"].engine_doc_token_hit_rate
+    )
+    with pytest.raises(InputError, match="unknown replacement policy 'nope'"):
+        replay(path, policy="nope")
+    assert main(["simulate", "--replay", str(path), "--replay-policy", "dgdsf"]) == 0

@@ -27,6 +27,7 @@ measured requests arrive as a Poisson stream, so their steps interleave (docs/co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from ragcache_core.bench.workloads import (
 )
 from ragcache_core.config import CacheConfig
 from ragcache_core.errors import InputError
+from ragcache_core.policy import POLICIES
 from ragcache_core.sim.blocks import TokenIds
 from ragcache_core.sim.engine import EngineConfig, EngineRequest, EngineResult, EngineSimulator
 
@@ -98,11 +100,19 @@ class ReplayRow:
 
 
 def replay(
-    path: Path, workloads: tuple[str, ...] | None = None, data_dir: Path | None = None
+    path: Path,
+    workloads: tuple[str, ...] | None = None,
+    data_dir: Path | None = None,
+    policy: str | None = None,
 ) -> list[ReplayRow]:
     """Every caching system of every (named) workload of the run at `path` (`data_dir`: the
-    benchmark data folder, as `load_workload` takes it). Raises `InputError` for a file that is
-    not a `bench serve` JSON or a workload it does not hold."""
+    benchmark data folder, as `load_workload` takes it). `policy`: the simulator's host tier
+    under that replacement policy instead of each system's (what the run would have hit; the
+    engine's columns stay the run's). Raises `InputError` for a file that is not a `bench
+    serve` JSON, a workload it does not hold or an unknown policy."""
+    if policy is not None and policy not in POLICIES:
+        choices = ", ".join(POLICIES)
+        raise InputError(f"unknown replacement policy {policy!r}; choose one of {choices}")
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
         settings = document["settings"]
@@ -125,6 +135,8 @@ def replay(
         )
         for system in sorted({p["system"] for p in runs[name]["points"]}):
             config = _engine_config(memory, system)
+            if config is not None and policy is not None:
+                config = dataclasses.replace(config, policy=policy)
             if config is not None:
                 rows.append(_row(name, system, runs[name], settings, requests, config))
     return rows

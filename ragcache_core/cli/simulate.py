@@ -111,6 +111,13 @@ def register(subparsers: Any) -> None:
         "--workloads", default=None, help="with --replay: a comma list (default: all in it)"
     )
     engine.add_argument(
+        "--replay-policy",
+        default=None,
+        metavar="NAME",
+        help="with --replay: the simulator's host tier under this policy instead of each "
+        "system's (what the run would have hit; the engine's columns stay the run's)",
+    )
+    engine.add_argument(
         "--data-dir",
         type=Path,
         default=None,
@@ -240,7 +247,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     from ragcache_core.bench.replay import print_rows, replay
 
     names = tuple(n.strip() for n in args.workloads.split(",")) if args.workloads else None
-    rows = replay(args.replay, names, args.data_dir)
+    rows = replay(args.replay, names, args.data_dir, args.replay_policy)
     if args.json:
         print(json.dumps([row.to_json() for row in rows]))
     else:
