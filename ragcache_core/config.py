@@ -430,7 +430,8 @@ class CacheConfig:
     "cache" (the order that follows the cached path: more reuse with top-k > 1, but the model
     reads the documents in another order; docs/configuration.md "Document order")."""
     cost_profile: str | None = None
-    """A `ragcache profile` JSON for PGDSF's cost model; None uses the built-in analytic one."""
+    """A `ragcache profile` JSON for the policies' cost model (DGDSF's and GDSF's T(0, n) / n,
+    PGDSF's T(alpha, beta) / beta); None uses the built-in analytic one."""
 
     # Scheduling.
     reorder: bool = True

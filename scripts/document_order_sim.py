@@ -2,9 +2,11 @@
 
 For each trace, the host tier is sized at a fraction of the trace's distinct document tokens
 (the sum over distinct document ids of their token counts), the GPU tier is 0 (the host tier
-is the cache), the policy PGDSF, store policy "always", FCFS, batch size 1: the same run as
+is the cache), the policy PGDSF (pinned: docs/benchmarks.md's figures were measured with it,
+before DGDSF became the default), store policy "always", FCFS, batch size 1: the same run as
 
-    ragcache simulate --trace T --gpu-tokens 0 --host-tokens H --document-order O --json
+    ragcache simulate --trace T --gpu-tokens 0 --host-tokens H --document-order O \
+        --policy pgdsf --json
 
 for every order O. Prints one markdown table row per (trace, fraction).
 
@@ -36,6 +38,8 @@ from ragcache_core.sim.simulator import SIM_DOCUMENT_ORDERS, Simulator
 from ragcache_core.trace import TraceRequest, load_trace
 from ragcache_core.tree import DocSpec
 
+POLICY = "pgdsf"
+"""The host tier's policy of every run here (the documented figures' policy)."""
 TAIL_RULES = ("retrieval", "known", "accesses", "unknown_first", "first_seen")
 
 
@@ -86,9 +90,11 @@ class TailSimulator(Simulator):
 def run_cell(requests: list[TraceRequest], host: int, order: str) -> SimResult:
     """One run: `order` is a document order, or "tail:RULE" ("cache" with that tail)."""
     if order.startswith("tail:"):
-        config = SimConfig(gpu_tokens=0, host_tokens=host, document_order="cache")
+        config = SimConfig(gpu_tokens=0, host_tokens=host, document_order="cache", policy=POLICY)
         return TailSimulator(config, order.removeprefix("tail:")).run(requests)
-    return simulate(requests, SimConfig(gpu_tokens=0, host_tokens=host, document_order=order))
+    return simulate(
+        requests, SimConfig(gpu_tokens=0, host_tokens=host, document_order=order, policy=POLICY)
+    )
 
 
 def main() -> None:

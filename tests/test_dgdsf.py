@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from _tree_helpers import ROOT, cached_paths, doc, run
+from _tree_helpers import ROOT, cached_paths, doc, node_path, run
 
 from ragcache_core.config import CacheConfig
 from ragcache_core.plan import Tier
@@ -102,3 +102,23 @@ def test_on_the_tree_a_document_that_stops_being_retrieved_gives_way() -> None:
         paths = set(cached_paths(cache))
         assert (("new",) in paths) is keeps_new, policy
         assert (("old",) in paths) is not keeps_new, policy
+
+
+def test_an_adopted_speculation_counts_the_documents_it_computed() -> None:
+    """With eviction-time writes a document not yet in the tree lives in a shadow until the
+    request settles; a speculative request's counts nothing until it is adopted. Adopting it
+    counts the documents it computed too, not only its path's nodes, so DGDSF does not rank
+    them below every document ever counted (the lowest priority is for never retrieved)."""
+    tree = KnowledgeTree(
+        ROOT, host_slots=32, page_size=4, host_write="eviction", host_lease_slots=8
+    )
+    handle = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3, final=False)
+    tree.confirm(handle)  # settled: vLLM's blocks hold root, a and a/b; nodes now
+    nodes = {node_path(n): n for n in tree.iter_nodes()}
+    assert set(nodes) == {(), ("a",), ("a", "b")}
+    assert all(n.stats.frequency == 0 for n in nodes.values())
+    tree.mark_final(handle)
+    for name, node in nodes.items():
+        assert node.stats.frequency == 1, name
+        assert node.stats.log2_decayed_frequency > -math.inf, name
+    tree.check_integrity()

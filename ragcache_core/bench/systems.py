@@ -5,7 +5,7 @@
 | `vllm`            | vLLM + the same search, prefix caching off (the paper's baseline)        |
 | `vllm-apc`        | prefix caching on, KV = RAGCache's vLLM KV (its GPU tier: same "GPU")    |
 | `vllm-apc-total`  | prefix caching on, KV = RAGCache's vLLM KV + host pool (same total KV)   |
-| `ragcache`        | RAGCache (knowledge tree, PGDSF, reordering, speculative pipelining)    |
+| `ragcache`        | RAGCache (knowledge tree, DGDSF, reordering, speculative pipelining)    |
 | `vllm-offload`    | prefix caching + vLLM's OffloadingConnector, the host pool's size (CUDA) |
 | `vllm-offload-lazy` | prefix caching + SimpleCPUOffloadConnector, lazy_offload (CUDA)       |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |

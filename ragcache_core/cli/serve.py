@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragcache_core.cli.output import add_removed_option
+from ragcache_core.config import DEFAULT_POLICY
 from ragcache_core.errors import CliError
+from ragcache_core.policy import POLICIES
 
 if TYPE_CHECKING:
     from ragcache_core.serve.state import ServeSettings
@@ -115,7 +117,9 @@ def _cache_options(p: argparse.ArgumentParser) -> None:
     add_removed_option(g, "--gpu-pool-tokens", "--vllm-kv-cache-gib")
     g.add_argument("--host-pool-tokens", type=int, default=None)
     g.add_argument("--page-size", type=int, default=None)
-    g.add_argument("--policy", default=None, help="pgdsf (default), gdsf, lru, lfu, arc, apgdsf")
+    g.add_argument(
+        "--policy", default=None, help=f"{', '.join(POLICIES)} (default {DEFAULT_POLICY})"
+    )
     g.add_argument("--top-k", type=int, default=None, help="documents per /v1/rag/query")
     g.add_argument(
         "--document-order",

@@ -14,7 +14,7 @@ engine), goes through it; everything else in `runtime/` only asks it.
                     token seen) is confirmed or aborted by the report; the eviction-time
                     host writes the report carries (any request's) become host copies
     abort           the request died before its first token: its unconfirmed copies go
-    adopt           a speculation became the answer: it counts toward PGDSF frequency
+    adopt           a speculation became the answer: it counts toward the policy's frequency
 
 `served_hits` (what the request read, per tier) only reads a handle and a report.
 
@@ -173,8 +173,8 @@ class Lifecycle:
             self.tree.abort(handle)
 
     def adopt(self, handle: RequestHandle) -> None:
-        """A speculative generation became the answer: it counts toward PGDSF frequency like
-        a final request."""
+        """A speculative generation became the answer: it counts toward the policy's frequency
+        like a final request."""
         self.tree.mark_final(handle)
 
     # ------------------------------------------------------------------ admin

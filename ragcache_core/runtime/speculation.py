@@ -9,7 +9,7 @@
         └─ else (or it failed) ─► abort it, run the final generation
 
 A speculative generation stores like any other (its KV is correct for its document sequence);
-only an adopted one counts toward PGDSF frequency (`Lifecycle.adopt`). Runs on
+only an adopted one counts toward the policy's frequency (`Lifecycle.adopt`). Runs on
 RAGCache's loop only.
 """
 
@@ -249,7 +249,7 @@ class SpeculativeQuery:
         self._metrics.record_speculation(
             "used", search_hidden_s=max(0.0, search_done - spec.started_at)
         )
-        # A used speculation counts toward PGDSF frequency like a final request.
+        # A used speculation counts toward the policy's frequency like a final request.
         assert attempt.handle is not None  # a finished attempt opened in the tree
         self._lifecycle.adopt(attempt.handle)
         return attempt

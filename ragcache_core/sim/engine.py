@@ -10,7 +10,7 @@ paper's two pools (`simulator.py`):
   * the host tier is the engine's own `KnowledgeTree` (no GPU slots, `host_write` as set):
     its plans load the host copies of the prompt's readable prefix past vLLM's hit, store
     computed documents as they are computed (`compute`), or keep them for the eviction window
-    (`eviction`); the policy (PGDSF, ...) and `store_policy` decide host admission and host
+    (`eviction`); the policy (DGDSF, ...) and `store_policy` decide host admission and host
     eviction there as in the engine;
   * with `eviction`, the engine's own `EvictionWindow` runs over the block pool every step:
     it copies kept documents as their blocks reach the head of the free queue, then hands

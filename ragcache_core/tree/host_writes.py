@@ -212,7 +212,7 @@ class HostWrites:
         for shadow in handle.ledger.keeps:
             if shadow.key not in self._shadows:  # forgotten (invalidated, cleared)
                 return
-            node = self._node_of(shadow)
+            node = self.node_of(shadow)
             if node is None:
                 if shadow.docs:
                     path = prefixes.walk(list(shadow.docs[:-1]), shadow.root_key)
@@ -273,7 +273,7 @@ class HostWrites:
                 self.wasted += 1
         for key, version in gone:
             shadow = self._shadows.get(key)
-            node = self._node_of(shadow) if shadow is not None else None
+            node = self.node_of(shadow) if shadow is not None else None
             if node is not None:
                 placement.set_resident(node, False, version)
         self._adapt_lease(lost.no_lease)
@@ -318,7 +318,7 @@ class HostWrites:
                 "copy in flight"
             )
 
-    def _node_of(self, shadow: Shadow) -> Node | None:
+    def node_of(self, shadow: Shadow) -> Node | None:
         """The attached node of `shadow`'s path, if any."""
         if not shadow.docs:
             return self._prefixes.roots.get(shadow.root_key)
@@ -330,7 +330,7 @@ class HostWrites:
         parent holds a ready host copy (a root needs none) and the node holds none yet."""
         if len(slots) != slots_for_tokens(shadow.num_tokens, self._placement.page_size):
             return False
-        node = self._node_of(shadow)
+        node = self.node_of(shadow)
         parent: Node | None
         if node is not None:
             if Tier.HOST in node.slots or node.num_tokens != shadow.num_tokens:

@@ -55,8 +55,8 @@ class KnowledgeTree:
 
     Not thread-safe: the controller calls it from one thread (or one event loop).
     `max_depth` caches only the first j documents of a sequence (paper 2.7; None: all).
-    `frequency_window` restarts PGDSF/GDSF/LFU frequencies every that many final requests
-    (None: frequencies last until `clear()`).
+    `frequency_window` restarts the frequencies (and DGDSF's decayed ones) every that many
+    final requests (None: frequencies last until `clear()`).
     `gpu_pool` is a GPU slot pool of the tree's own (`GpuPool`; the simulator's two pools,
     `sim.two_pools.TwoPools`): computed documents are stored on it and host hits promoted to
     it. None (the engine): vLLM's blocks are the GPU tier, known as `Node.resident`.

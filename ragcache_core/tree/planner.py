@@ -144,14 +144,27 @@ class Planner:
         return handle
 
     def mark_final(self, handle: RequestHandle) -> None:
-        """Count a speculative request's retrievals toward frequency now (no-op if final)."""
+        """Count a speculative request's retrievals toward frequency now (no-op if final):
+        its path's nodes, and with eviction-time writes the documents it computed past them
+        (kept paths, whose statistics the shadows hold; attached as nodes at settle)."""
         if handle.final:
             return
         handle.final = True
         self.final_requests += 1
+        counted = {id(node.stats) for node in handle.ledger.path}
         for node in handle.ledger.path:
             if node.attached:
                 self._touch(node, True)
+        for shadow in handle.ledger.keeps:
+            if id(shadow.stats) in counted:  # a path node's, counted above
+                continue
+            counted.add(id(shadow.stats))
+            shadow.stats.touch(
+                self.now, count=True, window=self._window(), final=self.final_requests
+            )
+            kept = self.host_writes.node_of(shadow) if self.host_writes is not None else None
+            if kept is not None:
+                self._placement.refresh(kept)
 
     def reset(self) -> None:
         """Forget frequency windows and the "second" policy's memory (the clock stays)."""
