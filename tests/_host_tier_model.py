@@ -72,7 +72,7 @@ class Settings:
             back_to_head=rng.random() < 0.5,
             vllm_blocks=rng.randint(60, 120) // block,
             budget=rng.randint(4, 16),
-            policy=rng.choice(["pgdsf", "lru"]),
+            policy=rng.choice(["dgdsf", "pgdsf", "lru"]),
             lose=rng.choice([0.0, 0.1, 0.3]),
             fail_copy=rng.choice([0.0, 0.05]),
         )
