@@ -67,6 +67,13 @@ def test_cost_per_token_weighs_the_frequency_and_more_retrievals_weigh_more() ->
     assert policy.priority(retrieved([5, 6, 7]), Tier.HOST) > cheap
 
 
+def test_a_document_whose_cost_is_clamped_at_zero_is_still_ranked_by_frequency() -> None:
+    policy = DGDSF()
+    once, twice = retrieved([5], cost=0.0), retrieved([5, 6], cost=0.0)
+    assert policy.priority(once, Tier.HOST) < policy.priority(twice, Tier.HOST)
+    assert policy.priority(twice, Tier.HOST) < policy.priority(retrieved([5], cost=1e-6), Tier.HOST)
+
+
 def test_a_node_never_retrieved_by_a_final_request_ranks_below_every_other() -> None:
     policy = DGDSF()
     never = NodeStats(10, 1.0, now=0)

@@ -10,6 +10,8 @@ from ragcache_core.policy.base import EvictionPolicy, GreedyDualPolicy, NodeStat
 
 LOWEST = -1e300
 """The priority of a node never retrieved by a final request (DGDSF): below every other."""
+MIN_COST = 1e-30
+"""DGDSF's floor on Cost/Size (seconds per token), below any cost a profile measures."""
 
 
 class PGDSF(GreedyDualPolicy):
@@ -66,8 +68,9 @@ class DGDSF(EvictionPolicy):
     name = "dgdsf"
 
     def priority(self, stats: NodeStats, tier: Tier) -> Priority:
-        cost = stats.standalone_cost_per_token
-        if stats.log2_decayed_frequency == -math.inf or cost <= 0.0:
+        if stats.log2_decayed_frequency == -math.inf:
             return (LOWEST, float(stats.last_access))
+        # A cost model may clamp a tiny document's cost at 0: its frequency still ranks it.
+        cost = max(stats.standalone_cost_per_token, MIN_COST)
         value = stats.log2_decayed_frequency + math.log2(cost)
         return (value, float(stats.last_access))
