@@ -45,17 +45,20 @@ def test_the_stored_value_is_the_decayed_frequency_scaled_to_time_zero() -> None
 
 
 def test_priorities_taken_at_different_times_order_as_the_products_at_one_time() -> None:
-    """No clock: a priority snapshot never goes stale. A document retrieved four times long
-    ago loses to one retrieved twice lately, once two half-lives have passed between them."""
+    """No clock: a priority snapshot never goes stale. Three documents retrieved at
+    different times order as their decayed frequencies at one later time: four retrievals
+    near 0 are worth about one retrieval two half-lives later (a little more, as it is 9
+    requests short of that), and two retrievals then are worth twice that."""
     policy = DGDSF()
-    old = retrieved([1, 2, 3, 4])
-    recent_one = retrieved([1 + 2 * HALF - 10])  # 2 half-lives later, once
-    recent_two = retrieved([1 + 2 * HALF + 10, 1 + 2 * HALF + 20])
-    p_old, p_one, p_two = (policy.priority(s, Tier.HOST) for s in (old, recent_one, recent_two))
-    # At time 2H: old is worth ~4 x 1/4 = 1, recent_one ~1, recent_two ~2.
-    assert p_old < p_two and p_one < p_two
-    for a, b, sa, sb in ((p_old, p_two, [1, 2, 3, 4], [2 * HALF + 11, 2 * HALF + 21]),):
-        assert (a < b) == (decayed(sa, 3 * HALF) < decayed(sb, 3 * HALF))
+    times = {
+        "old": [1, 2, 3, 4],
+        "recent_one": [1 + 2 * HALF - 10],
+        "recent_two": [1 + 2 * HALF + 10, 1 + 2 * HALF + 20],
+    }
+    priority = {k: policy.priority(retrieved(t), Tier.HOST) for k, t in times.items()}
+    at_once = {k: decayed(t, 3 * HALF) for k, t in times.items()}
+    assert sorted(priority, key=priority.__getitem__) == ["recent_one", "old", "recent_two"]
+    assert sorted(at_once, key=at_once.__getitem__) == ["recent_one", "old", "recent_two"]
 
 
 def test_cost_per_token_weighs_the_frequency_and_more_retrievals_weigh_more() -> None:
