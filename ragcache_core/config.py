@@ -402,9 +402,11 @@ class CacheConfig:
     store policy decides which documents are written either way. With the host tier off
     (`host_pool_tokens=0`) nothing is written."""
     host_write_window_tokens: int | None = None
-    """With `host_write="eviction"`: the window, in tokens of vLLM's free-block queue watched
-    from its head each step, and the size of the host lease for the copies (None:
-    `max_num_batched_tokens`, what one step can take)."""
+    """With `host_write="eviction"`: the look-ahead, in tokens of vLLM's free-block queue
+    watched from its head each step, whose kept documents are copied before vLLM hands their
+    blocks out (None: `max_num_batched_tokens`, what one step can take; 0: none, every copy
+    is made at hand-out). A kept document is copied when vLLM hands one of its blocks out
+    whatever this is; the host lease is sized by what a step can take either way."""
     host_write_return: str = "head"
     """With `host_write="eviction"`: where a copied document's blocks go back in vLLM's
     free-block queue: "head" (the default: where they were, so it leaves vLLM's blocks next
@@ -518,9 +520,9 @@ class CacheConfig:
             raise ConfigError(
                 f"host_report_interval_s cannot be negative, got {self.host_report_interval_s}"
             )
-        if self.host_write_window_tokens is not None and self.host_write_window_tokens < 1:
+        if self.host_write_window_tokens is not None and self.host_write_window_tokens < 0:
             raise ConfigError(
-                f"host_write_window_tokens must be at least 1, got {self.host_write_window_tokens}"
+                f"host_write_window_tokens cannot be negative, got {self.host_write_window_tokens}"
             )
         if self.document_order not in DOCUMENT_ORDERS:
             raise ConfigError(

@@ -184,7 +184,7 @@ class Plan:
                 self.lease.epoch,
                 self.lease.version,
                 self.lease.applied,
-                list(self.lease.slots),
+                _runs(self.lease.slots),
                 [[vid, list(slots)] for vid, slots in self.lease.victims],
             ],
         }
@@ -211,7 +211,7 @@ class Plan:
                 int(data["lease"][0]),
                 int(data["lease"][1]),
                 int(data["lease"][2]),
-                tuple(int(s) for s in data["lease"][3]),
+                _slots_of_runs(data["lease"][3]),
                 tuple(
                     (int(vid), tuple(int(s) for s in slots))
                     for vid, slots in (data["lease"][4] if len(data["lease"]) > 4 else ())
@@ -221,3 +221,19 @@ class Plan:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
+
+
+def _runs(slots: tuple[int, ...]) -> list[list[int]]:
+    """Sorted slots as [first, count] runs (a lease of thousands of contiguous free slots is a
+    few numbers in a plan's JSON)."""
+    runs: list[list[int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1][1] += 1
+        else:
+            runs.append([slot, 1])
+    return runs
+
+
+def _slots_of_runs(runs: Any) -> tuple[int, ...]:
+    return tuple(s for first, count in runs for s in range(int(first), int(first) + int(count)))

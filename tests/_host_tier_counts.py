@@ -21,6 +21,10 @@ class Counts:
     victim_loads: int = 0
     """Load spans read from slots the plan's lease lent as a victim."""
     copies: int = 0
+    handout_copies: int = 0
+    """Copies the window made as vLLM handed a block of their document out."""
+    no_lease: int = 0
+    """Kept documents lost for lack of lease room (reported)."""
     failed_copies: int = 0
     overwrites: int = 0
     refused_tokens: int = 0

@@ -1,14 +1,18 @@
 """The model behind tests/test_host_tier_fuzz.py. The real `KnowledgeTree` plans and the real
 `SchedulerSide` (its `EvictionWindow`) runs over vLLM's real `BlockPool`; this file plays
 vLLM's scheduler (admission, chunked prefill, block caching, preemption, finishes, aborts),
-the worker (loads, forward passes, the window's copies) and the app (plans, first tokens,
-reports late, out of order or lost, `invalidate`, `clear`, engine restarts). What each vLLM
-block and host slot holds is tracked per token (its path from the root and its offset there),
-written only where the engine writes bytes (a forward pass, a load, a window copy), never from
-the tree's beliefs; a load must read the prompt's own tokens, or `Scenario.run` raises
-`Violation` with the seed and the last actions. A dead engine's report may reach the app after
-the restart (the tree must ignore it: `KnowledgeTree.engine_generation`). Not modelled: load
-failures, the report probe."""
+the worker (the copies at hand-out, loads, forward passes, the look-ahead's copies) and the
+app (plans, first tokens, reports late, out of order or lost, `invalidate`, `clear`, engine
+restarts). What each vLLM block and host slot holds is tracked per token (its path from the
+root and its offset there), written only where the engine writes bytes (a forward pass, a
+load, a window copy), never from the tree's beliefs; a load must read the prompt's own
+tokens, or `Scenario.run` raises `Violation` with the seed and the last actions. A dead
+engine's report may reach the app after the restart (the tree must ignore it:
+`KnowledgeTree.engine_generation`). A burst scenario has long documents, a large step budget
+and many requests at once (several long prefills in one step). A kept document that leaves
+vLLM's blocks uncopied is a `Violation` when nothing but a hand-out can have taken it
+(`missed`), or, in a roomy scenario (a host tier that never fills), for lack of lease room.
+Not modelled: load failures, the report probe."""
 
 from __future__ import annotations
 
@@ -59,22 +63,31 @@ class Settings:
     policy: str
     lose: float
     fail_copy: float
+    max_doc: int
+    """Documents have 1 to `max_doc` tokens (9, or 40 in a burst scenario)."""
+    roomy: bool
+    """The host tier holds every path several times over: it never fills."""
 
     @classmethod
     def draw(cls, rng: random.Random) -> Settings:
         block, page = rng.choice([(4, 2), (4, 4), (2, 2), (8, 4), (2, 4)])
+        burst = rng.random() < 0.3
+        roomy = rng.random() < 0.25
+        max_doc = 40 if burst else 9
         return cls(
             block=block,
             page=page,
             root_tokens=rng.randint(1, 6),
-            host_slots=rng.randint(6, 20),
-            window_blocks=rng.randint(1, 4),
+            host_slots=100 * max_doc // page if roomy else rng.randint(6, 20) * (4 if burst else 1),
+            window_blocks=rng.choice([0, 0, 1, 2, 4]),
             back_to_head=rng.random() < 0.5,
-            vllm_blocks=rng.randint(60, 120) // block,
-            budget=rng.randint(4, 16),
+            vllm_blocks=rng.randint(60, 120) * (5 if burst else 1) // block,
+            budget=rng.randint(4, 16) * (4 if burst else 1),
             policy=rng.choice(["dgdsf", "pgdsf", "lru"]),
             lose=rng.choice([0.0, 0.1, 0.3]),
             fail_copy=rng.choice([0.0, 0.05]),
+            max_doc=max_doc,
+            roomy=roomy,
         )
 
 
@@ -117,7 +130,7 @@ class Scenario:
         self.counts = Counts(scenarios=1)
         self.log: list[str] = []
         self.tick = 0
-        lease = -(-s.window_blocks * s.block // s.page)
+        lease = -(-s.budget // s.page)  # a step's budget, as the engine's tree has it
         self.tree = KnowledgeTree(
             ROOT,
             host_slots=s.host_slots,
@@ -141,7 +154,7 @@ class Scenario:
         self.new_engine()
         self.host: dict[tuple[int, int], Token | None] = {}
         """(host slot, row) -> the token whose KV it holds (written by copies only)."""
-        self.doc_tokens = {d: rng.randint(1, 9) for d in DOC_IDS}
+        self.doc_tokens = {d: rng.randint(1, s.max_doc) for d in DOC_IDS}
         self.doc_version = dict.fromkeys(DOC_IDS, 0)
         self.submitting: list[tuple[int, Request]] = []
         """Planned, on the way to the engine (due tick): they may arrive out of order."""
@@ -207,7 +220,7 @@ class Scenario:
 
     def start(self) -> None:
         rng, s = self.rng, self.s
-        if len(self.submitting) + len(self.waiting) + len(self.running) >= 6:
+        if len(self.submitting) + len(self.waiting) + len(self.running) >= 6 + 4 * (s.max_doc > 9):
             return
         names = rng.sample(DOC_IDS[: rng.choice([3, 5])], rng.randint(1, 3))
         docs = [self.doc(n) for n in names]
@@ -283,7 +296,7 @@ class Scenario:
         changed = self.rng.random() < 0.5
         if changed:  # new text: new tokens, a new content hash
             self.doc_version[name] += 1
-            self.doc_tokens[name] = self.rng.randint(1, 9)
+            self.doc_tokens[name] = self.rng.randint(1, self.s.max_doc)
         self.log.append(f"{self.tick} invalidate {name} changed={changed}")
         self.counts.invalidations += 1
         self.tree.invalidate(name)
@@ -340,6 +353,7 @@ class Scenario:
                 continue
             if order < self.applied_order:
                 self.counts.late_reports += 1
+            self.check_losses(result)
             self.applied_order = max(self.applied_order, order)
             self.counts.reports += 1
             self.log.append(f"{self.tick} report {req.rid}#{order} {_report_str(result)}")
@@ -347,6 +361,17 @@ class Scenario:
                 self.tree.confirm(req.handle)
             self.lifecycle.apply_host_writes(result, req.handle.engine_generation)
             self.tree.check_integrity()
+
+    def check_losses(self, result: ConnectorResult) -> None:
+        """Every block vLLM hands out is named to the window: a kept document can leave vLLM's
+        blocks uncopied only for lack of lease room (or a broken ancestor), and in a roomy
+        scenario never for lack of room."""
+        lost = result.host_lost
+        self.counts.no_lease += lost.no_lease
+        if lost.missed:
+            self.fail(f"{lost.missed} kept documents left vLLM's blocks unseen by the window")
+        if self.s.roomy and lost.no_lease:
+            self.fail(f"{lost.no_lease} kept documents lost for lack of lease room, host roomy")
 
     def send(self, kind: str, req: Request, result: ConnectorResult | None = None) -> None:
         self.produced += 1
@@ -495,9 +520,12 @@ class Scenario:
         )
 
     def worker(self, step: StepOps, scheduled: dict[str, int]) -> set[int]:
-        """Loads (checked), the forward pass, then the window's copies; the keys of the copies
-        reported run."""
+        """The copies at hand-out, loads (checked), the forward pass, then the look-ahead's
+        copies; the keys of the copies reported run."""
         s, requests = self.s, {r.rid: r for r in self.running}
+        written: set[int] = set()
+        self.copy_out(step.handout_writes, written)
+        self.counts.handout_copies += len(step.handout_writes)
         for ops in step.requests:
             req = requests[ops.req_id]
             plan = Plan.from_json(req.params[PLAN_KEY]) if req.params else None
@@ -536,8 +564,14 @@ class Scenario:
                 if self.paged.get((block, pos % s.block)) != req.tokens[pos]:
                     self.fail(f"{req.rid}: vLLM's prefix-cache hit is wrong at {pos}")
             req.hit = 0
-        written: set[int] = set()
-        for write in step.host_writes:
+        self.copy_out(step.host_writes, written)
+        return written
+
+    def copy_out(self, writes: Sequence[Any], written: set[int]) -> None:
+        """Eviction-time copies, paged KV -> host slots, as the blocks hold it now; the keys
+        of those reported run join `written`."""
+        s = self.s
+        for write in writes:
             for i in range(write.num_tokens):
                 pos = write.token_start + i
                 source = (write.block_ids[pos // s.block], pos % s.block)
@@ -547,7 +581,6 @@ class Scenario:
             else:
                 written.add(write.key)
                 self.counts.copies += 1
-        return written
 
 
 def _plan_str(plan: Plan | None) -> str:

@@ -109,3 +109,25 @@ def test_index_without_the_text_field_names_the_flag(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "no text field (looked for text; the record has id, body)" in result.stderr
     assert "set --text-field" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("systems", "message"),
+    [("vllm,nope", "unknown system(s) ['nope']"), ("ragcache,vllm-offload", "needs a CUDA vLLM")],
+)
+def test_demo_refuses_an_unknown_or_cuda_only_system_in_one_line(
+    systems: str, message: str
+) -> None:
+    result = _run("demo", "--systems", systems)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_takes_any_system_of_bench_serve_that_runs_here() -> None:
+    """`--systems ragcache,ragcache-writethrough`: a user sees both host-write modes on their
+    own stream (the systems are `bench serve`'s)."""
+    from ragcache_core.cli import build_parser
+    from ragcache_core.cli.demo import _check
+
+    args = build_parser().parse_args(["demo", "--systems", "ragcache,ragcache-writethrough"])
+    assert _check(args) == ["ragcache", "ragcache-writethrough"]

@@ -592,7 +592,43 @@ def test_worker_host_writes_copy_held_blocks_to_leased_slots_and_report_failures
     want = torch.stack([kv[(4, 1)[p // BLOCK] * BLOCK + p % BLOCK] for p in range(2, 7)])
     assert torch.equal(_pool_rows(host.tensor, good.slots, 5), want)
     report = side.report()
-    assert report is not None and report.host_written == {3}
+    assert report.host_written == {3}
     assert report.window_copy_s > 0.0  # the window's copies are timed
+    # Timed in the step's costs too, as look-ahead copies (after the forward pass), with
+    # the bytes of both copies (the failed one ran: 5 + 3 tokens).
+    assert report.steps.steps == 1 and report.steps.copy_s["lookahead"] > 0.0
+    assert report.steps.copy_bytes == {"lookahead": 8 * LAYOUT.token_bytes}
     side.begin_step()
-    assert side.report() is None  # a step without host writes reports nothing
+    quiet = side.report()  # a step without copies still reports its time (cumulative)
+    assert quiet.host_written == set() and not quiet.stored and not quiet.load_failures
+    assert quiet.steps.steps == 2 and quiet.steps.copy_steps == {"lookahead": 1}
+
+
+def test_worker_copies_documents_handed_out_before_the_steps_loads_overwrite_them(
+    worker: tuple[WorkerSide, HostPool, torch.Tensor],
+) -> None:
+    """A block vLLM hands out this step may be loaded into by a request of the same step: the
+    copy at hand-out runs first (`start_load_kv`), so the host gets the document's KV, then
+    the load writes the block."""
+    from ragcache_core.engine.connector.metadata import HostWrite
+
+    side, host, _ = worker
+    assert side.paged is not None
+    old = torch.randn(NUM_BLOCKS * BLOCK, 2, 1, LAYOUT.head_size)
+    everywhere = side.paged.locate(torch.arange(NUM_BLOCKS * BLOCK))
+    side.paged.write(0, everywhere, old[:, 0].contiguous(), old[:, 1].contiguous())
+    # The kept document sits in blocks 4 and 1; block 4 is handed to request "a", which loads
+    # positions 0..16 from host slots 0.. into its blocks (4, 1, 5, 0).
+    handed = HostWrite(key=9, block_ids=(4, 1), token_start=0, num_tokens=8, slots=(8, 9))
+    ops = RequestOps("a", (4, 1, 5, 0), load=PLAN.load, load_lo=0, load_hi=16)
+    side.begin_step()
+    side.load(StepOps([ops], handout_writes=[handed]))
+    want = torch.stack([old[(4, 1)[p // BLOCK] * BLOCK + p % BLOCK] for p in range(8)])
+    assert torch.equal(_pool_rows(host.tensor, handed.slots, 8), want)  # the old KV
+    for span in PLAN.load:  # and the load wrote its blocks afterwards
+        got = _paged_rows(side, (4, 1, 5, 0), span.token_start, span.token_start + span.num_tokens)
+        assert torch.equal(got, _pool_rows(host.tensor, span.slots, span.num_tokens))
+    report = side.report()
+    assert report.host_written == {9}
+    assert set(report.steps.copy_bytes) == {"handout", "load"}
+    assert report.steps.copy_bytes["handout"] == 8 * LAYOUT.token_bytes

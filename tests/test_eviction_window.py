@@ -12,7 +12,14 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from ragcache_core.engine.compat import check_eviction_window_hooks
 from ragcache_core.engine.connector.window import EvictionWindow
-from ragcache_core.plan import HostLease, KeepSpan
+from ragcache_core.plan import HostLease, KeepSpan, WindowLosses
+
+
+def _ahead(window: Any, pool: Any) -> list[Any]:
+    """The step's eviction-time copies (at hand-out, then the look-ahead's)."""
+    handout, lookahead = window.step_writes(pool)
+    return [*handout, *lookahead]
+
 
 BLOCK = 4
 PAGE = 2
@@ -79,9 +86,9 @@ def test_a_document_at_the_head_is_copied_with_its_parent_held_then_handed_back(
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     free_before = pool.get_num_free_blocks()
-    assert window.scan(pool) == []  # the freed blocks went to the queue's tail: not leaving
+    assert _ahead(window, pool) == []  # the freed blocks went to the queue's tail: not leaving
     pool.get_new_blocks(free_before - 4)  # someone takes every block before them
-    writes = window.scan(pool)
+    writes = _ahead(window, pool)
     # Block 3 (the question's) is first, then block 2 (the document's last): the document is
     # leaving, so it and its uncopied parent (the root) are copied, root first.
     assert [w.key for w in writes] == [7, 8]
@@ -94,8 +101,12 @@ def test_a_document_at_the_head_is_copied_with_its_parent_held_then_handed_back(
     assert window.held_blocks == 0 and pool.get_num_free_blocks() == 4
     copied, dropped, gone = window.take_changes()
     assert [(seq, key) for seq, key, _ in copied] == [(1, 7), (2, 8)] and dropped == gone == ()
-    assert window.take_changes() == ((), (), ())  # each change once
-    assert window.scan(pool) == []  # copied: let go when it comes back to the head
+    # The copies ride on every report until a lease says the tree applied them (a report
+    # vLLM drops loses nothing); the rest, once.
+    assert window.take_changes() == (copied, (), ())
+    window.take_lease(HostLease(epoch=1, version=1, applied=2, slots=tuple(range(8))))
+    assert window.take_changes() == ((), (), ())
+    assert _ahead(window, pool) == []  # copied: let go when it comes back to the head
     # Its blocks leave vLLM's cache: the copied records are reported gone (the tree then
     # knows the documents are on the host alone), once.
     pool.get_new_blocks(pool.get_num_free_blocks())
@@ -109,26 +120,95 @@ def test_a_failed_copy_hands_blocks_back_returns_slots_and_drops_the_record() ->
     window.record(KEEP, ids, pool, epoch=1, version=1, fail=True)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
-    writes = window.scan(pool)
+    writes = _ahead(window, pool)
     assert all(w.fail for w in writes) and window.lease_free == 2
     window.on_report(set(), pool)  # the worker reported neither as run
     assert window.held_blocks == 0 and window.lease_free == 8
     assert window.take_changes() == ((), (7, 8), ((7, 1), (8, 1)))
-    assert window.scan(pool) == []
+    assert _ahead(window, pool) == []
 
 
-def test_an_evicted_document_is_dropped_not_copied() -> None:
+def test_a_document_vllm_hands_out_is_copied_in_that_step_with_its_parent() -> None:
+    """vLLM hands a recorded document's block out (its reuse callback fires before the hash
+    goes): the document and its uncopied parent are copied in that step, from blocks nobody
+    holds (they are the new requests'), before the step writes them."""
     pool, ids = _pool_with_request(8, used=4)
-    window = _window(window=8)
+    window = _window(window=0)  # no look-ahead: every copy at hand-out
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
-    pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # evicts the last two (hashes reset)
-    writes = window.scan(pool)
-    assert [w.key for w in writes] == [7]  # the root is still whole: copied on its own
-    window.on_report({7}, pool)
+    assert window.step_writes(pool) == ([], [])  # nothing handed out yet
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # takes the document's last block
+    handout, ahead = window.step_writes(pool)
+    assert ahead == [] and [w.key for w in handout] == [7, 8]
+    assert handout[0].block_ids == tuple(ids[0:2]) and handout[1].block_ids == tuple(ids[1:3])
+    assert window.held_blocks == 0 and pool.get_num_free_blocks() == 2
+    window.on_report({7, 8}, pool)
     copied, dropped, gone = window.take_changes()
-    assert [key for _, key, _ in copied] == [7] and dropped == (8,) and gone == ((8, 1),)
-    assert not window.is_recorded(8)
+    assert [key for _, key, _ in copied] == [7, 8] and dropped == ()
+    assert gone == ((8, 1),)  # its blocks left vLLM's cache: on the host alone now
+    assert window.take_losses() == WindowLosses()
+    window.take_lease(HostLease(epoch=1, version=1, applied=2, slots=tuple(range(8))))
+    pool.get_new_blocks(2)  # the root's blocks go too: copied already, nothing more
+    assert window.step_writes(pool) == ([], [])
+    assert window.take_changes() == ((), (), ((7, 1),))
+
+
+def test_a_document_handed_out_without_lease_room_is_lost_for_lack_of_lease() -> None:
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window(lease=5, window=0)  # the chain needs 6 slots
+    window.record(KEEP, ids, pool, epoch=1, version=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)
+    assert window.step_writes(pool) == ([], []) and window.lease_free == 5
+    assert window.take_changes() == ((), (), ((8, 1),))
+    assert window.take_losses() == WindowLosses(no_lease=1)
+
+
+def test_a_copy_at_hand_out_never_overwrites_a_victim_the_steps_loads_read() -> None:
+    """Copies at hand-out run before the step's loads: a victim a load of the step reads is
+    passed over (the next one is overwritten instead), or the copy is refused."""
+    pool, ids = _pool_with_request(8, used=4)
+    window = EvictionWindow(window_blocks=0, block_size=BLOCK, page_size=PAGE)
+    lease = HostLease(
+        epoch=1, version=0, applied=0, slots=(), victims=((1, (0, 1, 2)), (2, (3, 4, 5)))
+    )
+    window.take_lease(lease)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
+    _finish(pool, ids)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)
+    handout, _ = window.step_writes(pool, frozenset({4}))  # a load reads victim 2's slot 4
+    assert handout == []  # 6 slots needed, victim 1's 3 usable: refused
+    assert window.take_overwritten() == ()
+    pool2, ids2 = _pool_with_request(8, used=4)
+    window2 = EvictionWindow(window_blocks=0, block_size=BLOCK, page_size=PAGE)
+    window2.take_lease(
+        HostLease(
+            epoch=1,
+            version=0,
+            applied=0,
+            slots=(9, 10, 11),
+            victims=((1, (0, 1, 2)), (2, (3, 4, 5))),
+        )
+    )
+    window2.record(KEEP, ids2, pool2, epoch=1, version=1)
+    _finish(pool2, ids2)
+    pool2.get_new_blocks(pool2.get_num_free_blocks() - 2)
+    handout, _ = window2.step_writes(pool2, frozenset({1}))  # a load reads victim 1's slot 1
+    assert [w.key for w in handout] == [7, 8]
+    assert window2.take_overwritten() == ((1, 2),)  # victim 2, not victim 1
+    assert {s for w in handout for s in w.slots} == {9, 10, 11, 3, 4, 5}
+
+
+def test_a_reset_forgets_documents_handed_out_while_it_ran() -> None:
+    """vLLM's prefix-cache reset calls every watched block's callback, then the connector's
+    reset: nothing handed out then is copied."""
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window(window=0)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
+    _finish(pool, ids)
+    assert pool.reset_prefix_cache()
+    window.reset(pool)
+    assert window.step_writes(pool) == ([], []) and not window.is_recorded(8)
 
 
 def test_without_lease_room_the_document_is_let_go() -> None:
@@ -137,7 +217,7 @@ def test_without_lease_room_the_document_is_let_go() -> None:
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
-    assert window.scan(pool) == [] and window.held_blocks == 0
+    assert _ahead(window, pool) == [] and window.held_blocks == 0
     assert window.is_recorded(8)  # a later lease with room may still copy it
 
 
@@ -147,7 +227,7 @@ def test_a_lease_never_hands_out_slots_consumed_but_not_applied() -> None:
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
-    writes = window.scan(pool)
+    writes = _ahead(window, pool)
     window.on_report({7, 8}, pool)
     used = {s for w in writes for s in w.slots}
     # A newer plan built before the tree saw the copies restates the whole lease.
@@ -175,8 +255,8 @@ def test_blocks_held_without_a_report_are_handed_back_and_counted() -> None:
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
-    assert window.scan(pool)
-    assert window.scan(pool) == []  # no report came for the step: handed back, dropped
+    assert _ahead(window, pool)
+    assert _ahead(window, pool) == []  # no report came for the step: handed back, dropped
     assert window.stranded_blocks == 4 and window.held_blocks == 0
     assert window.lease_free == 8 and window.take_changes()[:2] == ((), (7, 8))
 
@@ -187,7 +267,7 @@ def test_reset_forgets_every_record_and_holds_nothing() -> None:
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
-    assert window.scan(pool)
+    assert _ahead(window, pool)
     window.reset(pool)
     assert window.held_blocks == 0 and window.lease_free == 8
     assert not window.is_recorded(7) and not window.is_recorded(8)
@@ -208,9 +288,11 @@ def test_a_let_go_document_evicted_by_vllm_is_reported_gone() -> None:
     window = _window(lease=0, window=8)  # no lease room: nothing is copied
     window.record(KEEP, ids, pool, epoch=1, version=3)
     _finish(pool, ids)
-    assert window.scan(pool) == [] and window.take_changes() == ((), (), ())  # still cached
+    assert _ahead(window, pool) == [] and window.take_changes() == ((), (), ())  # still cached
     pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # vLLM evicts the document's blocks
-    assert window.take_changes() == ((), (), ((8, 3),))  # the root's blocks are still cached
+    assert window.step_writes(pool) == ([], [])  # still no room at hand-out
+    # Dropped by the look-ahead, which finds it broken; the root's blocks are still cached.
+    assert window.take_changes() == ((), (8,), ((8, 3),))
     assert window.is_recorded(7) and not window.is_recorded(8)
 
 
@@ -221,13 +303,13 @@ def test_a_child_is_copied_after_its_copied_parent_left_vllms_blocks() -> None:
     window.record(KEEP, ids, pool, epoch=1, version=1)
     pool.get_new_blocks(pool.get_num_free_blocks())  # every other block is taken
     pool.free_blocks([pool.blocks[i] for i in ids])  # freed root first: the root leaves first
-    assert [w.key for w in window.scan(pool)] == [7]  # only the root's first block is watched
+    assert [w.key for w in _ahead(window, pool)] == [7]  # only the root's first block is watched
     window.on_report({7}, pool)  # its blocks go back to the head
     pool.get_new_blocks(1)  # vLLM evicts the root's first block
     copied, _, gone = window.take_changes()
     assert [key for _, key, _ in copied] == [7] and gone == ((7, 1),)
     # The document's blocks are still whole: its copy goes below the root's host copy.
-    assert [w.key for w in window.scan(pool)] == [8]
+    assert [w.key for w in _ahead(window, pool)] == [8]
 
 
 def test_unfollowed_spans_are_reported_gone_for_this_epoch_only() -> None:
@@ -328,7 +410,7 @@ def test_copied_blocks_go_back_to_the_tail_or_where_they_were(back_to_head: bool
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert _head(pool, 4) == [ids[3], ids[2], ids[1], ids[0]]
-    assert window.scan(pool)
+    assert _ahead(window, pool)
     window.on_report({7, 8}, pool)
     order = _head(pool, 4)
     if back_to_head:
@@ -355,7 +437,7 @@ def test_a_copy_the_tree_has_not_applied_is_loaded_not_computed_nor_copied_again
     window.record(KEEP, ids, pool, epoch=5, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
-    writes = window.scan(pool)
+    writes = _ahead(window, pool)
     window.on_report({7, 8}, pool)
     copies = {w.key: w.slots for w in writes}
     # The next plan (same tree, same lease: it has not applied the copies) computes both.
@@ -380,3 +462,26 @@ def test_a_copy_the_tree_has_not_applied_is_loaded_not_computed_nor_copied_again
     # Once the tree applied them, they are its own to plan: nothing past the plan's loads.
     window.take_lease(HostLease(epoch=5, version=2, applied=2, slots=()))
     assert window.copied_loads(Plan(page_size=PAGE, keep=KEEP, lease=lease), 0) == ()
+
+
+def test_a_copy_at_hand_out_never_takes_a_slot_a_load_of_the_step_reads() -> None:
+    """Found by the host tier fuzz: a load accepted early in a step reads a copy the tree has
+    not applied (`copied_loads`); a newer lease taken later in the same step acknowledges that
+    copy, so its slots are free lent ones again; a copy at hand-out, which runs before the
+    step's loads, must not take them."""
+    pool, ids = _pool_with_request(8, used=4)
+    window = _window(lease=6, window=0)
+    window.record(KEEP, ids, pool, epoch=1, version=1)
+    _finish(pool, ids)
+    reading = frozenset({0, 1, 2})  # say, a copied load's slots just freed by a newer lease
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)
+    handout, _ = window.step_writes(pool, reading)
+    assert handout == [] and window.lease_free == 6  # 6 needed, 3 not read: refused
+    pool2, ids2 = _pool_with_request(8, used=4)
+    window2 = _window(lease=9, window=0)
+    window2.record(KEEP, ids2, pool2, epoch=1, version=1)
+    _finish(pool2, ids2)
+    pool2.get_new_blocks(pool2.get_num_free_blocks() - 2)
+    handout, _ = window2.step_writes(pool2, reading)
+    assert [w.key for w in handout] == [7, 8]
+    assert not reading & {s for w in handout for s in w.slots}

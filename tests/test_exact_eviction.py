@@ -129,7 +129,12 @@ class Computed:
 
 
 def _computed(
-    rig: Rig, name: str, seed: int, lease_slots: int = LEASE_SLOTS, **extra: Any
+    rig: Rig,
+    name: str,
+    seed: int,
+    lease_slots: int = LEASE_SLOTS,
+    host_slots: int | None = None,
+    **extra: Any,
 ) -> tuple[Computed, random.Random]:
     rng = random.Random(seed)
     system = _tokens(rng, 32)
@@ -137,7 +142,7 @@ def _computed(
     question = _tokens(rng, 9)
     ref = rig.engine.run(system + list(doc.token_ids) + question, None, SAMPLING)
     rig.engine.reset_prefix_cache()
-    tree = _tree(rig, lease_slots)
+    tree = _tree(rig, lease_slots, host_slots)
     first = run_request(
         rig.engine,
         tree,
@@ -160,7 +165,7 @@ def test_a_document_pushed_out_of_vllms_blocks_is_copied_on_its_way_out_and_serv
     assert _host_docs(tree) == set()
     assert _vllm_docs(tree) == {"kept"}  # the tree knows vLLM's blocks hold it
     window_s = _push_out(rig, tree, system, rng)
-    assert "kept" in _host_docs(tree)  # copied as it reached the head of vLLM's free queue
+    assert "kept" in _host_docs(tree)  # copied on its way out of vLLM's blocks
     assert window_s > 0.0  # the copy ran in a step that prefilled a pushing request
     # The engine reported its blocks gone from vLLM's cache after the copy.
     assert "kept" not in _vllm_docs(tree)
@@ -209,10 +214,10 @@ def test_clear_forgets_what_the_window_would_copy_and_holds_no_block(rig: Rig) -
 def test_a_document_the_lease_has_no_room_for_is_counted_lost_and_recomputed_exactly(
     rig: Rig,
 ) -> None:
-    """A lease of 4 slots, fixed (it does not grow): the root (2 slots) fits, no 96-token
-    document (6) ever does. Every kept document leaves vLLM's blocks uncopied, and the reports
-    say why (`no_lease`)."""
-    c, rng = _computed(rig, "refused", 6, lease_slots=4)
+    """A host tier of 7 slots, so a lease of at most 3 (half of it): the root (2 slots) fits,
+    no 96-token document (6) ever does. Every kept document leaves vLLM's blocks uncopied, and
+    the reports say why (`no_lease`)."""
+    c, rng = _computed(rig, "refused", 6, lease_slots=4, host_slots=7)
     system, refused, question, ref, tree = c.system, c.doc, c.question, c.ref, c.tree
     # Twice: with nothing copied nothing is handed back to the queue's head, and each request's
     # partial last block (never cached) is reused first, so one push-out evicts little.

@@ -16,6 +16,13 @@ from ragcache_core.tree import KnowledgeTree
 from tests._host_tier_model import Counts, Scenario, Violation
 from tests._tree_helpers import ROOT, doc
 
+
+def _ahead(window: Any, pool: Any) -> list[Any]:
+    """The step's eviction-time copies (at hand-out, then the look-ahead's)."""
+    handout, lookahead = window.step_writes(pool)
+    return [*handout, *lookahead]
+
+
 SEEDS = 200
 
 
@@ -79,7 +86,7 @@ def test_a_dead_engines_late_report_never_names_slots_the_new_engine_wrote() -> 
     window.record(second.plan.keep, ids, pool, epoch=lease.epoch, version=lease.version)
     pool.free_blocks(reversed(blocks))
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)  # the request's blocks are leaving
-    writes = window.scan(pool)
+    writes = _ahead(window, pool)
     window.on_report({w.key for w in writes}, pool)
     written = {slot for w in writes for slot in w.slots}
     assert written == set(slots[:3])  # y is in x's slots now

@@ -48,14 +48,20 @@ def _fresh() -> None:
 
 
 def test_a_plan_keeps_the_path_and_lends_a_lease_instead_of_storing() -> None:
-    tree = _tree()
+    tree = _tree(host_slots=64)
     handle = tree.begin_request(5, [doc("a", 8), doc("b", 6)], 3)
     plan = handle.plan
-    assert plan.store == () and plan.lease is not None and len(plan.lease.slots) == 8
+    # The lease: every free slot, up to half the tier (nothing else takes free host slots).
+    assert plan.store == () and plan.lease is not None and len(plan.lease.slots) == 32
+    # Its target, what victims would make up for in a full tier: a step's budget (8 slots),
+    # what its prefill makes vLLM hand out (22 tokens: 6 slots) and what the plan keeps
+    # (2 + 2 + 2 slots: a block handed out can start the copy of a document with its uncopied
+    # ancestors).
+    assert tree.host_writes is not None and tree.host_writes.lease_target() == 8 + 6 + 6
     assert [(k.token_start, k.num_tokens) for k in plan.keep] == [(0, 5), (5, 8), (13, 6)]
     assert plan.keep[0].parent is None
     assert plan.keep[1].parent == plan.keep[0].key and plan.keep[2].parent == plan.keep[1].key
-    assert plan_problems(plan, prompt_len=22, page_size=PAGE, host_slots=32) == []
+    assert plan_problems(plan, prompt_len=22, page_size=PAGE, host_slots=64) == []
     tree.confirm(handle)
     # Nothing on the host until the engine copies it; vLLM's blocks hold the path now.
     assert cached_paths(tree) == {(): {"vllm"}, ("a",): {"vllm"}, ("a", "b"): {"vllm"}}
@@ -68,7 +74,7 @@ def test_a_plan_keeps_the_path_and_lends_a_lease_instead_of_storing() -> None:
 
 
 def test_copies_become_host_hits_root_first_and_each_is_applied_once() -> None:
-    tree = _tree()
+    tree = _tree(host_slots=64)
     handle = tree.begin_request(5, [doc("a", 8)], 3)
     tree.confirm(handle)
     root_span, a_span = handle.plan.keep
@@ -81,7 +87,11 @@ def test_copies_become_host_hits_root_first_and_each_is_applied_once() -> None:
     assert [(s.token_start, s.num_tokens) for s in nxt.plan.load] == [(0, 5), (5, 8)]
     assert [(k.token_start, k.num_tokens, k.parent) for k in nxt.plan.keep] == [(13, 4, None)]
     assert nxt.plan.lease is not None and nxt.plan.lease.applied == 2
-    assert len(nxt.plan.lease.slots) == 8  # topped up again
+    # Topped up again with free room, to half the tier; its target: the budget (8), what its
+    # prefill makes vLLM hand out (13 tokens loaded and 7 computed: 5 slots), the most a plan
+    # kept (the first: root and a, 2 + 2).
+    assert len(nxt.plan.lease.slots) == 32
+    assert tree.host_writes is not None and tree.host_writes.lease_target() == 8 + 5 + 4
     tree.confirm(nxt)
     tree.check_integrity()
 
@@ -161,8 +171,45 @@ def test_the_lease_is_at_most_half_the_host_tier() -> None:
     tree.check_integrity()
 
 
+def test_a_tier_with_room_lends_it_all_and_a_full_one_lends_victims_up_to_the_target() -> None:
+    """Free host slots cost nothing lent (only copies take them): all of them, up to half the
+    tier, so no kept document waits on a late report while the tier has room. A full tier
+    lends its least-wanted copies as victims, up to the target: what a step and the open
+    requests can make vLLM hand out."""
+    tree = _tree(host_slots=24, lease=2)
+    writes = tree.host_writes
+    assert writes is not None
+    first = tree.begin_request(4, [doc("a", 8)], 3)
+    tree.confirm(first)
+    assert first.plan.lease is not None and len(first.plan.lease.slots) == 12
+    assert first.plan.lease.victims == ()
+    # Copies fill the tier: every document the engine reports copied takes lent slots.
+    seq, used = 0, set()
+    for i in range(8):
+        handle = tree.begin_request(4, [doc(f"d{i}", 8)], 3)
+        tree.confirm(handle)
+        assert handle.plan.lease is not None
+        for span in handle.plan.keep:
+            count = -(-span.num_tokens // PAGE)
+            slots = tuple(s for s in handle.plan.lease.slots if s not in used)[:count]
+            if len(slots) < count:
+                break
+            seq += 1
+            used.update(slots)
+            tree.apply_host_writes([(seq, span.key, slots)], [])
+        tree.check_integrity()
+    last = tree.begin_request(4, [doc("z", 8)], 3)
+    assert last.plan.lease is not None
+    lent = len(last.plan.lease.slots) + sum(len(v) for _, v in last.plan.lease.victims)
+    assert last.plan.lease.victims and lent >= writes.lease_target()
+    tree.confirm(last)
+    tree.check_integrity()
+
+
 def test_the_lease_grows_while_copies_outrun_it_and_shrinks_back_while_it_idles() -> None:
-    tree = _tree(host_slots=64, lease=4)
+    """The lease of empty room (`host_lease_victims=False`) is its target exactly: its budget
+    part adapts to the reports."""
+    tree = _tree(host_slots=64, lease=4, host_lease_victims=False)
     writes = tree.host_writes
     assert writes is not None and writes.max_lease_slots == 16
 
@@ -174,12 +221,17 @@ def test_the_lease_grows_while_copies_outrun_it_and_shrinks_back_while_it_idles(
         return len(handle.plan.lease.slots)
 
     lease_of_next_plan.n = 0  # type: ignore[attr-defined]
-    assert lease_of_next_plan() == 4
-    # Each report of a refusal doubles it, up to 4 times its start; lent slots stay lent.
+    # Part of every lease: what each plan's prefill makes vLLM hand out (the first's 15
+    # tokens, 4 slots; later ones find the root in vLLM's blocks: 11 tokens, 3 slots) and
+    # the most a plan keeps (root 1 slot, its document 2).
+    longest = 3 + 3
+    assert lease_of_next_plan() == 4 + 4 + 3
+    # Each report of a refusal doubles its budget part, up to 4 times its start; lent slots
+    # stay lent.
     for expected in (8, 16, 16):
         tree.apply_host_writes([], [], lost=WindowLosses(no_lease=1))
-        assert writes.lease_slots == expected and lease_of_next_plan() == expected
-    assert writes.lease_peak == 16
+        assert writes.lease_slots == expected and lease_of_next_plan() == expected + longest
+    assert writes.lease_peak == 16 + longest
     # Reports without refusals, the lease unused: a quarter of its growth back each time, and
     # never below its start; the lent slots are not taken back (only the top-ups stop).
     sizes = []
@@ -187,7 +239,7 @@ def test_the_lease_grows_while_copies_outrun_it_and_shrinks_back_while_it_idles(
         tree.apply_host_writes([], [])
         sizes.append(writes.lease_slots)
     assert sizes[:3] == [13, 11, 10] and sizes[-1] == 4 and sorted(sizes, reverse=True) == sizes
-    assert lease_of_next_plan() == 16  # nothing freed
+    assert lease_of_next_plan() == 16 + longest  # nothing freed
     tree.clear()
     assert writes.lease_slots == 4 and writes.lease_peak == 4
     tree.check_integrity()
@@ -195,22 +247,24 @@ def test_the_lease_grows_while_copies_outrun_it_and_shrinks_back_while_it_idles(
 
 def test_a_lease_in_use_does_not_shrink() -> None:
     """A report without refusals but with most of the lease used up keeps its size."""
-    tree = _tree(host_slots=64, lease=4, host_lease_max_slots=8)
+    tree = _tree(host_slots=64, lease=4, host_lease_max_slots=8, host_lease_victims=False)
     writes = tree.host_writes
     assert writes is not None
     tree.apply_host_writes([], [], lost=WindowLosses(no_lease=2))
-    handle = tree.begin_request(4, [doc("a", 8), doc("b", 8), doc("c", 8)], 3)
+    handle = tree.begin_request(4, [doc("a", 28), doc("b", 28), doc("c", 28)], 3)
     tree.confirm(handle)
-    assert handle.plan.lease is not None and len(handle.plan.lease.slots) == 8
+    # Its budget part (8), its prefill (91 tokens: 23 slots) and what it keeps (1 + 3 x 7),
+    # at most half the host tier.
+    assert handle.plan.lease is not None and len(handle.plan.lease.slots) == 32
     lent = list(handle.plan.lease.slots)
-    copies = []  # one report: the root (1 slot), a and b (2 each): 5 of the 8 used
-    for seq, span in enumerate(handle.plan.keep[:3], start=1):
+    copies = []  # one report: the root (1 slot), a, b and c (7 each): 22 of the 32 used
+    for seq, span in enumerate(handle.plan.keep, start=1):
         count = -(-span.num_tokens // PAGE)
         copies.append((seq, span.key, tuple(lent[:count])))
         del lent[:count]
     tree.apply_host_writes(copies, [])
-    assert len(writes.lease) == 3 and writes.lease_slots == 8
-    tree.apply_host_writes([], [])  # 3 of 8 unused: still in use
+    assert len(writes.lease) == 10 and writes.lease_slots == 8
+    tree.apply_host_writes([], [])  # 10 unused, less than half of 8 + 22: still in use
     assert writes.lease_slots == 8
     tree.check_integrity()
 

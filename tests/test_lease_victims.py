@@ -25,6 +25,13 @@ from ragcache_core.tree import KnowledgeTree, RootKey
 from ragcache_core.tree.node import Node
 from tests._tree_helpers import ROOT, cached_paths, doc, node_path
 
+
+def _ahead(window: Any, pool: Any) -> list[Any]:
+    """The step's eviction-time copies (at hand-out, then the look-ahead's)."""
+    handout, lookahead = window.step_writes(pool)
+    return [*handout, *lookahead]
+
+
 PAGE = 4
 
 
@@ -239,7 +246,7 @@ def test_the_window_overwrites_victims_least_wanted_first_only_when_free_slots_r
     window.take_lease(HostLease(1, 1, 0, slots=(0, 1), victims=VICTIMS))
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _push(pool, ids)
-    writes = window.scan(pool)
+    writes = _ahead(window, pool)
     assert [w.key for w in writes] == [7, 8]
     assert [w.slots for w in writes] == [(0, 1, 10), (11, 12, 13)]
     assert window.take_overwritten() == ((1, 5), (2, 6))  # both were needed, in lease order
@@ -274,7 +281,7 @@ def test_without_room_even_with_every_victim_nothing_is_overwritten() -> None:
     window.take_lease(HostLease(1, 1, 0, slots=(0,), victims=((5, (10,)),)))  # 2 of 3 and 6
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _push(pool, ids)
-    assert window.scan(pool) == [] and window.take_overwritten() == ()
+    assert _ahead(window, pool) == [] and window.take_overwritten() == ()
 
 
 def test_the_scheduler_side_answers_fewer_tokens_past_an_overwritten_victim() -> None:
@@ -354,7 +361,7 @@ def test_a_failed_copy_onto_victims_tears_them_and_a_lost_report_never_makes_the
     window.take_lease(HostLease(1, 1, 0, slots=(), victims=VICTIMS))
     window.record(KEEP, ids, pool, epoch=1, version=1, fail=True)
     _push(pool, ids)
-    assert len(window.scan(pool)) == 2
+    assert len(_ahead(window, pool)) == 2
     window.on_report(set(), pool)  # the copies failed: the victims are torn all the same
     assert window.take_overwritten() == ((1, 5), (2, 6))  # and this report is lost
     # The tree applied a later number from elsewhere; its next lease still lends 5 and 6.

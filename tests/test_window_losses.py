@@ -18,6 +18,13 @@ from ragcache_core.storage.pool_layout import PoolLayout
 from ragcache_core.tree import KnowledgeTree
 from tests._tree_helpers import ROOT, doc
 
+
+def _ahead(window: Any, pool: Any) -> list[Any]:
+    """The step's eviction-time copies (at hand-out, then the look-ahead's)."""
+    handout, lookahead = window.step_writes(pool)
+    return [*handout, *lookahead]
+
+
 BLOCK = 4
 PAGE = 2
 KEEP = (KeepSpan(7, None, 0, 8), KeepSpan(8, 7, 8, 8))  # root: blocks 0-1; document: 2-3
@@ -50,7 +57,7 @@ def _finished(
 def test_copied_documents_are_no_loss() -> None:
     pool, _, window = _finished()
     pool.get_new_blocks(pool.get_num_free_blocks() - 5)  # the request's blocks at the head
-    writes = window.scan(pool)
+    writes = _ahead(window, pool)
     assert [w.key for w in writes] == [7, 8]
     window.on_report({7, 8}, pool)
     pool.get_new_blocks(pool.get_num_free_blocks())  # now vLLM evicts them: on the host
@@ -61,7 +68,7 @@ def test_copied_documents_are_no_loss() -> None:
 def test_a_plan_built_before_the_tree_applied_a_copy_computes_it_and_is_counted() -> None:
     pool, _, window = _finished()
     pool.get_new_blocks(pool.get_num_free_blocks() - 5)
-    window.on_report({w.key for w in window.scan(pool)}, pool)  # copies 1 (root), 2 (document)
+    window.on_report({w.key for w in _ahead(window, pool)}, pool)  # copies 1 (root), 2 (document)
     stale = HostLease(epoch=1, version=1, applied=0, slots=tuple(range(16)))
     window.planned(KEEP, stale)  # vLLM's blocks still hold both: read there, no loss
     assert window.take_losses() == WindowLosses()
@@ -75,41 +82,50 @@ def test_a_plan_built_before_the_tree_applied_a_copy_computes_it_and_is_counted(
     assert window.take_losses() == WindowLosses(unapplied=2)
 
 
-def test_documents_a_step_took_before_the_window_saw_them_are_missed_once() -> None:
+def test_a_step_that_takes_every_block_copies_what_it_takes_nothing_is_missed() -> None:
+    """Before copies at hand-out, a step that took blocks from beyond the look-ahead lost
+    their documents (`missed`); now vLLM names every block it hands out."""
     pool, _, window = _finished()
-    pool.get_new_blocks(pool.get_num_free_blocks())  # one step took everything: no scan ran
-    window.take_changes()  # the sweep finds both gone
-    assert window.take_losses() == WindowLosses(missed=2)
-    assert window.take_losses() == WindowLosses()  # each counted once
-    assert window.scan(pool) == [] and window.take_losses() == WindowLosses()
+    pool.get_new_blocks(pool.get_num_free_blocks())  # one step takes everything
+    window.take_changes()  # between scheduling and the step's metadata: nothing swept yet
+    assert [w.key for w in window.step_writes(pool)[0]] == [7, 8]
+    window.on_report({7, 8}, pool)
+    copied, _, gone = window.take_changes()
+    assert [key for _, key, _ in copied] == [7, 8] and gone == ((7, 1), (8, 1))
+    assert window.take_losses() == WindowLosses()
 
 
-def test_a_document_partly_taken_beyond_the_window_is_missed_at_the_scan() -> None:
+def test_a_document_partly_taken_is_copied_whole_from_the_blocks_handed_out() -> None:
     pool, _, window = _finished(window=3)
-    pool.get_new_blocks(pool.get_num_free_blocks() - 3)  # blocks 4 (question) and 3 left
-    # The document's block 2 is in the window, its block 3 left: missed. The root is whole.
-    assert [w.key for w in window.scan(pool)] == [7]
-    window.on_report({7}, pool)
-    assert window.take_losses() == WindowLosses(missed=1)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 3)  # blocks 4 (question) and 3 taken
+    # The document's block 3 was handed out: the document (and its root) are copied at
+    # hand-out, before anything writes block 3; the look-ahead has nothing left to copy.
+    handout, ahead = window.step_writes(pool)
+    assert [w.key for w in handout] == [7, 8] and ahead == []
+    window.on_report({7, 8}, pool)
+    window.take_changes()
+    assert window.take_losses() == WindowLosses()
     assert not window.is_recorded(8) and window.is_recorded(7)
 
 
 def test_documents_refused_a_lease_count_as_no_lease_not_missed() -> None:
     pool, _, window = _finished(lease=7, window=2)  # root and document need 4 + 4 slots
     pool.get_new_blocks(pool.get_num_free_blocks() - 5)
-    assert window.scan(pool) == []  # the document is at the head, the lease too small
+    assert _ahead(window, pool) == []  # the document is at the head, the lease too small
     assert window.take_losses() == WindowLosses()  # refused, not lost yet: still cached
     pool.get_new_blocks(pool.get_num_free_blocks())
+    # Handed out: the document refused again, for good; the root, handed out too, fits alone.
+    assert [w.key for w in _ahead(window, pool)] == [7]
+    window.on_report({7}, pool)
     window.take_changes()
-    # The root was refused with it (its copy was part of the document's): both no_lease.
-    assert window.take_losses() == WindowLosses(no_lease=2)
+    assert window.take_losses() == WindowLosses(no_lease=1)
 
 
 def test_a_document_whose_parent_left_uncopied_is_broken() -> None:
     pool, ids, window = _finished()
     pool.evict_blocks({ids[0]})  # vLLM evicted the root's first block (its hash is gone)
     pool.get_new_blocks(pool.get_num_free_blocks() - 5)
-    assert window.scan(pool) == []
+    assert _ahead(window, pool) == []
     # The document is whole, but its copy needs the root's: let go, broken. The root itself
     # was not seen whole by the window: missed.
     assert window.take_losses() == WindowLosses(missed=1, broken=1)
@@ -130,7 +146,9 @@ def test_the_next_report_carries_the_losses_and_the_tree_adds_them_up() -> None:
     tracked.block_ids, tracked.store_sent = list(ids), True  # its prompt was computed
     side.finished("r")
     pool.free_blocks(reversed([pool.blocks[i] for i in ids]))
-    pool.get_new_blocks(pool.get_num_free_blocks())  # evicted before any scan
+    # Their hashes dropped without a hand-out (as a failed load's blocks are evicted): the
+    # window never had the chance to copy them.
+    pool.evict_blocks(set(ids))
     later = {PLAN_KEY: Plan(page_size=PAGE, lease=lease).to_json()}
 
     def report(req_id: str) -> ConnectorResult:

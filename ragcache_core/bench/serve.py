@@ -27,6 +27,7 @@ from ragcache_core.bench.systems import SYSTEMS
 from ragcache_core.bench.workloads import Request
 from ragcache_core.config import CacheConfig, SamplingConfig
 from ragcache_core.documents import Document
+from ragcache_core.engine.connector.step_costs import NO_STEPS
 from ragcache_core.errors import ConfigError
 from ragcache_core.search import SearchSource, final_result
 
@@ -266,6 +267,7 @@ class RAGCacheSystem:
         self.start_s = time.perf_counter() - started
         self.top_k = config.top_k
         self._deferrals_at_reset = 0
+        self._steps_at_reset = NO_STEPS
         self._plain: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def use(self, source: SearchSource | None, top_k: int) -> None:
@@ -308,7 +310,9 @@ class RAGCacheSystem:
         speculation outcomes, requests deferred on a document in flight, host bytes written,
         host evictions, and with eviction-time host writes the kept documents that left
         vLLM's cache uncopied by cause (`host_lost_*`, `WindowLosses`) and the kept documents
-        computed by two open requests at once (`host_concurrent_computes`)."""
+        computed by two open requests at once (`host_concurrent_computes`); and the engine's
+        steps with the time and bytes of each kind of copy (`engine_*`, `StepCosts`), since
+        the end of the warm-up when it ran apart (`steps_from_here`)."""
         stats = self.cache.stats()
         keys = (
             "speculation_started",
@@ -324,11 +328,18 @@ class RAGCacheSystem:
         for key, value in stats.get("host_writes", {}).items():  # eviction-time host writes
             if key not in ("copies", "report_probes"):  # not reset by clear()
                 counted[f"host_{key}"] = value
+        steps = self.cache.lifecycle.engine_steps.since(self._steps_at_reset)
+        counted.update({f"engine_{k}": v for k, v in steps.summary().items()})
         return counted
+
+    def steps_from_here(self) -> None:
+        """The engine's step costs in `counters()` count from now (the end of a warm-up)."""
+        self._steps_at_reset = self.cache.lifecycle.engine_steps
 
     async def reset(self) -> None:
         await asyncio.to_thread(self.cache.clear)
         self._deferrals_at_reset = self.cache.stats()["deferrals"]  # never reset by clear()
+        self._steps_at_reset = self.cache.lifecycle.engine_steps  # the engine's totals
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.cache.close)
@@ -506,6 +517,8 @@ async def run_point(
     if warmup and warmup_concurrency > 0:
         await closed_loop(one, range(warmup), warmup_concurrency)
         first = warmup
+        if isinstance(system, RAGCacheSystem):
+            system.steps_from_here()
     shift = (time.perf_counter() - start - arrivals[first]) if 0 < first < len(requests) else 0.0
     await asyncio.gather(*(at(i, arrivals[i] + shift) for i in range(first, len(requests))))
     counters = system.counters() if isinstance(system, RAGCacheSystem) else {}

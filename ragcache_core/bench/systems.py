@@ -114,6 +114,12 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"host_write": "eviction", "host_write_return": "head"},
         ),
         SystemSpec(
+            "ragcache-handout",
+            "ragcache",
+            "RAGCache, host tier written at eviction, at hand-out only (no look-ahead)",
+            {"host_write": "eviction", "host_write_window_tokens": 0},
+        ),
+        SystemSpec(
             "ragcache-emptylease",
             "ragcache",
             "RAGCache, host lease of empty room (evicted as it is topped up), not of victims",

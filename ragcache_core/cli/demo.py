@@ -44,6 +44,8 @@ DEFAULTS = {
 }
 DEMO_WORKLOADS = ("demo", "demo-short", "short", "long", "long-shuffled", "noreuse")
 DEMO_SYSTEMS = ("vllm", "vllm-apc", "vllm-apc-total", "ragcache")
+"""The systems the demo runs unless told otherwise; `--systems` takes any of `bench serve`'s
+that runs here (`ragcache-writethrough`, the ablations, ...)."""
 
 
 def register(subparsers: Any) -> None:
@@ -82,7 +84,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])
     p.add_argument(
-        "--systems", default="vllm,vllm-apc,vllm-apc-total,ragcache", help=",".join(DEMO_SYSTEMS)
+        "--systems",
+        default=",".join(DEMO_SYSTEMS),
+        help="comma-separated (%(default)s); any of `ragcache bench serve`'s systems that runs "
+        "here, e.g. ragcache-writethrough",
     )
     p.add_argument(
         "--vllm-kv-gib",
@@ -108,12 +113,17 @@ def _check(args: argparse.Namespace) -> list[str]:
         raise CliError("--requests, --max-tokens and --load must be positive, --warmup >= 0")
     if (args.rate is not None and args.rate <= 0) or (args.top_k is not None and args.top_k < 1):
         raise CliError("--rate and --top-k must be positive")
+    from ragcache_core.bench.systems import CUDA_ONLY, SYSTEMS
+
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(DEMO_SYSTEMS)
+    unknown = set(systems) - set(SYSTEMS)
     if unknown or not systems:
-        raise CliError(
-            f"unknown system(s) {sorted(unknown)}: choose from {', '.join(DEMO_SYSTEMS)}"
-        )
+        raise CliError(f"unknown system(s) {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    if any(name in CUDA_ONLY for name in systems):
+        from ragcache_core.engine.settings import detect_device
+
+        if not detect_device().is_cuda:
+            raise CliError(str(next(SYSTEMS[n].cuda_only for n in systems if n in CUDA_ONLY)))
     if bool(args.corpus) != bool(args.questions):
         raise CliError("--corpus and --questions go together")
     for path in [*(args.corpus or []), *([args.questions] if args.questions else [])]:

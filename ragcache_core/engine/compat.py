@@ -157,20 +157,28 @@ def check_block_pool_hooks() -> None:
 
 
 def check_eviction_window_hooks(*, back_to_head: bool = False) -> None:
-    """Raise `ConfigError` unless this vLLM's free-block queue can be walked from its head
-    (`FreeKVCacheBlockQueue.iter_blocks_after`, the walk vLLM's own `SimpleCPUOffloadConnector`
-    makes with `lazy_offload`) and its blocks name their prefix-cache hash (`block_hash`) and id.
+    """Raise `ConfigError` unless this vLLM's block pool calls back when it hands a watched
+    block out (`BlockPool.unpin_blocks(blocks, on_reuse)`, fired by `get_new_blocks` before
+    the block's hash is dropped: what vLLM's HiSparse coordinator uses), its free-block queue
+    can be walked from its head (`FreeKVCacheBlockQueue.iter_blocks_after`, the walk vLLM's own
+    `SimpleCPUOffloadConnector` makes with `lazy_offload`) and its blocks name their
+    prefix-cache hash (`block_hash`) and id.
 
-    The eviction window (`host_write="eviction"`, `engine/connector/window.py`) reads
-    `BlockPool.free_block_queue` with it every step, and holds the blocks it copies with the
-    `touch`/`free_blocks` that `check_block_pool_hooks` checks; with `back_to_head` it also
-    puts them back at the queue's head (`requeue_at_head`: `remove`, `prepend_n`). Present in
-    vllm 0.32 and 0.33; private API, so a vLLM without them is refused at engine start."""
+    The eviction window (`host_write="eviction"`, `engine/connector/window.py`) watches every
+    kept document's blocks with `unpin_blocks` and copies a document in the step that hands
+    one of its blocks out; with a look-ahead it reads `BlockPool.free_block_queue` every step
+    and holds the blocks it copies with the `touch`/`free_blocks` that
+    `check_block_pool_hooks` checks; with `back_to_head` it also puts them back at the queue's
+    head (`requeue_at_head`: `remove`, `prepend_n`). Present in vllm 0.32 and 0.33; private
+    API, so a vLLM without them is refused at engine start."""
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
     from ragcache_core.errors import ConfigError
 
     missing = []
+    if not callable(getattr(BlockPool, "unpin_blocks", None)):
+        missing.append("BlockPool.unpin_blocks")
     needed = (
         ("iter_blocks_after", "remove", "prepend_n") if back_to_head else ("iter_blocks_after",)
     )

@@ -57,10 +57,12 @@ def open_pools(model: str, config: CacheConfig) -> Pools:
 
 
 def window_tokens(config: CacheConfig) -> int:
-    """The eviction window's tokens (`CacheConfig.host_write_window_tokens`; default one step,
-    `max_num_batched_tokens`), which also size the host lease."""
+    """The look-ahead's tokens (`CacheConfig.host_write_window_tokens`; default one step,
+    `max_num_batched_tokens`; 0: none)."""
     assert config.max_num_batched_tokens is not None  # resolved by `resolve_device_defaults`
-    return config.host_write_window_tokens or config.max_num_batched_tokens
+    if config.host_write_window_tokens is None:
+        return config.max_num_batched_tokens
+    return config.host_write_window_tokens
 
 
 def window_blocks(config: CacheConfig) -> int:
@@ -86,6 +88,7 @@ def build_tree(
         if config.cost_profile
         else default_cost_model()
     )
+    assert config.max_num_batched_tokens is not None  # resolved by `resolve_device_defaults`
     return KnowledgeTree(
         root_key,
         host_slots=connector.host_slots,
@@ -96,7 +99,7 @@ def build_tree(
         store_policy=config.store_policy,
         block_size=settings.block_size,
         host_write=config.host_write,
-        host_lease_slots=-(-window_tokens(config) // config.page_size)
+        host_lease_slots=-(-config.max_num_batched_tokens // config.page_size)
         if config.writes_at_eviction
         else 0,
         host_lease_victims=config.host_lease_victims,

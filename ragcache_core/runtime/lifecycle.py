@@ -31,6 +31,7 @@ import logging
 from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
+from ragcache_core.engine.connector.step_costs import NO_STEPS, StepCosts
 from ragcache_core.plan import Plan, Tier
 from ragcache_core.query_result import CacheHits
 from ragcache_core.runtime.prompt import BuiltPrompt
@@ -47,6 +48,10 @@ class Lifecycle:
     def __init__(self, tree: KnowledgeTree, connector: ConnectorConfig) -> None:
         self.tree = tree
         self._connector = connector
+        self.engine_steps: StepCosts = NO_STEPS
+        """The engine's steps and copies, as its newest report said (`StepCosts`: since the
+        engine started)."""
+        self._steps_generation = 0
 
     # ------------------------------------------------------------------ reads
 
@@ -127,7 +132,11 @@ class Lifecycle:
         """The eviction-time host writes a report carries (any request's, or the report
         probe's: `runtime/report_probe.py`) become host copies, unless the engine that made
         it (`engine_generation`, the tree's when its request was planned) was lost since: see
-        `KnowledgeTree.apply_host_writes`."""
+        `KnowledgeTree.apply_host_writes`. The report's step costs replace older ones (they
+        are the engine's totals; a new engine's restart from 0, a lost one's are ignored)."""
+        newest = (self._steps_generation, self.engine_steps.steps)
+        if (engine_generation, result.steps.steps) >= newest:
+            self._steps_generation, self.engine_steps = engine_generation, result.steps
         self.tree.apply_host_writes(
             result.host_copied,
             result.host_dropped,

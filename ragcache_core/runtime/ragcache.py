@@ -342,6 +342,7 @@ class RAGCache(RAGCacheAPI):
                 "stale_reports": writes.stale_reports,
                 "report_probes": self._report_probe.probes,
             }
+        data["engine_steps"] = self.lifecycle.engine_steps.summary()
         data["queue_waiting"] = self.admission.waiting
         data["in_prefill"] = self.admission.in_prefill
         data["deferrals"] = self.admission.deferrals

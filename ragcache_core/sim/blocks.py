@@ -6,20 +6,22 @@ A pure-Python copy of the parts of vLLM 0.32's `BlockPool` and `FreeKVCacheBlock
   * a block holds `block_size` tokens; a full block is cached under a hash chained on its
     prefix (`BlockHasher`: the same tokens after a different prefix are another block);
   * free blocks wait in one queue, head = next to be reused: `get_new_blocks` takes from the
-    head and evicts the block's hash; `free_blocks` puts blocks with a hash at the tail (LRU)
-    and blocks without one at the head; `touch` (a hit) takes a free block out of the queue;
+    head, calls the reuse callback registered for the block (`unpin_blocks`) and evicts the
+    block's hash; `free_blocks` puts blocks with a hash at the tail (LRU) and blocks without one
+    at the head; `touch` (a hit) takes a free block out of the queue;
   * block 0 is vLLM's null block, never handed out.
 
 The engine's eviction window (`engine.connector.window.EvictionWindow`) runs over this pool
 unchanged: it uses the same names (`blocks`, `free_block_queue.iter_blocks_after`, `remove`,
-`prepend_n`, `touch`, `free_blocks`, a block's `block_hash`, `ref_cnt`, `prev_free_block`).
+`prepend_n`, `touch`, `free_blocks`, `unpin_blocks`, a block's `block_hash`, `ref_cnt`,
+`prev_free_block`).
 tests/test_sim_engine.py replays random operations on this pool and on vLLM's own and
 compares them. Not thread-safe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ragcache_core.errors import ConfigError
@@ -100,6 +102,8 @@ class BlockPool:
         self.cached: dict[int, dict[int, Block]] = {}
         """Block hash -> the blocks caching it (vLLM allows one hash in several blocks)."""
         self.evictions = 0
+        self._reuse_watchers: dict[int, Callable[[Block], None]] = {}
+        """Block id -> the callback called once when the block is handed out (or reset)."""
 
     @property
     def num_free(self) -> int:
@@ -128,10 +132,30 @@ class BlockPool:
         if count > self.num_free:
             raise ValueError(f"cannot get {count} free blocks, {self.num_free} are free")
         taken = [self.free_block_queue.popleft() for _ in range(count)]
+        self._notify_reuse(taken)
         for block in taken:
             self._evict(block)
             block.ref_cnt = 1
         return taken
+
+    def unpin_blocks(self, blocks: Iterable[Block], on_reuse: Callable[[Block], None]) -> None:
+        """vLLM's `unpin_blocks`: drop one reference of each (those left unreferenced join the
+        queue's tail) and call `on_reuse(block)` once when the block is next handed out."""
+        released: list[Block] = []
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} is not referenced")
+            block.ref_cnt -= 1
+            self._reuse_watchers[block.block_id] = on_reuse
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_block_queue.append_n(released)
+
+    def _notify_reuse(self, blocks: Iterable[Block]) -> None:
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
 
     def cache(self, block: Block, block_hash: int) -> None:
         """`block` now holds the full block of tokens named by `block_hash`."""
@@ -152,7 +176,9 @@ class BlockPool:
         self.free_block_queue.append_n(last)
 
     def reset(self) -> None:
-        """vLLM's `reset_prefix_cache` (every block free): forget every hash."""
+        """vLLM's `reset_prefix_cache` (every block free): every watched block's callback,
+        then every hash forgotten."""
+        self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
         for block in self.blocks:
             if block.block_hash is not None:
                 self._evict(block)

@@ -13,12 +13,13 @@ paper's two pools (`simulator.py`):
     (`eviction`); the policy (DGDSF, ...) and `store_policy` decide host admission and host
     eviction there as in the engine;
   * with `eviction`, the engine's own `EvictionWindow` runs over the block pool every step:
-    it copies kept documents as their blocks reach the head of the free queue, then hands
-    the blocks back at the head or the tail (`host_write_return`); every copy succeeds.
+    it copies a kept document when the pool hands one of its blocks out (and, with a
+    look-ahead, as its blocks reach the head of the free queue, handing them back at the head
+    or the tail: `host_write_return`); every copy succeeds.
 
 Requests run one at a time, in order (the engine overlaps a few: its hit rate can differ).
 A request's steps are vLLM's: its prefill in chunks of `max_num_batched_tokens`, then one step
-per answer token after the first (`max_tokens - 1`); the window scans once a step. The
+per answer token after the first (`max_tokens - 1`); the window runs once a step. The
 engine's order at a request's last step is kept: the request's keeps are recorded, the
 window's changes since the previous report are taken, its blocks are freed, and then the
 step's copies are handed back. Timing (TTFT, queueing) is not modelled here.
@@ -46,8 +47,9 @@ ENGINE_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="si
 class EngineConfig:
     """The engine's settings that decide its hits. `vllm_blocks`: vLLM's KV cache in blocks
     of `block_size` tokens (its null block included); `host_tokens`: the host pool, in slots
-    of `page_size` tokens; `window_tokens`: the eviction window and the host lease (None:
-    `max_num_batched_tokens`, the engine's default); `max_tokens`: answer tokens;
+    of `page_size` tokens; `window_tokens`: the eviction window's look-ahead (None:
+    `max_num_batched_tokens`, the engine's default; 0: copies at hand-out only); the host
+    lease's budget part is `max_num_batched_tokens`; `max_tokens`: answer tokens;
     `lease_victims`: the lease is topped up with victims (`CacheConfig.host_lease_victims`)."""
 
     vllm_blocks: int
@@ -78,8 +80,8 @@ class EngineConfig:
 
     @property
     def window(self) -> int:
-        """The eviction window's tokens."""
-        return self.window_tokens or self.max_num_batched_tokens
+        """The eviction window's look-ahead in tokens."""
+        return self.max_num_batched_tokens if self.window_tokens is None else self.window_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,9 @@ class EngineSimulator:
             store_policy=config.store_policy,
             block_size=config.block_size,
             host_write=config.host_write,
-            host_lease_slots=-(-config.window // config.page_size) if eviction else 0,
+            host_lease_slots=-(-config.max_num_batched_tokens // config.page_size)
+            if eviction
+            else 0,
             host_lease_victims=config.lease_victims,
         )
         self.pool = BlockPool(config.vllm_blocks)
@@ -220,7 +224,7 @@ class EngineSimulator:
             for index in range(end // cfg.block_size):
                 pool.cache(blocks[index], hashes[index])
             computed = end
-            writes = self.window.scan(pool) if self.window is not None else []
+            writes = self._step_writes()
             if computed >= total:
                 break
             self._report(writes)
@@ -269,6 +273,14 @@ class EngineSimulator:
             host_slots_written=self.tree.counters.host_slots_written,
             vllm_block_evictions=self.pool.evictions,
         )
+
+    def _step_writes(self) -> list[Any]:
+        """The step's eviction-time copies (at hand-out and look-ahead; one request at a
+        time, so no load of the step reads a victim they could overwrite)."""
+        if self.window is None:
+            return []
+        handout, lookahead = self.window.step_writes(self.pool)
+        return [*handout, *lookahead]
 
     def _report(self, writes: Sequence[Any]) -> None:
         """A step's worker report: every copy the window asked for ran."""

@@ -9,13 +9,19 @@ engine's window copies and reports; the tree then holds the copies:
                         from free host slots, then with victims: the host tier's least-wanted
                         leaves, in the policy's order, which stay readable until the engine
                         overwrites one (with `victims=False`: host leaves evicted by the policy
-                        to make empty room), stated whole. The size
-                        starts at one window's take and adapts: it doubles (up to
-                        `LEASE_GROWTH` times) on a report of kept documents refused for lack of
-                        lease room, and gives back a quarter of its growth on a report without
-                        refusals that finds at least half of it unused; it is never shrunk by
-                        freeing lent slots (the engine may be copying into them), only by not
-                        topping it up
+                        to make empty room), stated whole. Its size covers what the requests
+                        in prefill make vLLM hand out of its blocks before their reports can
+                        give the tree the copies back (the engine copies a kept document when
+                        vLLM hands one of its blocks out): a step's token budget
+                        (`lease_slots`, for the decoding requests' blocks), every token the
+                        open requests load or compute, and the most one plan kept (the
+                        document a run of blocks ends inside is copied whole, with its
+                        uncopied ancestors). The budget part
+                        adapts: it doubles (up to `LEASE_GROWTH` times) on a report of kept
+                        documents refused for lack of lease room, and gives back a quarter of
+                        its growth on a report without refusals that finds at least half of
+                        the lease unused; the lease is never shrunk by freeing lent slots (the
+                        engine may be copying into them), only by not topping it up
     settle(handle)      the request confirmed (its first token: its prompt is in vLLM's
                         blocks): its kept paths are nodes held by vLLM's blocks
                         (`Node.resident`), attached if absent, so the tree knows both tiers
@@ -97,7 +103,7 @@ class HostWrites:
         self.lease_slots = lease_slots
         """The lease's size now (adapted by the reports: `_adapt_lease`)."""
         self.lease_peak = lease_slots
-        """The largest `lease_slots` since the last `reset_counters`."""
+        """The largest lease target (`lease_target`) since the last `reset_counters`."""
         self._keys: dict[tuple[RootKey, tuple[DocKey, ...]], int] = {}
         self._shadows: OrderedDict[int, Shadow] = OrderedDict()
         self._next_key = 0
@@ -129,6 +135,12 @@ class HostWrites:
         computing request's first token), since the last `reset_counters`."""
         self._computing: dict[int, int] = {}
         """Shadow key -> open requests computing it."""
+        self._allocating: dict[int, int] = {}
+        """Open request id -> the tokens its prefill makes vLLM hand out (those it loads or
+        computes: every one past vLLM's own hit), in host slots."""
+        self.longest_keep_slots = 0
+        """The most host slots one plan kept (its documents, root first: the copies one
+        handed-out block can start), since the last `reset_counters`."""
 
     @property
     def lease(self) -> frozenset[int]:
@@ -151,24 +163,39 @@ class HostWrites:
             del self._keys[(old.root_key, old.docs)]
         return shadow
 
-    def lease_for(self, handle: RequestHandle, *, may_evict: bool) -> HostLease:
-        """The lease to send with `handle`'s plan: topped up to `lease_slots` (at most half
-        the host tier: a lease the size of the tier would leave no room for the copies it
-        makes) from free host slots, then, when `may_evict`, with victims (host leaves lent in
-        the policy's order, still served), or with `victims=False` by evicting host leaves
-        (the caller pinned what the plan reads)."""
+    def lease_for(
+        self,
+        handle: RequestHandle,
+        *,
+        may_evict: bool,
+        allocating_slots: int = 0,
+        keep_slots: tuple[int, ...] = (),
+    ) -> HostLease:
+        """The lease to send with `handle`'s plan (whose prefill makes vLLM hand out blocks
+        for `allocating_slots` host slots' worth of tokens, and which keeps documents of
+        `keep_slots` slots each). With victims: every free host slot (up to half the tier:
+        nothing else takes free host slots when the host tier is written at eviction, so the
+        engine never lets a kept document go while the tier has room, however late the
+        reports that give the tree its copies come), then, when `may_evict` and that falls
+        short of `lease_target`, victims up to it (host leaves lent in the policy's order,
+        still served). With `victims=False`: topped up to `lease_target` by evicting host
+        leaves (the caller pinned what the plan reads)."""
         placement = self._placement
         allocator = placement.tiers[Tier.HOST].allocator
         lease = placement.host_lease
-        target = min(self.lease_slots, allocator.num_slots // 2)
-        missing = target - len(lease) - (placement.victim_slots if self.victims else 0)
-        if missing > 0:
-            if self.victims:
-                take = min(missing, allocator.num_free)
-                lease.update(allocator.allocate(take))
-                if missing > take and may_evict:
-                    placement.lend_victims(missing - take)
-            else:
+        self._allocating[handle.request_id] = allocating_slots
+        self.longest_keep_slots = max(self.longest_keep_slots, sum(keep_slots))
+        target = self.lease_target()
+        self.lease_peak = max(self.lease_peak, target)
+        if self.victims:
+            room = allocator.num_slots // 2 - len(lease)
+            lease.update(allocator.allocate(max(0, min(room, allocator.num_free))))
+            missing = target - len(lease) - placement.victim_slots
+            if missing > 0 and may_evict:
+                placement.lend_victims(missing)
+        else:
+            missing = target - len(lease)
+            if missing > 0:
                 if allocator.num_free < missing and may_evict:
                     placement.make_room(Tier.HOST, missing, handle)
                 lease.update(allocator.allocate(min(missing, allocator.num_free)))
@@ -177,6 +204,14 @@ class HostWrites:
             (vid, node.slots[Tier.HOST]) for vid, node in placement.host_victims.items()
         )
         return HostLease(self.epoch, self._version, self.applied, tuple(sorted(lease)), victims)
+
+    def lease_target(self) -> int:
+        """The lease's size now: a step's budget (`lease_slots`, adapted), what the open
+        requests' prefills make vLLM hand out, and the most one plan kept (a block handed out
+        starts the copy of its document with its uncopied ancestors); at most half the host
+        tier (a lease the size of the tier would leave no room for the copies it makes)."""
+        wanted = self.lease_slots + sum(self._allocating.values()) + self.longest_keep_slots
+        return min(wanted, self._placement.tiers[Tier.HOST].allocator.num_slots // 2)
 
     def computes(self, shadow: Shadow, handle: RequestHandle) -> None:
         """`handle`'s plan computes `shadow`'s path (vLLM's blocks do not hold it, as last
@@ -188,7 +223,8 @@ class HostWrites:
         handle.ledger.computing.append(shadow.key)
 
     def end(self, handle: RequestHandle) -> None:
-        """`handle` ended (confirmed or aborted): it computes nothing any more."""
+        """`handle` ended (confirmed or aborted): it computes and loads nothing any more."""
+        self._allocating.pop(handle.request_id, None)
         for key in handle.ledger.computing:
             count = self._computing.pop(key) - 1
             if count:
@@ -201,6 +237,7 @@ class HostWrites:
         self.concurrent_computes = 0
         self.overwritten = 0
         self.lease_slots = self.lease_peak = self.base_lease_slots
+        self.longest_keep_slots = 0
 
     def settle(self, handle: RequestHandle) -> None:
         """`handle` confirmed: vLLM's blocks hold the paths its plan kept (root first). Each
@@ -286,10 +323,9 @@ class HostWrites:
         Only the next top-ups see it: lent slots are never taken back."""
         if refused:
             self.lease_slots = min(2 * self.lease_slots, self.max_lease_slots)
-            self.lease_peak = max(self.lease_peak, self.lease_slots)
         elif (
             self.lease_slots > self.base_lease_slots
-            and 2 * len(self._placement.host_lease) >= self.lease_slots
+            and 2 * len(self._placement.host_lease) >= self.lease_target()
         ):
             self.lease_slots -= max(1, (self.lease_slots - self.base_lease_slots) // 4)
 

@@ -249,7 +249,7 @@ class KnowledgeTree:
         return CacheStats(
             nodes=self.num_nodes,
             host_slots=host.num_slots,
-            host_used_slots=host.num_used,
+            host_used_slots=host.num_used - len(self._placement.host_lease),
             pinned_nodes=self._placement.pinned_nodes(),
             open_requests=len(self._open),
             page_size=self.page_size,

@@ -125,7 +125,14 @@ class Planner:
             keep = self._plan_keeps(
                 path, len(hits), root_key, root_tokens, cached_docs, starts, cost_per_new, handle
             )
-            lease = self.host_writes.lease_for(handle, may_evict=self.store_policy != "no_evict")
+            lease = self.host_writes.lease_for(
+                handle,
+                may_evict=self.store_policy != "no_evict",
+                allocating_slots=slots_for_tokens(
+                    beta + sum(span.num_tokens for span in load), self.page_size
+                ),
+                keep_slots=tuple(slots_for_tokens(k.num_tokens, self.page_size) for k in keep),
+            )
         elif len(hits) == len(path):  # an in-flight node blocks storing below it
             store = self._plan_stores(
                 path, root_key, root_tokens, cached_docs, starts, cost_per_new, handle

@@ -13,6 +13,7 @@ class CacheStats:
     nodes: int
     host_slots: int
     host_used_slots: int
+    """Host slots holding a node's copy (lent slots not yet copied into are not used)."""
     pinned_nodes: int
     open_requests: int
     page_size: int

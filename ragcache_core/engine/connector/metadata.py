@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ragcache_core.engine.connector.step_costs import NO_STEPS, StepCosts
 from ragcache_core.engine.connector.window import HostWrite
 from ragcache_core.plan import LoadSpan, StoreSpan
 
@@ -37,9 +38,12 @@ class RequestOps:
 @dataclass
 class StepOps(KVConnectorMetadata):
     """All requests' copies of one engine step, in scheduling order, and the eviction-time
-    copies of the window (`host_writes`)."""
+    copies of the window: `handout_writes` (documents vLLM handed blocks of out for this step:
+    run first, before the loads and the forward pass write those blocks) and `host_writes`
+    (the look-ahead's, after the forward pass)."""
 
     requests: list[RequestOps] = field(default_factory=list)
+    handout_writes: list[HostWrite] = field(default_factory=list)
     host_writes: list[HostWrite] = field(default_factory=list)
 
 
@@ -55,8 +59,11 @@ class WorkerReport(KVConnectorWorkerMetadata):
     host_written: set[int] = field(default_factory=set)
     """Keys of the step's `HostWrite`s that ran (the others failed)."""
     window_copy_s: float = 0.0
-    """Seconds the step spent on the window's eviction-time copies (after the forward pass:
-    they delay the output of every request in the step)."""
+    """Seconds the step spent on the window's eviction-time copies (at hand-out, before the
+    forward pass, and look-ahead, after it: they delay the output of every request in the
+    step)."""
+    steps: StepCosts = NO_STEPS
+    """The worker's steps and copies since it started (cumulative)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge the reports of several workers (tensor parallel): a failure anywhere counts,
@@ -75,4 +82,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
             copy_s,
             self.host_written & other.host_written,
             max(self.window_copy_s, other.window_copy_s),
+            self.steps.slower(other.steps),
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragcache_core.engine.connector.config import RESULT_KEY
+from ragcache_core.engine.connector.step_costs import NO_STEPS, StepCosts
 from ragcache_core.plan import NO_LOSSES, WindowLosses
 
 
@@ -47,6 +48,8 @@ class ConnectorResult:
     report (`WindowLosses`, deltas: each counted once).
     `stranded_blocks`: blocks the engine found held with no copy in flight, since it started
     (0 unless there is a bug; `check_integrity()` fails on it).
+    `steps`: the engine's steps and their copies' time and bytes since it started
+    (`StepCosts`, cumulative: the newest report has them all).
     `reported`: the result came from the connector's report (False: no report came, as for
     a request vLLM's front end aborted).
     """
@@ -69,6 +72,7 @@ class ConnectorResult:
     host_gone: tuple[tuple[int, int], ...] = ()
     host_lost: WindowLosses = NO_LOSSES
     stranded_blocks: int = 0
+    steps: StepCosts = NO_STEPS
     reported: bool = field(default=False, compare=False)
 
     @property
@@ -95,6 +99,7 @@ class ConnectorResult:
             "host_gone": [[key, version] for key, version in self.host_gone],
             "host_lost": self.host_lost.to_json(),
             "stranded_blocks": self.stranded_blocks,
+            "steps": self.steps.to_json(),
         }
 
     @classmethod
@@ -123,6 +128,7 @@ class ConnectorResult:
             host_gone=tuple((int(k), int(v)) for k, v in data.get("host_gone", ())),
             host_lost=WindowLosses.from_json(data.get("host_lost", (0, 0, 0))),
             stranded_blocks=int(data.get("stranded_blocks", 0)),
+            steps=StepCosts.from_json(data["steps"]) if "steps" in data else NO_STEPS,
             reported=True,
         )
 

@@ -34,6 +34,7 @@ from ragcache_core.engine.connector.config import FAULT_KEY, RESULT_KEY, Connect
 from ragcache_core.engine.connector.metadata import RequestOps, StepOps, WorkerReport
 from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
+from ragcache_core.engine.connector.step_costs import NO_STEPS, StepCosts
 from ragcache_core.engine.connector.window import EvictionWindow
 from ragcache_core.plan import PLAN_KEY, LoadSpan, Plan, StoreSpan, WindowLosses
 
@@ -112,6 +113,8 @@ class SchedulerSide:
             else None
         )
         """The eviction window (None: the host tier is written at compute, by store spans)."""
+        self.steps: StepCosts = NO_STEPS
+        """The workers' steps and copies, as their latest report said (cumulative)."""
 
     def release_all(self) -> bool:
         """vLLM's `reset_cache` (`reset_prefix_cache(reset_connector=True)`, which `clear()`
@@ -198,7 +201,12 @@ class SchedulerSide:
             if ops is not None:
                 step.requests.append(ops)
         if self.window is not None and self.block_pool is not None:
-            step.host_writes = self.window.scan(self.block_pool)
+            reading = frozenset(
+                slot for ops in step.requests for span in ops.load for slot in span.slots
+            )
+            step.handout_writes, step.host_writes = self.window.step_writes(
+                self.block_pool, reading
+            )
         return step
 
     def on_worker_report(self, report: object) -> None:
@@ -219,6 +227,7 @@ class SchedulerSide:
             logger.error("RAGCache: request %s finished, but its store did not run", req_id)
         if not isinstance(report, WorkerReport):
             return
+        self.steps = report.steps
         for req_id, (load_s, store_s) in report.copy_s.items():
             tracked = self._tracked.get(req_id)
             if tracked is not None:
@@ -292,7 +301,7 @@ class SchedulerSide:
                 )
             else:
                 window.unfollowed(tracked.plan.keep, epoch=lease.epoch, version=lease.version)
-        result = _result(tracked)
+        result = dataclasses.replace(_result(tracked), steps=self.steps)
         if not aborted:  # vLLM drops an aborted request's report: keep them for the next
             copied, dropped, gone = window.take_changes() if window is not None else ((), (), ())
             result = dataclasses.replace(

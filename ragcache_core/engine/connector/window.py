@@ -1,18 +1,29 @@
 """The eviction window: eviction-time host writes, scheduler side (docs/design.md 2.2).
 
 With `CacheConfig.host_write="eviction"` plans carry `KeepSpan`s (documents the tree wants on
-the host tier) and a `HostLease` (host slots lent for copies) instead of store spans. Modelled on
-vLLM's `SimpleCPUOffloadConnector` with `lazy_offload` (`_prepare_lazy_store_specs`):
+the host tier) and a `HostLease` (host slots lent for copies) instead of store spans. A kept
+document is copied to the host tier when vLLM hands one of its blocks out for other tokens
+(vLLM's reuse hook), so no step, however many blocks it takes, lets one go uncopied while the
+lease has room:
 
     finish(request)  record each keep span's blocks and their block hashes (all must be in
-                     vLLM's prefix cache); an aborted request records nothing
-    scan()           every step: walk the first `window_blocks` of vLLM's free queue (head =
-                     next to be evicted); a recorded document there whose blocks still carry
-                     their hashes is copied with its uncopied recorded ancestors (a host copy
-                     needs its parent's) into leased slots, its blocks held (`touch`) meanwhile;
-                     when the free lent slots run out it overwrites the lease's victims (host
-                     copies the tree lent, least wanted first) and reports each; without room
-                     even then it is let go (vLLM's LRU takes it)
+                     vLLM's prefix cache), and watch them (`BlockPool.unpin_blocks` with a
+                     reuse callback: the block pool names each block it hands out, before it
+                     drops the block's hash); an aborted request records nothing
+    on_reuse(block)  (during scheduling) a block of a recorded, uncopied document is being
+                     handed out: the document is copied in this step
+    step_writes()    (the step's metadata) the documents handed out this step, each with its
+                     uncopied recorded ancestors (a host copy needs its parent's), get leased
+                     slots (free lent ones, then the lease's victims: host copies the tree
+                     lent, least wanted first, never one a load of this step reads); the worker
+                     copies them first in the step, before its loads and its forward pass write
+                     into the blocks handed out. Without room even then a document is let go
+                     (`no_lease`)
+                     With a look-ahead (`window_blocks` > 0) it also walks the first
+                     `window_blocks` of vLLM's free queue (head = next handed out) and
+                     copies the recorded documents there ahead of their hand-out, their
+                     blocks held (`touch`) until the step's report; those copies run after
+                     the forward pass
     load_limit()     a plan's loads end before the first span that reads a victim overwritten
                      before the plan's tree heard of it (by number, or the plan still lends
                      it): vLLM computes the rest, exactly
@@ -29,11 +40,11 @@ vLLM's `SimpleCPUOffloadConnector` with `lazy_offload` (`_prepare_lazy_store_spe
                      until its blocks leave vLLM's cache, so the tree knows which documents
                      vLLM's blocks hold (`Node.resident`)
 
-Blocks are held only between `scan` and the same step's `on_report`; a block found still held
-at the next `scan` (no report came) is handed back and counted (`stranded_blocks`). Pure Python
-over vLLM's `BlockPool` and `KVCacheBlock`s; mutated only by vLLM's scheduler thread. It imports
-no vLLM module, so `ragcache simulate --engine` runs this same window over its own copy of vLLM's
-block pool (`sim.blocks`).
+Blocks are held only between `step_writes` and the same step's `on_report`; a block found
+still held at the next `step_writes` (no report came) is handed back and counted
+(`stranded_blocks`). Pure Python over vLLM's `BlockPool` and `KVCacheBlock`s; mutated only by
+vLLM's scheduler thread. It imports no vLLM module, so `ragcache simulate --engine` runs this
+same window over its own copy of vLLM's block pool (`sim.blocks`).
 """
 
 from __future__ import annotations
@@ -54,9 +65,11 @@ HOST_HELD_LIMIT = 1 << 16
 @dataclass(frozen=True, slots=True)
 class HostWrite:
     """An eviction-time copy: tokens [token_start, token_start + num_tokens) of the blocks
-    `block_ids` (token t in block `block_ids[t // block_size]`) -> host `slots`. The scheduler
-    side holds the blocks until the step's report. `fail`, `kill`: test hooks, the copy runs and
-    is then reported failed, or the worker dies in the step's copies (`config.FAULT_KEY`)."""
+    `block_ids` (token t in block `block_ids[t // block_size]`) -> host `slots`. A copy at
+    hand-out runs before the step's loads and forward pass (some of its blocks are being handed
+    out); a look-ahead copy runs after the forward pass, its blocks held by the scheduler side
+    until the step's report. `fail`, `kill`: test hooks, the copy runs and is then reported
+    failed, or the worker dies in the step's copies (`config.FAULT_KEY`)."""
 
     key: int
     block_ids: tuple[int, ...]
@@ -93,6 +106,14 @@ class _Record:
         it evicts it; a block's hash names its tokens and its whole prefix)."""
         return all(b.block_hash == h for b, h in zip(self.blocks, self.hashes, strict=True))
 
+    def whole(self, reused: set[int]) -> bool:
+        """Every block holds the KV it was recorded with, or was handed out in this step
+        (`reused`: its hash is gone, its KV stays until the step's worker writes it)."""
+        return all(
+            b.block_hash == h or b.block_id in reused
+            for b, h in zip(self.blocks, self.hashes, strict=True)
+        )
+
 
 class EvictionWindow:
     """Records, the lease and the copies in flight (see the module docstring)."""
@@ -121,7 +142,8 @@ class EvictionWindow:
         self._victims: list[tuple[int, tuple[int, ...]]] = []
         """The lease's victims not overwritten yet, least wanted first: (victim id, slots)."""
         self._overwrites: list[tuple[int, int]] = []
-        """Victims overwritten since the last report: (sequence number, victim id)."""
+        """Victims overwritten that no lease acknowledged yet (`HostLease.applied`): (sequence
+        number, victim id), in every report until one does (a lost report loses nothing)."""
         self._dirty: dict[int, tuple[int, int]] = {}
         """Host slot -> (sequence number, victim id) of the last victim overwrite that took
         it: a plan made before the tree applied that number, or whose lease still lists that
@@ -131,9 +153,18 @@ class EvictionWindow:
         self._consumed: dict[int, tuple[int, ...]] = {}
         """Copies done that the tree has not applied yet: sequence number -> slots."""
         self._seq = 0
-        self._copying: dict[int, tuple[_Record, tuple[int, ...]]] = {}
-        """Copies in flight (this step): key -> (record, slots); their blocks are held."""
+        self._copying: dict[int, tuple[_Record, tuple[int, ...], bool]] = {}
+        """Copies in flight (this step): key -> (record, slots, held): a look-ahead copy's
+        blocks are held (`touch`) until the report; a copy at hand-out holds none (its blocks
+        belong to the requests vLLM handed them to)."""
+        self._handed: dict[int, None] = {}
+        """Keys of uncopied records one of whose blocks vLLM handed out while scheduling this
+        step (`_on_reuse`), in order: copied in this step (`step_writes`)."""
+        self._reused: set[int] = set()
+        """Block ids vLLM handed out while scheduling this step."""
         self._copied: list[tuple[int, int, tuple[int, ...]]] = []
+        """Copies done that no lease acknowledged yet: (sequence number, key, slots), in every
+        report until one does (the tree applies each once, by number)."""
         self._dropped: list[int] = []
         self._gone: list[tuple[int, int]] = []
         self._host_held: OrderedDict[int, int] = OrderedDict()
@@ -150,8 +181,8 @@ class EvictionWindow:
 
     @property
     def held_blocks(self) -> int:
-        """Block references held for copies in flight."""
-        return sum(len(record.blocks) for record, _ in self._copying.values())
+        """Block references held for look-ahead copies in flight."""
+        return sum(len(record.blocks) for record, _, held in self._copying.values() if held)
 
     @property
     def lease_free(self) -> int:
@@ -178,8 +209,10 @@ class EvictionWindow:
         self._lease_version = lease.version
         for seq in [s for s in self._consumed if s <= lease.applied]:
             del self._consumed[seq]
+        self._copied = [c for c in self._copied if c[0] > lease.applied]
+        self._overwrites = [o for o in self._overwrites if o[0] > lease.applied]
         busy = {slot for slots in self._consumed.values() for slot in slots}
-        busy.update(slot for _, slots in self._copying.values() for slot in slots)
+        busy.update(slot for _, slots, _ in self._copying.values() for slot in slots)
         lent = list(lease.slots)
         self._victims = []
         for vid, slots in lease.victims:
@@ -203,9 +236,12 @@ class EvictionWindow:
     ) -> None:
         """A request finished with its prompt computed: record its keep spans' blocks, in
         prompt order, until one is not wholly in vLLM's prefix cache (its children could not be
-        copied below it; those spans are reported gone). A record being copied now is left
-        alone; a plan of another epoch than the lease's (an earlier tree's) records nothing.
-        `version`: the plan's lease version."""
+        copied below it; those spans are reported gone), and watch the blocks of each record
+        not copied yet: vLLM calls `_on_reuse` as it hands one out (`unpin_blocks` after a
+        `touch`: a reference taken and given back, the block in use by the finishing request
+        meanwhile, so its place in vLLM's free queue does not change). A record being copied
+        now is left alone; a plan of another epoch than the lease's (an earlier tree's) records
+        nothing. `version`: the plan's lease version."""
         if epoch != self._epoch:
             return
         size = self.block_size
@@ -240,17 +276,70 @@ class EvictionWindow:
                 continue
             for block in blocks:
                 self._by_block.setdefault(block.block_id, set()).add(span.key)
+            block_pool.touch(blocks)
+            block_pool.unpin_blocks(blocks, self._on_reuse)
 
     # ------------------------------------------------------------------ every step
 
-    def scan(self, block_pool: Any) -> list[HostWrite]:
-        """This step's host writes: the recorded documents at the head of vLLM's free queue
-        that the lease has room for, with their blocks held now (`touch`)."""
+    def step_writes(
+        self, block_pool: Any, reading: frozenset[int] = frozenset()
+    ) -> tuple[list[HostWrite], list[HostWrite]]:
+        """This step's host writes, once per step after vLLM scheduled it: (at hand-out, run
+        before the step's loads and forward pass; look-ahead, run after the forward pass).
+        `reading`: the host slots this step's loads read (no victim holding one is overwritten
+        by a copy that runs before them)."""
         self._hand_back_stranded(block_pool)
+        handed = self._handout(reading)
+        return handed, self._look_ahead(block_pool)
+
+    def _on_reuse(self, block: Any) -> None:
+        """vLLM's reuse callback (`BlockPool.get_new_blocks`, while it schedules a step): it
+        hands `block` out for other tokens, its hash still set (dropped right after), its KV
+        unchanged until the step runs. Every uncopied record holding it is copied in this
+        step. Also called for every watched block when vLLM's prefix cache is reset (before
+        the connector's `reset`, which forgets what this marks)."""
+        self._reused.add(block.block_id)
+        for key in sorted(self._by_block.get(block.block_id, ())):
+            self._handed.setdefault(key, None)
+
+    def _handout(self, reading: frozenset[int]) -> list[HostWrite]:
+        """The copies of the records vLLM handed blocks of out while scheduling this step,
+        each with its uncopied recorded ancestors, into lent slots; without room a record is
+        let go (counted `no_lease` as its blocks leave)."""
+        handed, self._handed = list(self._handed), {}
+        reused, self._reused = self._reused, set()
+        chosen: list[tuple[_Record, tuple[int, ...]]] = []
+        taken: set[int] = set(self._copying)
+        for key in handed:
+            record = self._records.get(key)
+            if record is None or record.copied or key in taken:
+                continue
+            chain = self._chain(record, taken, reused)
+            if chain is None:  # an ancestor left vLLM's blocks uncopied: no copy below it
+                self._losses[2] += 1
+                self._drop(key)
+                continue
+            took = self._take(
+                [slots_for_tokens(r.num_tokens, self.page_size) for r in chain], reading
+            )
+            if took is None:
+                for member in chain:
+                    member.refused = True
+                continue  # its blocks leave vLLM's cache now: counted as they are swept
+            for member, slots in zip(chain, took, strict=True):
+                chosen.append((member, slots))
+                taken.add(member.key)
+        for record, slots in chosen:
+            self._copying[record.key] = (record, slots, False)
+        return [_write(record, slots) for record, slots in chosen]
+
+    def _look_ahead(self, block_pool: Any) -> list[HostWrite]:
+        """The recorded documents at the head of vLLM's free queue (the next handed out) that
+        the lease has room for, with their blocks held now (`touch`); none without a window."""
         if not self._records or self.window_blocks <= 0:
             return []
         chosen: list[tuple[_Record, tuple[int, ...]]] = []
-        taken: set[int] = set()
+        taken: set[int] = set(self._copying)
         queue = block_pool.free_block_queue
         in_window: list[Any] = []
         for seen, block in enumerate(queue.iter_blocks_after(None)):
@@ -261,52 +350,41 @@ class EvictionWindow:
                 record = self._records.get(key)
                 if record is None or record.copied or key in taken:
                     continue
-                if not record.intact():  # a step took some of its blocks from beyond here
+                if not record.intact():  # a step took some of its blocks and it found no room
                     self._lose(record)
                     self._drop(key)
                     continue
-                chain = self._chain(record, taken)
+                chain = self._chain(record, taken, set())
                 if chain is None:  # an ancestor's copy is impossible: so is its own
                     self._losses[2] += 1
                     self._drop(key)
                     continue
-                counts = [slots_for_tokens(r.num_tokens, self.page_size) for r in chain]
-                if not self._room_for(sum(counts)):
+                took = self._take([slots_for_tokens(r.num_tokens, self.page_size) for r in chain])
+                if took is None:
                     for member in chain:
                         member.refused = True
                     continue  # let go: vLLM's LRU takes it unless a later lease has room
-                for member, count in zip(chain, counts, strict=True):
-                    slots, self._lease = tuple(self._lease[:count]), self._lease[count:]
+                for member, slots in zip(chain, took, strict=True):
                     chosen.append((member, slots))
                     taken.add(member.key)
         held = {id(b) for record, _ in chosen for b in record.blocks}
         self._requeue = [b for b in in_window if id(b) in held]
-        writes: list[HostWrite] = []
         for record, slots in chosen:  # touch after the walk: it unlinks blocks from the queue
             block_pool.touch(record.blocks)
-            self._copying[record.key] = (record, slots)
-            writes.append(
-                HostWrite(
-                    key=record.key,
-                    block_ids=tuple(b.block_id for b in record.blocks),
-                    token_start=record.token_start,
-                    num_tokens=record.num_tokens,
-                    slots=slots,
-                    fail=record.fail,
-                    kill=record.kill,
-                )
-            )
-        return writes
+            self._copying[record.key] = (record, slots, True)
+        return [_write(record, slots) for record, slots in chosen]
 
     def on_report(self, written: set[int], block_pool: Any) -> None:
         """The step's worker report (`written`: keys of the host writes that ran; a step with
         no report ran none): hand every held block back, number the copies done, give the
-        failed ones' slots back to the lease."""
+        failed ones' slots back to the lease. A copy at hand-out read its blocks before the
+        step wrote them: done when it ran, although they no longer hold the document."""
         copying, self._copying = self._copying, {}
         requeue, self._requeue = self._requeue, []
-        for key, (record, slots) in copying.items():
-            block_pool.free_blocks(record.blocks)
-            if key in written and record.intact():
+        for key, (record, slots, held) in copying.items():
+            if held:
+                block_pool.free_blocks(record.blocks)
+            if key in written and (not held or record.intact()):
                 self._seq += 1
                 self._consumed[self._seq] = slots
                 self._copied.append((self._seq, key, slots))
@@ -362,11 +440,10 @@ class EvictionWindow:
         return tuple(spans)
 
     def take_overwritten(self) -> tuple[tuple[int, int], ...]:
-        """Victims overwritten since the last call (sequence number, victim id), for the
-        same report as `take_changes`: the tree applies them in number order with the copies,
-        so a victim leaves before a copy onto its slots lands."""
-        overwrites, self._overwrites = tuple(self._overwrites), []
-        return overwrites
+        """Victims overwritten that no lease acknowledged yet (sequence number, victim id),
+        for the same report as `take_changes`: the tree applies them in number order with the
+        copies, so a victim leaves before a copy onto its slots lands."""
+        return tuple(self._overwrites)
 
     def unfollowed(self, keep: tuple[KeepSpan, ...], *, epoch: int, version: int) -> None:
         """A finished request's keep spans that are not recorded (it was aborted, or its blocks
@@ -380,10 +457,12 @@ class EvictionWindow:
     ) -> tuple[
         tuple[tuple[int, int, tuple[int, ...]], ...], tuple[int, ...], tuple[tuple[int, int], ...]
     ]:
-        """Copies done, keys dropped and records gone since the last call (for one report).
-        Records whose blocks left vLLM's cache are found here (`_sweep`)."""
+        """Copies done that no lease acknowledged yet (every report carries them until the
+        tree's `applied` passes them: a report vLLM drops loses none), keys dropped and
+        records gone since the last call (for one report). Records whose blocks left vLLM's
+        cache are found here (`_sweep`)."""
         self._sweep()
-        copied, self._copied = tuple(self._copied), []
+        copied = tuple(self._copied)
         dropped, self._dropped = tuple(self._dropped), []
         gone, self._gone = tuple(self._gone), []
         return copied, dropped, gone
@@ -417,6 +496,7 @@ class EvictionWindow:
         for key in sorted(self._records):
             self._drop(key)
         self._host_held.clear()
+        self._handed, self._reused = {}, set()
 
     # ------------------------------------------------------------------ internals
 
@@ -431,31 +511,47 @@ class EvictionWindow:
         seq = record.copied if record is not None else self._host_held.get(key, 0)
         return seq if seq in self._consumed else 0
 
-    def _room_for(self, count: int) -> bool:
-        """Whether `count` lent slots are free for a copy, overwriting the lease's victims,
-        least wanted first, while the free ones fall short (none when even all of them
-        would not do)."""
-        if count <= len(self._lease):
-            return True
-        if count > len(self._lease) + sum(len(slots) for _, slots in self._victims):
-            return False
-        while len(self._lease) < count:
-            vid, slots = self._victims.pop(0)
+    def _take(
+        self, counts: list[int], reading: frozenset[int] = frozenset()
+    ) -> list[tuple[int, ...]] | None:
+        """Lent slots for copies of `counts` slots each: free ones first, then the lease's
+        victims, least wanted first, overwritten while the free ones fall short; None, and
+        nothing taken, when even all of them would not do. No slot in `reading` is taken (the
+        slots this step's loads read, for copies that run before them): a victim holding one
+        is passed over, and so is a free lent slot (a newer lease taken in this step can free
+        the slots of a copy that a load accepted earlier in the step reads:
+        `copied_loads`)."""
+        need = sum(counts)
+        free = [slot for slot in self._lease if slot not in reading]
+        usable = [v for v in self._victims if reading.isdisjoint(v[1])]
+        if need > len(free) + sum(len(slots) for _, slots in usable):
+            return None
+        while len(free) < need:
+            victim = usable.pop(0)
+            self._victims.remove(victim)
+            vid, slots = victim
             self._seq += 1
             self._overwrites.append((self._seq, vid))
             for slot in slots:
                 self._dirty[slot] = (self._seq, vid)
             self._lease_set.update(slots)
             self._lease.extend(slots)
-        return True
+            free.extend(slots)
+        took = set(free[:need])
+        self._lease = [slot for slot in self._lease if slot not in took]
+        out, start = [], 0
+        for count in counts:
+            out.append(tuple(free[start : start + count]))
+            start += count
+        return out
 
-    def _chain(self, record: _Record, taken: set[int]) -> list[_Record] | None:
+    def _chain(self, record: _Record, taken: set[int], reused: set[int]) -> list[_Record] | None:
         """`record` and its uncopied recorded ancestors, root first; None if one is gone or
-        no longer intact (its copy is impossible, so is the child's)."""
+        no longer whole (`_Record.whole`: its copy is impossible, so is the child's)."""
         chain: list[_Record] = []
         current: _Record | None = record
         while current is not None:
-            if not current.intact():
+            if not current.whole(reused):
                 return None
             chain.append(current)
             parent = current.parent
@@ -472,19 +568,26 @@ class EvictionWindow:
         return chain
 
     def _hand_back_stranded(self, block_pool: Any) -> None:
+        """Copies still in flight at the next step: the last step's report never came (a
+        bug): held blocks go back (counted), the copies count as not run."""
         if not self._copying:
             return
         held = self.held_blocks
-        logger.error("RAGCache: %d blocks held with no copy in flight; handing them back", held)
+        logger.error(
+            "RAGCache: %d copies with no report (%d blocks held); handing them back",
+            len(self._copying),
+            held,
+        )
         self.stranded_blocks += held
         self.on_report(set(), block_pool)
 
     def _sweep(self) -> None:
-        """Every record (none being copied) whose blocks left vLLM's cache is gone: forgotten
-        and reported; a copied one is remembered as held on the host for its children's
-        copies. O(recorded blocks): about vLLM's cached blocks of kept documents."""
+        """Every record (none being copied, none handed out for a step not built yet) whose
+        blocks left vLLM's cache is gone: forgotten and reported; a copied one is remembered as
+        held on the host for its children's copies. O(recorded blocks): about vLLM's cached
+        blocks of kept documents."""
         for key, record in list(self._records.items()):
-            if key in self._copying or record.intact():
+            if key in self._copying or key in self._handed or record.intact():
                 continue
             self._forget(key)
             self._gone.append((key, record.version))
@@ -520,3 +623,15 @@ class EvictionWindow:
                 keys.discard(record.key)
                 if not keys:
                     del self._by_block[block.block_id]
+
+
+def _write(record: _Record, slots: tuple[int, ...]) -> HostWrite:
+    return HostWrite(
+        key=record.key,
+        block_ids=tuple(b.block_id for b in record.blocks),
+        token_start=record.token_start,
+        num_tokens=record.num_tokens,
+        slots=slots,
+        fail=record.fail,
+        kill=record.kill,
+    )

@@ -4,12 +4,16 @@ Maps the app's host pool; there is no GPU pool: the GPU tier is vLLM's own paged
 with its prefix caching on, so a GPU hit is a block vLLM already holds and moves no byte.
 Per step, in this order (docs/design.md 3.2):
 
-    start_load_kv   load   host pool rows -> each request's paged KV rows (the tokens past
+    start_load_kv   handout  eviction-time copies of the documents vLLM handed blocks of out
+                           for this step: blocks -> leased host slots (`HostWrite`), before
+                           anything of the step writes those blocks
+                    load   host pool rows -> each request's paged KV rows (the tokens past
                            vLLM's own prefix-cache hit)
     (forward pass)
     wait_for_save   store  paged KV rows -> host pool (requests whose prompt completed)
-                    host writes  the window's eviction-time copies: blocks the scheduler side
-                           holds -> leased host slots (`HostWrite`)
+                    lookahead  the window's look-ahead copies: blocks the scheduler side
+                           holds -> leased host slots
+    (report)        the step's time and each kind of copy's time and bytes (`StepCosts`)
 
 Each kind of copy runs once per step for all requests (one index over every span of the step,
 then one copy per layer, or one kernel launch on CUDA), not once per span and layer.
@@ -36,6 +40,7 @@ from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.metadata import HostWrite, RequestOps, StepOps, WorkerReport
 from ragcache_core.engine.connector.spans import SpanRef, step_index
+from ragcache_core.engine.connector.step_costs import NO_STEPS, StepCosts
 from ragcache_core.errors import ConfigError
 from ragcache_core.storage.copy.base import CopyOps, PagedKV
 from ragcache_core.storage.copy.factory import copy_ops_for
@@ -65,6 +70,11 @@ class WorkerSide:
         self._host_written: set[int] = set()
         self._host_writes = False
         self._window_s = 0.0
+        self._step_started = 0.0
+        self._copies: dict[str, tuple[float, int]] = {}
+        """This step's copies by kind (`step_costs.COPY_KINDS`): (seconds, bytes)."""
+        self.costs: StepCosts = NO_STEPS
+        """Every step this worker ran, and its copies (cumulative, in every report)."""
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build token access to vLLM's paged cache and map the host pool.
@@ -123,9 +133,15 @@ class WorkerSide:
         self._host_written = set()
         self._host_writes = False
         self._window_s = 0.0
+        self._copies = {}
+        self._step_started = time.perf_counter()
 
     def load(self, step: StepOps) -> None:
-        """Copies before the forward pass: every load of the step, in one index."""
+        """Copies before the forward pass: the documents vLLM handed blocks of out for this
+        step (those blocks still hold them: the loads and the forward pass write them next),
+        then every load of the step, in one index."""
+        if step.handout_writes:
+            self.write_evicted(step.handout_writes, kind="handout")
         if not step.requests:
             return
         started = time.perf_counter()
@@ -146,25 +162,27 @@ class WorkerSide:
             if injected < len(request.load):
                 logger.error("RAGCache: injected failure in load span %d", injected)
                 self._fail(request, injected)
-        if refs:
-            self._load(refs, ops, paged)
+        tokens = self._load(refs, ops, paged) if refs else 0
         ops.synchronize()
         elapsed = time.perf_counter() - started
+        if tokens:
+            self._count("load", elapsed, tokens)
         for request in step.requests:
             self._copy_s[request.req_id] = (elapsed, 0.0)
 
     def store(self, step: StepOps) -> None:
         """Copies after the forward pass: every completed prompt's store spans -> host pool,
         in one index for the step (raises whatever the copy raises: the step fails); then the
-        window's host writes (`write_evicted`)."""
+        window's look-ahead host writes (`write_evicted`)."""
         self._store(step)
         if step.host_writes:
-            self.write_evicted(step.host_writes)
+            self.write_evicted(step.host_writes, kind="lookahead")
 
-    def write_evicted(self, writes: list[HostWrite]) -> None:
-        """The window's eviction-time copies, in one index; a copy that raises is reported not
-        run (with every copy of the step) and does not fail the step. `fail` copies run, then
-        are reported not run (test hook: written slots that must never be read)."""
+    def write_evicted(self, writes: list[HostWrite], *, kind: str) -> None:
+        """Eviction-time copies (`kind`: "handout" or "lookahead"), in one index; a copy that
+        raises is reported not run (with every copy of the call) and does not fail the step.
+        `fail` copies run, then are reported not run (test hook: written slots that must never
+        be read)."""
         self._host_writes = True
         started = time.perf_counter()
         ops, paged = self._ready()
@@ -187,7 +205,9 @@ class WorkerSide:
             logger.exception("RAGCache: eviction-time copies to the host pool failed")
             return
         finally:
-            self._window_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self._window_s += elapsed
+            self._count(kind, elapsed, sum(w.num_tokens for w in writes))
         for write in writes:
             if write.fail:
                 logger.error("RAGCache: injected failure in the host write of key %d", write.key)
@@ -211,6 +231,7 @@ class WorkerSide:
         ops.store(paged, index, self._host())
         ops.synchronize()
         elapsed = time.perf_counter() - started
+        self._count("store", elapsed, index.num_tokens)
         for r in requests:
             self._stored.add(r.req_id)
             load_s = self._copy_s.get(r.req_id, (0.0, 0.0))[0]
@@ -219,16 +240,22 @@ class WorkerSide:
     def invalid_block_ids(self) -> set[int]:
         return set(self._invalid_blocks)
 
-    def report(self) -> WorkerReport | None:
-        if not (self._failures or self._stored or self._copy_s or self._host_writes):
-            return None
+    def report(self) -> WorkerReport:
+        """The step's report (every step: it carries the step costs, `StepCosts`)."""
+        self.costs = self.costs.add_step(time.perf_counter() - self._step_started, self._copies)
         return WorkerReport(
             dict(self._failures),
             set(self._stored),
             dict(self._copy_s),
             set(self._host_written),
             self._window_s,
+            self.costs,
         )
+
+    def _count(self, kind: str, seconds: float, tokens: int) -> None:
+        """This step's copies of `kind` took `seconds` more and moved `tokens` more."""
+        spent, moved = self._copies.get(kind, (0.0, 0))
+        self._copies[kind] = (spent + seconds, moved + tokens * self.config.layout.token_bytes)
 
     def close(self) -> None:
         if self.host_pool is not None:
@@ -239,9 +266,9 @@ class WorkerSide:
 
     def _load(
         self, refs: list[tuple[RequestOps, int, SpanRef]], ops: CopyOps, paged: PagedKV
-    ) -> None:
+    ) -> int:
         """One load of every span of the step; on failure every request with a span in it
-        recomputes from its first span."""
+        recomputes from its first span. Returns the tokens loaded (0 on failure)."""
         try:
             index = step_index(
                 [ref for _, _, ref in refs],
@@ -254,6 +281,8 @@ class WorkerSide:
             logger.exception("RAGCache load from the host pool failed")
             for request, i, _ in refs:
                 self._fail(request, i)
+            return 0
+        return index.num_tokens
 
     def _fail(self, request: RequestOps, span: int) -> None:
         """Load span `span` of `request` (and what follows it) is not trustworthy: vLLM
