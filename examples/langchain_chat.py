@@ -30,7 +30,7 @@ from langchain_sample import Collect, build_store, show
 
 from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.testing import build_tiny_model
+from ragcache_core.models import build_tiny_model
 from ragcache_integrations.langchain import RAGCacheRunnable
 
 MODEL_SIZE = os.environ.get("RAGCACHE_EXAMPLE_MODEL_SIZE", "bench")

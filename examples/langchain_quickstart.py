@@ -17,8 +17,8 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from ragcache_core import RAGCache, quiet_vllm
+from ragcache_core.models import build_tiny_model
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
-from ragcache_core.testing import build_tiny_model
 from ragcache_integrations.langchain import OfflineEmbeddings, RAGCacheRunnable
 
 if __name__ == "__main__":  # vLLM's engine processes import this file again

@@ -24,8 +24,8 @@ from sample_ivf import sample_file
 
 from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, SamplingConfig
+from ragcache_core.models import build_tiny_model
 from ragcache_core.retrieval.corpus import load_corpus
-from ragcache_core.testing import build_tiny_model
 from ragcache_integrations.llama_index import as_chat_engine
 
 MODEL_SIZE = os.environ.get("RAGCACHE_EXAMPLE_MODEL_SIZE", "bench")

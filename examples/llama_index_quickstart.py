@@ -14,8 +14,8 @@ from importlib import resources
 from llama_index.core import Document, VectorStoreIndex
 
 from ragcache_core import RAGCache, quiet_vllm
+from ragcache_core.models import build_tiny_model
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
-from ragcache_core.testing import build_tiny_model
 from ragcache_integrations.llama_index import OfflineEmbedding, as_query_engine
 
 if __name__ == "__main__":  # vLLM's engine processes import this file again

@@ -11,6 +11,11 @@ class ModelError(RAGCacheError):
     """A model folder is missing, incomplete or unusable."""
 
 
+class FetchError(ModelError):
+    """Fetching a real model failed (`ragcache_core.models.fetch_model`): the download, its
+    pinned sha256, the disk, or the converted model's shape. Nothing half-written is kept."""
+
+
 class CacheClosedError(RAGCacheError):
     """A call on a `RAGCache` or `RAGCacheClient` after its `close()` (or one cut short by
     it). Create a new one to go on; nothing of the closed one is kept."""

@@ -25,8 +25,8 @@ from ragcache_core.bench.data_dir import (
     script_data_dir,
 )
 from ragcache_core.bench.workloads import chunk_articles, read_jsonl
+from ragcache_core.models import build_tiny_model
 from ragcache_core.retrieval.trace import tokenizer_counter
-from ragcache_core.testing.tiny_model import build_tiny_model
 
 ARTICLES = ("Super_Bowl_50", "Nikola_Tesla", "Martin_Luther")
 OUT = Path(__file__).resolve().parents[1] / "ragcache_core" / "data"

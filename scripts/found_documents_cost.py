@@ -13,7 +13,7 @@ of the two measurements alternated:
   the same messages); by construction all of them.
 
 Usage: python scripts/found_documents_cost.py [--rounds 3] [--json OUT]
-Model: the offline tiny model's tokenizer and chat template (`ragcache_core.testing`).
+Model: the offline tiny model's tokenizer and chat template (`ragcache_core.models`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Any
 
 from ragcache_core.config import CacheConfig
 from ragcache_core.documents import Document
+from ragcache_core.models import build_tiny_model
 from ragcache_core.retrieval.corpus import load_corpus
 from ragcache_core.serve.jobs import CachedJob, PromptRenderer, chat_job
 from ragcache_core.serve.known import KnownDocuments
 from ragcache_core.serve.schemas import ChatRequest
-from ragcache_core.testing import build_tiny_model
 
 SIZES = (1, 2, 4, 8, 16)
 PROMPTS_PER_POINT = 20

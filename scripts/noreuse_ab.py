@@ -31,9 +31,9 @@ def main():
     from ragcache_core.bench.serve import baseline_settings, default_sampling
     from ragcache_core.config import CacheConfig
     from ragcache_core.engine.async_engine import AsyncEngine
+    from ragcache_core.models import build_tiny_model
     from ragcache_core.retrieval.corpus import load_corpus
     from ragcache_core.runtime.ragcache import RAGCache
-    from ragcache_core.testing.tiny_model import build_tiny_model
 
     model = str(build_tiny_model(size="bench"))
     docs = load_corpus([Path(str(resources.files("ragcache_core") / "data" / "demo_corpus.jsonl"))])

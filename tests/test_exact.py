@@ -88,7 +88,7 @@ def _measure_prefix_cache_tolerance(engine: CachedEngine) -> float:
 
 @pytest.fixture(scope="module", params=["mha", "gqa"])
 def rig(request: pytest.FixtureRequest, engine_pool) -> Iterator[Rig]:
-    from ragcache_core.testing import build_tiny_model
+    from ragcache_core.models import build_tiny_model
 
     engine_pool.close()  # one engine alive at a time on this machine
     model = build_tiny_model(size="tiny", attention=request.param)

@@ -42,7 +42,7 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig(engine_pool) -> Iterator[Rig]:  # type: ignore[no-untyped-def]
-    from ragcache_core.testing import build_tiny_model
+    from ragcache_core.models import build_tiny_model
 
     engine_pool.close()  # one engine alive at a time on this machine
     model = build_tiny_model(size="tiny", attention="gqa")

@@ -110,6 +110,8 @@ LAYERS: dict[str, int] = {
     ),
     **dict.fromkeys(["app_prompt"], 0),
     **dict.fromkeys(["api", "trace", "data"], 0),
+    # the model makers (random-weight and fetched): folders for the engine, from the shared types
+    "models": 0,
     # control plane and data plane below the runtime
     **dict.fromkeys(["policy", "cost", "storage", "retrieval"], 1),
     "tree": 2,

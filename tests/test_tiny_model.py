@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ragcache_core.testing.tiny_model import (
+from ragcache_core.models import (
     CHAT_TEMPLATES,
     build_tiny_model,
     default_model_dir,
@@ -99,7 +99,7 @@ def test_chat_template_build_has_the_real_tokenizer_and_template(name: str) -> N
     (cached, like the suite's other models)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from ragcache_core.testing import chat_fixtures
+    from ragcache_core.models import chat_fixtures
 
     path = build_tiny_model(chat_template=name)
     assert path == default_model_dir("tiny", "mha", name)

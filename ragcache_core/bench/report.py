@@ -98,7 +98,7 @@ def run_bench(mode: Mode, args: argparse.Namespace, model: Path | None) -> dict[
     and return the JSON document."""
     log = sys.stderr
     if model is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
+        from ragcache_core.models import build_tiny_model
 
         print(f"building the offline model ({mode.name}) ...", file=log, flush=True)
         model = build_tiny_model(size="tiny" if mode.name == "smoke" else "bench")

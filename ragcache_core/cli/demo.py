@@ -160,7 +160,7 @@ def _demo(args: argparse.Namespace) -> int:
     log = sys.stderr
     vllm_log(args, "demo", log)
     if model is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
+        from ragcache_core.models import build_tiny_model
 
         print(f"building the offline {args.size} model ...", file=log, flush=True)
         model = build_tiny_model(size=args.size)

@@ -1,8 +1,9 @@
 """`ragcache doctor`: check the stack end to end and print the engine's TTFT.
 
 Checks torch, vLLM (version in the tested range), Faiss; builds (or reuses) the offline tiny
-model unless `--model` names one; starts vLLM with RAGCache's safe defaults; generates; prints
-the TTFT vLLM measured for a prompt.
+model unless `--model` names one, and says which kind of model it checks (`weights`:
+random-weight, or real, by name when `ragcache model fetch` made it); starts vLLM with
+RAGCache's safe defaults; generates; prints the TTFT vLLM measured for a prompt.
 """
 
 from __future__ import annotations
@@ -52,13 +53,16 @@ def _doctor(args: argparse.Namespace) -> int:
     _step("vllm", check_vllm_version())
 
     if model is None:
-        from ragcache_core.testing.tiny_model import build_tiny_model
+        from ragcache_core.models import build_tiny_model
 
         started = time.perf_counter()
         model = build_tiny_model(size="tiny")
         _step("model", f"{model} (built/reused in {time.perf_counter() - started:.1f} s)")
     else:
         _step("model", str(model))
+    from ragcache_core.models import describe_model
+
+    _step("weights", describe_model(model))
 
     from ragcache_core.engine.llm import Engine, GreedySampling
     from ragcache_core.engine.settings import EngineSpec, build_settings, detect_device
