@@ -401,18 +401,27 @@ class CacheConfig:
     2.2), with its hits, its place in the cache's document order and its invalidation. The
     store policy decides which documents are written either way. With the host tier off
     (`host_pool_tokens=0`) nothing is written."""
-    host_write_window_tokens: int | None = None
-    """With `host_write="eviction"`: the look-ahead, in tokens of vLLM's free-block queue
-    watched from its head each step, whose kept documents are copied before vLLM hands their
-    blocks out (None: `max_num_batched_tokens`, what one step can take; 0: none, every copy
-    is made at hand-out). A kept document is copied when vLLM hands one of its blocks out
-    whatever this is; the host lease is sized by what a step can take either way."""
+    host_write_at_handout: bool = True
+    """With `host_write="eviction"`: copy a kept document in the step in which vLLM hands one
+    of its blocks out for other tokens (vLLM's reuse callback, `BlockPool.unpin_blocks`), before
+    the step's loads and forward pass write that block, so no burst of long prefills lets one
+    go while the lease has room (docs/design.md 2.2, "Copies at hand-out"). False copies only
+    what the look-ahead sees, as vLLM's own lazy offload does (its proxy,
+    `ragcache-offload-proxy-lazy`): a document a step takes from beyond the look-ahead is
+    lost."""
+    host_write_window_tokens: int = 0
+    """With `host_write="eviction"`: a look-ahead, in tokens of vLLM's free-block queue watched
+    from its head each step, whose kept documents are copied (after the step's forward pass)
+    before vLLM hands their blocks out; 0, the default: none, every copy is made at hand-out.
+    Copies run synchronously within the step either way, so the look-ahead saves no step time
+    (docs/benchmarks.md, "Copies at hand-out"); it is what vLLM's lazy offload does, and its
+    proxy uses it (one step's budget, `max_num_batched_tokens`)."""
     host_write_return: str = "head"
-    """With `host_write="eviction"`: where a copied document's blocks go back in vLLM's
-    free-block queue: "head" (the default: where they were, so it leaves vLLM's blocks next
-    and the two tiers hold different documents) or "tail" (vLLM's `free_blocks`, as its own
-    lazy offload does: the document gets a second turn in vLLM's LRU; measured worse,
-    docs/benchmarks.md "Eviction-time host writes")."""
+    """With a look-ahead: where a document's blocks go back in vLLM's free-block queue after
+    their copy: "head" (where they were, so it leaves vLLM's blocks next and the two tiers hold
+    different documents) or "tail" (vLLM's `free_blocks`, as its own lazy offload does: the
+    document gets a second turn in vLLM's LRU; measured worse, docs/benchmarks.md
+    "Eviction-time host writes")."""
     host_lease_victims: bool = True
     """With `host_write="eviction"`: the host lease (the slots the engine copies into) is the
     host tier's least-wanted copies, lent as victims that stay readable until the engine
@@ -520,7 +529,7 @@ class CacheConfig:
             raise ConfigError(
                 f"host_report_interval_s cannot be negative, got {self.host_report_interval_s}"
             )
-        if self.host_write_window_tokens is not None and self.host_write_window_tokens < 0:
+        if self.host_write_window_tokens < 0:
             raise ConfigError(
                 f"host_write_window_tokens cannot be negative, got {self.host_write_window_tokens}"
             )

@@ -21,6 +21,8 @@ PROXIES = {
     "ragcache-offload-proxy-lazy": {
         "policy": "lru",
         "host_write": "eviction",
+        "host_write_at_handout": False,  # vLLM's lazy offload copies what its walk sees
+        "host_write_window_tokens": 4096,
         "host_write_return": "tail",
         **FCFS,
     },

@@ -273,3 +273,24 @@ def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
     with pytest.raises(InputError, match="unknown replacement policy 'nope'"):
         replay(path, policy="nope")
     assert main(["simulate", "--replay", str(path), "--replay-policy", "dgdsf"]) == 0
+
+
+def test_without_copies_at_hand_out_the_look_ahead_alone_loses_what_a_step_takes_past_it() -> None:
+    """vLLM's lazy offload (the proxy's setting): a document whose blocks a step takes from
+    beyond the look-ahead (one block here; a prefill step takes eleven) leaves uncopied; with
+    copies at hand-out (the default) it is kept."""
+    kept = {}
+    for handout in (True, False):
+        config = _config(
+            host_write="eviction",
+            handout=handout,
+            window_tokens=32,
+            vllm_blocks=40,
+            max_num_batched_tokens=1024,
+        )
+        sim = EngineSimulator(config)
+        docs = [_doc(name, 300) for name in "abcd"]
+        for i, doc in enumerate(docs):
+            sim.serve(_request(doc, i))
+        kept[handout] = sim.serve(_request(docs[0], 9)).host_docs
+    assert kept == {True: 1, False: 0}

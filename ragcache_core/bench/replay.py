@@ -208,6 +208,7 @@ def _engine_config(settings: dict[str, Any], system: str) -> EngineConfig | None
         host_write_return=config.host_write_return,
         max_num_batched_tokens=config.max_num_batched_tokens,
         window_tokens=config.host_write_window_tokens,
+        handout=config.host_write_at_handout,
         max_tokens=int(settings["max_tokens"]),
         max_depth=config.max_cached_depth,
         lease_victims=config.host_lease_victims,

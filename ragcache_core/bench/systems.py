@@ -10,8 +10,7 @@
 | `vllm-offload-lazy` | prefix caching + SimpleCPUOffloadConnector, lazy_offload (CUDA)       |
 | `ragcache-onekv`  | RAGCache with its host pool's memory in vLLM's KV instead (no host tier) |
 | `ragcache-writethrough` | RAGCache with its host tier written as computed (explicitly)     |
-| `ragcache-evict`  | RAGCache with its host tier written at eviction, blocks back at the head |
-| `ragcache-evict-tail` | RAGCache, copied blocks back at the free queue's tail, not its head |
+| `ragcache-lookahead` | RAGCache, a look-ahead of one step beside its copies at hand-out    |
 | `ragcache-offload-proxy` | RAGCache's plumbing as vLLM's OffloadingConnector: write-through, |
 |                   | LRU, FCFS, no speculation                                               |
 | `ragcache-offload-proxy-arc` | the same with ARC (its `eviction_policy="arc"`)              |
@@ -61,6 +60,9 @@ class SystemSpec:
 
 
 FCFS_NO_SPECULATION = {"reorder": False, "speculation": False}
+LOOKAHEAD_TOKENS = 4096
+"""The look-ahead of the systems that have one: one step's token budget on CPU
+(`max_num_batched_tokens`), what vLLM's lazy offload watches at least."""
 """What every proxy of vLLM's offloading has: vLLM serves first come first served and starts
 a prompt only once its documents are known."""
 
@@ -108,28 +110,17 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"host_write": "compute"},
         ),
         SystemSpec(
-            "ragcache-evict",
+            "ragcache-lookahead",
             "ragcache",
-            "RAGCache, host tier written at eviction, copied blocks back at the queue's head",
-            {"host_write": "eviction", "host_write_return": "head"},
-        ),
-        SystemSpec(
-            "ragcache-handout",
-            "ragcache",
-            "RAGCache, host tier written at eviction, at hand-out only (no look-ahead)",
-            {"host_write": "eviction", "host_write_window_tokens": 0},
+            "RAGCache, a look-ahead of one step's budget (copies before vLLM hands blocks out, "
+            "blocks back at the queue's head) beside its copies at hand-out",
+            {"host_write": "eviction", "host_write_window_tokens": LOOKAHEAD_TOKENS},
         ),
         SystemSpec(
             "ragcache-emptylease",
             "ragcache",
             "RAGCache, host lease of empty room (evicted as it is topped up), not of victims",
             {"host_lease_victims": False},
-        ),
-        SystemSpec(
-            "ragcache-evict-tail",
-            "ragcache",
-            "RAGCache, host tier written at eviction, copied blocks back at the queue's tail",
-            {"host_write": "eviction", "host_write_return": "tail"},
         ),
         SystemSpec(
             "ragcache-docorder",
@@ -154,10 +145,13 @@ SYSTEMS: dict[str, SystemSpec] = {
             "ragcache-offload-proxy-lazy",
             "ragcache",
             "RAGCache as vLLM's SimpleCPUOffloadConnector with lazy_offload: eviction-time "
-            "writes, LRU, copied blocks back at the queue's tail, FCFS, no speculation",
+            "writes of what a look-ahead of one step's budget sees (no copy at hand-out), LRU, "
+            "copied blocks back at the queue's tail, FCFS, no speculation",
             {
                 "policy": "lru",
                 "host_write": "eviction",
+                "host_write_at_handout": False,
+                "host_write_window_tokens": LOOKAHEAD_TOKENS,
                 "host_write_return": "tail",
                 **FCFS_NO_SPECULATION,
             },

@@ -97,7 +97,10 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--host-write-return", choices=("head", "tail"), default="head")
     engine.add_argument("--max-num-batched-tokens", type=int, default=4096, metavar="T")
     engine.add_argument(
-        "--window-tokens", type=int, default=None, help="eviction window (default: one step)"
+        "--window-tokens",
+        type=int,
+        default=0,
+        help="a look-ahead of the free queue, copied before hand-out (default 0: none)",
     )
     engine.add_argument("--max-tokens", type=int, default=8, help="answer tokens (%(default)s)")
     engine.add_argument(

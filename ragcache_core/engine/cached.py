@@ -41,8 +41,8 @@ DEFAULT_PAGE_SIZE = 16
 class PoolSettings:
     """The host pool's size. `host_pool_name` names the shared-memory file, so a restarted
     engine with the same name finds the same host pool (and its contents). The GPU tier is
-    vLLM's own KV cache (`EngineSpec.kv_cache_bytes`). `host_write`, `window_blocks` and
-    `back_to_head` are the connector's (`ConnectorConfig`)."""
+    vLLM's own KV cache (`EngineSpec.kv_cache_bytes`). `host_write`, `window_blocks`,
+    `back_to_head` and `handout` are the connector's (`ConnectorConfig`)."""
 
     host_pool_gib: float = 0.5
     page_size: int = DEFAULT_PAGE_SIZE
@@ -50,6 +50,7 @@ class PoolSettings:
     host_write: str = "compute"
     window_blocks: int = 0
     back_to_head: bool = False
+    handout: bool = True
 
     def __post_init__(self) -> None:
         if self.host_pool_gib < 0:
@@ -108,6 +109,7 @@ class CachedEngine:
             host_write=pools.host_write,
             window_blocks=pools.window_blocks,
             back_to_head=pools.back_to_head,
+            handout=pools.handout,
         )
         self.settings = build_settings(
             replace(spec, connector=self.config.kv_transfer_config(), prefix_caching=True),

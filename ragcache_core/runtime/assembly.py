@@ -52,23 +52,16 @@ def open_pools(model: str, config: CacheConfig) -> Pools:
         host_write=config.host_write,
         window_blocks=window_blocks(config) if config.writes_at_eviction else 0,
         back_to_head=config.writes_at_eviction and config.host_write_return == "head",
+        handout=config.host_write_at_handout,
     )
     return Pools(connector, host_pool)
 
 
-def window_tokens(config: CacheConfig) -> int:
-    """The look-ahead's tokens (`CacheConfig.host_write_window_tokens`; default one step,
-    `max_num_batched_tokens`; 0: none)."""
-    assert config.max_num_batched_tokens is not None  # resolved by `resolve_device_defaults`
-    if config.host_write_window_tokens is None:
-        return config.max_num_batched_tokens
-    return config.host_write_window_tokens
-
-
 def window_blocks(config: CacheConfig) -> int:
-    """The eviction window in vLLM blocks (whole blocks covering `window_tokens`)."""
+    """The look-ahead in vLLM blocks (whole blocks covering
+    `CacheConfig.host_write_window_tokens`; 0: none)."""
     assert config.block_size is not None  # resolved by `resolve_device_defaults`
-    return -(-window_tokens(config) // config.block_size)
+    return -(-config.host_write_window_tokens // config.block_size)
 
 
 def build_tree(

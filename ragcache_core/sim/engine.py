@@ -47,9 +47,10 @@ ENGINE_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="si
 class EngineConfig:
     """The engine's settings that decide its hits. `vllm_blocks`: vLLM's KV cache in blocks
     of `block_size` tokens (its null block included); `host_tokens`: the host pool, in slots
-    of `page_size` tokens; `window_tokens`: the eviction window's look-ahead (None:
-    `max_num_batched_tokens`, the engine's default; 0: copies at hand-out only); the host
-    lease's budget part is `max_num_batched_tokens`; `max_tokens`: answer tokens;
+    of `page_size` tokens; `window_tokens`: the eviction window's look-ahead (0, the engine's
+    default: copies at hand-out only); `handout`: copies at hand-out (False: the look-ahead
+    alone, as vLLM's lazy offload); the host lease's budget part is `max_num_batched_tokens`;
+    `max_tokens`: answer tokens;
     `lease_victims`: the lease is topped up with victims (`CacheConfig.host_lease_victims`)."""
 
     vllm_blocks: int
@@ -61,7 +62,8 @@ class EngineConfig:
     host_write: str = "compute"
     host_write_return: str = "head"
     max_num_batched_tokens: int = 4096
-    window_tokens: int | None = None
+    window_tokens: int = 0
+    handout: bool = True
     max_tokens: int = 8
     max_depth: int | None = None
     lease_victims: bool = True
@@ -77,11 +79,6 @@ class EngineConfig:
             raise ConfigError("host_write='eviction' writes the host tier; host_tokens is 0")
         if self.max_tokens < 1 or self.max_num_batched_tokens < 1 or self.host_tokens < 0:
             raise ConfigError("max_tokens and max_num_batched_tokens must be positive")
-
-    @property
-    def window(self) -> int:
-        """The eviction window's look-ahead in tokens."""
-        return self.max_num_batched_tokens if self.window_tokens is None else self.window_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,10 +171,11 @@ class EngineSimulator:
         self.hasher = BlockHasher(config.block_size)
         self.window = (
             EvictionWindow(
-                window_blocks=-(-config.window // config.block_size),
+                window_blocks=-(-config.window_tokens // config.block_size),
                 block_size=config.block_size,
                 page_size=config.page_size,
                 back_to_head=config.host_write_return == "head",
+                handout=config.handout,
             )
             if eviction
             else None

@@ -37,9 +37,11 @@ as it leaves vLLM's blocks (plans' `keep`, the connector's window; docs/design.m
 class ConnectorConfig:
     """The host pool's size and layout. `host_slots == 0` means no host tier (no shared-memory
     file). There is no GPU pool: the GPU tier is vLLM's own KV cache (docs/design.md 3.1).
-    `host_write` is `CacheConfig.host_write`; with "eviction" the scheduler side watches the
-    first `window_blocks` blocks of vLLM's free queue every step, and `back_to_head` puts the
-    blocks it held back at the queue's head (`CacheConfig.host_write_return`)."""
+    `host_write` is `CacheConfig.host_write`; with "eviction" the scheduler side copies a kept
+    document when vLLM hands one of its blocks out (`handout`, `CacheConfig.host_write_at_handout`),
+    and with a look-ahead watches the first `window_blocks` blocks of vLLM's free queue every
+    step, `back_to_head` putting the blocks it held back at the queue's head
+    (`CacheConfig.host_write_return`)."""
 
     layout: PoolLayout
     host_slots: int = 0
@@ -47,6 +49,7 @@ class ConnectorConfig:
     host_write: str = "compute"
     window_blocks: int = 0
     back_to_head: bool = False
+    handout: bool = True
 
     def __post_init__(self) -> None:
         if self.host_slots < 0:
@@ -73,6 +76,7 @@ class ConnectorConfig:
                 "host_write": self.host_write,
                 "window_blocks": self.window_blocks,
                 "back_to_head": self.back_to_head,
+                "handout": self.handout,
             }
         }
 
@@ -90,6 +94,7 @@ class ConnectorConfig:
             host_write=str(data.get("host_write", "compute")),
             window_blocks=int(data.get("window_blocks", 0)),
             back_to_head=bool(data.get("back_to_head", False)),
+            handout=bool(data.get("handout", True)),
         )
 
     def kv_transfer_config(self) -> dict[str, Any]:

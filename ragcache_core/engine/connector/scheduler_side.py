@@ -108,6 +108,7 @@ class SchedulerSide:
                 block_size=block_size,
                 page_size=config.page_size,
                 back_to_head=config.back_to_head,
+                handout=config.handout,
             )
             if config.host_write == "eviction"
             else None

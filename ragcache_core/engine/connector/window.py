@@ -119,9 +119,19 @@ class EvictionWindow:
     """Records, the lease and the copies in flight (see the module docstring)."""
 
     def __init__(
-        self, *, window_blocks: int, block_size: int, page_size: int, back_to_head: bool = False
+        self,
+        *,
+        window_blocks: int,
+        block_size: int,
+        page_size: int,
+        back_to_head: bool = False,
+        handout: bool = True,
     ) -> None:
         self.window_blocks = window_blocks
+        self.handout = handout
+        """Copy a kept document when vLLM hands one of its blocks out (False: only what the
+        look-ahead sees, as vLLM's own lazy offload does; what a step takes from beyond it is
+        lost)."""
         self.back_to_head = back_to_head
         """Where held blocks that were in the window go back: False, the queue's tail
         (`free_blocks`, as vLLM's lazy offload does: a copied document gets a second turn in
@@ -276,8 +286,9 @@ class EvictionWindow:
                 continue
             for block in blocks:
                 self._by_block.setdefault(block.block_id, set()).add(span.key)
-            block_pool.touch(blocks)
-            block_pool.unpin_blocks(blocks, self._on_reuse)
+            if self.handout:
+                block_pool.touch(blocks)
+                block_pool.unpin_blocks(blocks, self._on_reuse)
 
     # ------------------------------------------------------------------ every step
 
