@@ -485,3 +485,16 @@ def test_a_copy_at_hand_out_never_takes_a_slot_a_load_of_the_step_reads() -> Non
     handout, _ = window2.step_writes(pool2, reading)
     assert [w.key for w in handout] == [7, 8]
     assert not reading & {s for w in handout for s in w.slots}
+
+
+def test_a_kv_cache_vllm_zeroes_on_hand_out_is_refused_for_copies_at_hand_out() -> None:
+    """vLLM zeroes newly allocated blocks before the step's connector loads when the KV cache
+    has Mamba layers or mixed precisions: a copy at hand-out would read zeros."""
+    from types import SimpleNamespace
+
+    from ragcache_core.engine.compat import check_handout_copies
+    from ragcache_core.errors import ConfigError
+
+    check_handout_copies(SimpleNamespace(needs_kv_cache_zeroing=False))
+    with pytest.raises(ConfigError, match="zeroes the blocks"):
+        check_handout_copies(SimpleNamespace(needs_kv_cache_zeroing=True))

@@ -196,6 +196,25 @@ def check_eviction_window_hooks(*, back_to_head: bool = False) -> None:
         )
 
 
+def check_handout_copies(kv_cache_config: Any) -> None:
+    """Raise `ConfigError` unless the blocks vLLM hands out keep their KV until the step's
+    connector loads: a copy at hand-out reads them in `start_load_kv`. vLLM's model runner zeroes
+    newly allocated blocks first (`SchedulerOutput.new_block_ids_to_zero`, in `_update_states`)
+    when the KV cache has Mamba layers or mixed precisions (`KVCacheConfig.needs_kv_cache_zeroing`),
+    and applies copy-on-write copies into them on partial-block prefix hits (only where the
+    prefix cache hashes blocks smaller than the KV block: not a config RAGCache starts). Both are
+    vLLM 0.32/0.33 behaviour; the models RAGCache serves (plain attention, one precision) need
+    neither."""
+    from ragcache_core.errors import ConfigError
+
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        raise ConfigError(
+            "this model's KV cache has Mamba layers or mixed precisions: vLLM zeroes the blocks "
+            "it hands out before RAGCache can copy them to the host tier "
+            '(use host_write="compute")'
+        )
+
+
 def requeue_at_head(block_pool: Any, blocks: list[Any]) -> None:
     """Move `blocks` (in this order) to the head of vLLM's free-block queue, those of them that
     are free (no reference left: `free_blocks` appended them at the tail); a block in use stays

@@ -47,9 +47,14 @@ class RAGCacheConnector(KVConnectorBase_V1):
 
             check_block_pool_hooks()
             if config.host_write == "eviction":
-                from ragcache_core.engine.compat import check_eviction_window_hooks
+                from ragcache_core.engine.compat import (
+                    check_eviction_window_hooks,
+                    check_handout_copies,
+                )
 
                 check_eviction_window_hooks(back_to_head=config.back_to_head)
+                if config.handout:
+                    check_handout_copies(kv_cache_config)
             self._scheduler = SchedulerSide(config, block_size)
         else:
             self._worker = WorkerSide(config, block_size)
