@@ -25,6 +25,7 @@ from ragcache_core.bench.scoring import (
     normalize,
     retrieval_recall,
     score_reply,
+    words,
 )
 
 
@@ -61,9 +62,19 @@ def test_f1_by_hand() -> None:
     assert f1("the", "a") == 0.0
 
 
-def test_contains_takes_whole_tokens_of_the_normalized_reply() -> None:
+def test_words_break_at_punctuation_where_normalize_joins() -> None:
+    assert words("Richard Harbison's analysis") == "richard harbison s analysis"
+    assert normalize("Richard Harbison's analysis") == "richard harbisons analysis"
+    assert words("The U.S. state-of-the-art") == "u s state of art"
+    assert words("the 1986–87 season") == "1986 87 season"  # an en dash breaks words here
+
+
+def test_contains_takes_whole_words_of_the_reply() -> None:
     assert contains("It began in October, 1973.", "October 1973") == 1.0
-    assert contains("in 19734", "1973") == 0.0  # not a whole token
+    assert contains("in 19734", "1973") == 0.0  # not a whole word
+    assert contains("in 2012", "2") == 0.0
+    assert contains("It was Richard Harbison's analysis.", "Richard Harbison") == 1.0
+    assert contains("the U.S. Army", "U.S.") == 1.0
     assert contains("The answer is the Broncos", "Denver Broncos") == 0.0
     assert contains("anything at all", "The") == 0.0  # an empty gold is in nothing
     assert contains("Denver Broncos", "Denver Broncos") == 1.0
@@ -85,6 +96,10 @@ def test_retrieval_recall_per_document() -> None:
     assert retrieval_recall(texts, ["October 1973", "1974"]) == 1.0
     assert retrieval_recall(texts, ["1974"]) == 0.0
     assert retrieval_recall(["... in October", "1973 prices rose"], ["October 1973"]) == 0.0
+    # A SQuAD dev answer whose paragraph has it only as a possessive (SQuAD's normalisation
+    # would make "harbisons" of it).
+    paragraph = ["Richard Harbison's purely morphological analysis in 1985 concluded ..."]
+    assert retrieval_recall(paragraph, ["Richard Harbison"]) == 1.0
 
 
 # --------------------------------------------------------------------------- intervals

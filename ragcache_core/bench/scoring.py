@@ -4,9 +4,15 @@
                                                whitespace collapsed (the script's order)
     exact_match  normalized reply == normalized gold
     f1           token F1 of the normalized reply against the normalized gold (bag of tokens)
-    contains     the normalized gold, as whole tokens, inside the normalized reply (a small
-                 instruct model answers in a sentence: "It began in October 1973.")
-    recall       the normalized gold, as whole tokens, inside the normalized retrieved text
+    contains     the gold inside the reply, as whole words (a small instruct model answers in
+                 a sentence: "It began in October 1973.")
+    recall       a gold answer inside one of the retrieved documents, as whole words
+
+`contains` and `recall` compare words: both sides normalized as SQuAD normalizes, except that
+punctuation splits words instead of joining them (`words`), so "Harbison's analysis" contains
+"Richard Harbison" when it follows "Richard", and "in 19734" does not contain "1973" (nor
+"in 2012" the gold "2"). A plain substring test of the SQuAD-normalized strings would take the
+second and third and miss the first ("harbisons").
 
 Each figure is the best over a question's gold answers (SQuAD has several per question,
 NQ-open an alias list). As in the script, an empty reply exactly matches a gold answer that
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -47,10 +54,22 @@ def f1(reply: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def words(text: str) -> str:
+    """`normalize` with punctuation as a word break: "Harbison's" -> "harbison s", "U.S." ->
+    "u s", "state-of-the-art" -> "state of art"; here Unicode punctuation breaks words too
+    ("1986–87" -> "1986 87": an en dash is not in `string.punctuation`)."""
+    text = "".join(" " if _breaks(ch) else ch for ch in text.lower())
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _breaks(ch: str) -> bool:
+    return ch in _PUNCTUATION or unicodedata.category(ch).startswith("P")
+
+
 def contains(reply: str, gold: str) -> float:
-    """1 when the normalized gold is a run of whole tokens of the normalized reply ("1973"
-    is in "october 1973", not in "19734"); an empty gold is in nothing."""
-    return float(_inside(normalize(gold), normalize(reply)))
+    """1 when the gold's `words` are a run of whole words of the reply's ("1973" is in
+    "October, 1973.", not in "19734"); an empty gold is in nothing."""
+    return float(_inside(words(gold), words(reply)))
 
 
 def _inside(needle: str, haystack: str) -> bool:
@@ -64,10 +83,10 @@ def best(score: Callable[[str, str], float], reply: str, golds: Sequence[str]) -
 
 
 def retrieval_recall(texts: Sequence[str], golds: Sequence[str]) -> float:
-    """1 when some gold answer, normalized, is in the normalized retrieved text (whole tokens;
-    each document on its own, so no answer is made up across a seam)."""
-    normalized = [normalize(text) for text in texts]
-    return float(any(_inside(normalize(g), t) for g in golds for t in normalized))
+    """1 when some gold answer is in one of the retrieved texts, as whole `words` (each text on
+    its own, so no answer is made up across a seam)."""
+    normalized = [words(text) for text in texts]
+    return float(any(_inside(words(g), t) for g in golds for t in normalized))
 
 
 SCORES: dict[str, Callable[[str, str], float]] = {
