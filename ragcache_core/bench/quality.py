@@ -16,12 +16,13 @@ of turn.
 
 **Warm caches.** A deployed cache has seen the documents it serves. The RAGCache systems take
 the stream in windows of `WINDOW` questions: each window is sent once unmeasured, then again
-measured, so every measured request's documents were served a window ago (hits: the documents
-of the window fit the default host tier many times over). `ragcache-docorder` serves a request
-out of retrieval order when the documents it retrieved are cached in another order: on the
-warm pass when earlier requests cached them so, on the measured pass as the warm pass served
-it; the count of reordered answers is reported with it. vllm answers the measured pass only
-(no cache to warm). Requests go `CONCURRENCY` at a time (a closed loop), in stream order.
+measured, so every measured request's documents were served a window ago (hits: a window's
+documents fit the default host tier three times over; the whole stream would not).
+`ragcache-docorder` serves a request out of retrieval order when the documents it retrieved
+are cached in another order: on the warm pass when earlier requests cached them so, on the
+measured pass as the warm pass served it; the count of reordered answers is reported with
+it. vllm answers the measured pass only (no cache to warm). Requests go `CONCURRENCY` at a
+time (a closed loop), in stream order.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ SHORT_ANSWER = "Answer the question using the context. Reply with a short answer
 QUALITY_PROMPT = PromptConfig(system_prompt=SHORT_ANSWER)
 """The system message above; the documents and "Question: ...\\nAnswer:" in the user turn."""
 WINDOW = 50
-"""Questions per warm-up window (about 150 documents: a tenth of the default host tier)."""
+"""Questions per warm-up window: at most 150 documents, about 21k tokens of SmolLM2's
+tokenizer, a third of the default host tier."""
 CONCURRENCY = 4
 FIGURES = tuple(SCORES)
 """The per-reply figures (exact_match, f1, contains), in table order."""
