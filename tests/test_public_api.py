@@ -110,6 +110,8 @@ LAYERS: dict[str, int] = {
     ),
     **dict.fromkeys(["app_prompt"], 0),
     **dict.fromkeys(["api", "trace", "data"], 0),
+    # the model makers (random-weight and fetched): folders for the engine, from the shared types
+    "models": 0,
     # control plane and data plane below the runtime
     **dict.fromkeys(["policy", "cost", "storage", "retrieval"], 1),
     "tree": 2,
@@ -119,7 +121,6 @@ LAYERS: dict[str, int] = {
     # what runs over it
     **dict.fromkeys(["serve", "sim"], 5),
     **dict.fromkeys(["bench", "testing"], 6),
-    "models": 6,  # the real model (issue 56), imported lazily by `bench quality`'s default
     # The command line sits above everything it runs: `bench` measures, `cli` parses and
     # prints, and nothing below `cli` imports it (its `CliError` lives in `errors`).
     "cli": 7,
