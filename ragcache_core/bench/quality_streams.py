@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -141,22 +141,38 @@ def load_stream(
     search = corpus if corpus is not None else corpus_search(folder, progress=progress)
     bar = _bar(len(picked), progress)
     if name == "squad":
-        first = rng.randrange(TOP_K)
-        items, in_top = [], 0
-        for i, (qid, record) in enumerate(picked):
-            item, ranked = _squad_item(qid, record, search, (first + i) % TOP_K)
-            items.append(item)
-            in_top += ranked
-            bar(i + 1)
-        return QualityStream(
-            "squad",
-            f"{questions:,} SQuAD v1.1 dev questions (seed {seed}), each with its gold paragraph "
-            f"and the two best-scoring other documents of the 12,100-document corpus, the gold at "
-            f"position {first}, then the next, cycling over 0-2",
-            tuple(items),
-            seed,
-            gold_in_top3=in_top,
-        )
+        return _squad_stream(picked, search, seed, rng.randrange(TOP_K), bar)
+    return _nq_stream(picked, search, seed, bar)
+
+
+Picked = Sequence[tuple[str, dict[str, Any]]]
+"""The sampled questions: (`QualityItem.id`, the dataset's record)."""
+
+
+def _squad_stream(
+    picked: Picked, search: Corpus, seed: int, first: int, bar: Callable[[int], None]
+) -> QualityStream:
+    """Each question with its gold paragraph at position `first`, then the next, cycling."""
+    items, in_top = [], 0
+    for i, (qid, record) in enumerate(picked):
+        item, ranked = _squad_item(qid, record, search, (first + i) % TOP_K)
+        items.append(item)
+        in_top += ranked
+        bar(i + 1)
+    return QualityStream(
+        "squad",
+        f"{len(items):,} SQuAD v1.1 dev questions (seed {seed}), each with its gold paragraph "
+        f"and the two best-scoring other documents of the 12,100-document corpus, the gold at "
+        f"position {first}, then the next, cycling over 0-2",
+        tuple(items),
+        seed,
+        gold_in_top3=in_top,
+    )
+
+
+def _nq_stream(
+    picked: Picked, search: Corpus, seed: int, bar: Callable[[int], None]
+) -> QualityStream:
     items = []
     for i, (qid, record) in enumerate(picked):
         found = final_result(search.source, str(record["question"]), TOP_K)
@@ -164,7 +180,7 @@ def load_stream(
         bar(i + 1)
     return QualityStream(
         "nq",
-        f"{questions:,} NQ-open dev questions (seed {seed}), each with its top-{TOP_K} "
+        f"{len(items):,} NQ-open dev questions (seed {seed}), each with its top-{TOP_K} "
         "retrieved from the 12,100-document corpus",
         tuple(items),
         seed,
@@ -209,7 +225,8 @@ def _readable(document: Document) -> Document:
     return replace(document, metadata={**document.metadata, "title": title.replace("_", " ")})
 
 
-def _bar(total: int, progress: bool) -> Any:
+def _bar(total: int, progress: bool) -> Callable[[int], None]:
+    """A callback given the questions done: a tqdm bar on stderr, or nothing."""
     if not progress:
         return lambda done: None
     from tqdm import tqdm
