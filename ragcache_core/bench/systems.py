@@ -246,3 +246,5 @@ SYSTEMS: dict[str, SystemSpec] = {
 MAIN_SYSTEMS = tuple(n for n, s in SYSTEMS.items() if not s.ablation)
 ABLATIONS = tuple(n for n, s in SYSTEMS.items() if s.ablation)
 CUDA_ONLY = tuple(n for n, s in SYSTEMS.items() if s.cuda_only)
+QUALITY_SYSTEMS = ("vllm", "ragcache", "ragcache-docorder")
+"""What `bench quality` compares by default: the reference, the cache, the cache's order."""

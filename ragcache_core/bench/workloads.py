@@ -248,9 +248,24 @@ def load_workload(
     return _long(name, chunks, questions, order, seed, top_k or 1, "all 48 SQuAD dev articles")
 
 
+CORPUS_FILES = (VITAL_ARTICLES, SQUAD_PARAGRAPHS)
+"""The benchmark corpus: 12,100 documents, vital-article leads then SQuAD dev paragraphs."""
+
+
+def benchmark_corpus(data_dir: Path) -> tuple[Document, ...]:
+    """The 12,100 documents of `CORPUS_FILES` (ids namespaced by file: a SQuAD paragraph is
+    `squad_v1.1_dev_paragraphs:{paragraph_id}`, `corpus_id`)."""
+    files = [data_dir / name for name in CORPUS_FILES]
+    return load_corpus(files, text_fields="text,context", id_fields="doc_id,paragraph_id")
+
+
+def corpus_id(file_name: str, raw_id: str) -> str:
+    """The id `benchmark_corpus` gives the record `raw_id` of `file_name`."""
+    return f"{Path(file_name).stem}:{raw_id}"
+
+
 def _short(data_dir: Path, seed: int, top_k: int) -> Workload:
-    files = [data_dir / VITAL_ARTICLES, data_dir / SQUAD_PARAGRAPHS]
-    documents = load_corpus(files, text_fields="text,context", id_fields="doc_id,paragraph_id")
+    documents = benchmark_corpus(data_dir)
     nq = load_questions(data_dir / NQ_OPEN, question_fields="question")
     mmlu = load_questions(data_dir / MMLU, question_fields="input")
     pool = [q.text for q in (*nq, *mmlu)]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ragcache_core.cli.bench import copies, overhead, prefill, serve
+from ragcache_core.cli.bench import copies, overhead, prefill, quality, serve
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks (overhead, prefill, copies, serve)")
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks (overhead, prefill, copies, serve, quality)"
+    )
     bench_subparsers = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for module in (overhead, prefill, copies, serve):
+    for module in (overhead, prefill, copies, serve, quality):
         module.register(bench_subparsers)
