@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate
@@ -136,25 +136,31 @@ class SamplingConfig:
       `logprob_token_ids`, `structured_outputs`, `repetition_detection`, `stream_interval`:
       as in vLLM.
 
-    The one declaration of the sampling fields: `/v1/rag/query`'s `sampling`
-    (`serve.sampling_in`, with `StructuredOutputs` and `RepetitionDetection`) and the vLLM
-    `SamplingParams` (`engine.sampling`) are derived from these fields. A field's `metadata`
-    holds what only the wire schema states: bounds (`ge`, `le`; the checks here word the
-    error when a `SamplingConfig` is built directly) and `lax_str` (plain `str` rather than
-    pydantic's `StrictStr`, as vLLM's model types it).
+    The one declaration of the sampling fields: the wire models of `/v1/rag/query`'s
+    `sampling` and of the OpenAI routes' sampling fields (`serve.sampling_in`, with
+    `StructuredOutputs` and `RepetitionDetection`), the OpenAI routes' field table
+    (`serve.fields`) and the vLLM `SamplingParams` (`engine.sampling`) are derived from these
+    fields. A field's `metadata` holds what only the wire states: bounds (`ge`, `le`; the
+    checks here word the error when a `SamplingConfig` is built directly), `lax_str` (plain
+    `str` rather than pydantic's `StrictStr`, as vLLM's model types it), and
+    `generation_config` (one of the seven knobs a model's `generation_config.json` sets for
+    an OpenAI request that leaves it null: `GENERATION_CONFIG_KNOBS`), with `vllm_default`
+    where vLLM's default differs from this one.
     """
 
     max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float = field(
+        default=0.0, metadata={"generation_config": True, "vllm_default": 1.0}
+    )
+    top_p: float = field(default=1.0, metadata={"generation_config": True})
     stop: tuple[str, ...] = ()
     seed: int | None = field(default=None, metadata={"ge": SEED_MIN, "le": SEED_MAX})
     ignore_eos: bool = False
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int = field(default=0, metadata={"generation_config": True})
+    min_p: float = field(default=0.0, metadata={"generation_config": True})
+    presence_penalty: float = field(default=0.0, metadata={"generation_config": True})
+    frequency_penalty: float = field(default=0.0, metadata={"generation_config": True})
+    repetition_penalty: float = field(default=1.0, metadata={"generation_config": True})
     logit_bias: Mapping[int, float] | Mapping[str, float] | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -186,6 +192,16 @@ class SamplingConfig:
                 object.__setattr__(self, name, tuple(value))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _clamped_bias(self.logit_bias))
+
+
+GENERATION_CONFIG_KNOBS: Mapping[str, float] = {
+    f.name: f.metadata.get("vllm_default", f.default)
+    for f in fields(SamplingConfig)
+    if f.metadata.get("generation_config")
+}
+"""The sampling knobs a model's `generation_config.json` sets (vLLM's
+`_DEFAULT_SAMPLING_PARAMS`), each with vLLM's default: what an OpenAI request that leaves one
+null gets when the model sets none (`serve.jobs.sampling_for`)."""
 
 
 def _check_sampling(s: SamplingConfig) -> None:

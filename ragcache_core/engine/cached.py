@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.llm import Engine
-from ragcache_core.engine.sampling import GreedySampling, sampling_params, token_logprobs
+from ragcache_core.engine.sampling import sampling_params, token_logprobs
 from ragcache_core.engine.settings import (
     DeviceInfo,
     EngineSettings,
@@ -136,7 +137,7 @@ class CachedEngine:
         self,
         prompt: Sequence[int],
         plan: Plan | None,
-        sampling: GreedySampling | None = None,
+        sampling: SamplingConfig,
         *,
         read_prefix_cache: bool = False,
         extra_transfer_params: Mapping[str, Any] | None = None,
@@ -161,7 +162,7 @@ class CachedEngine:
         self,
         prompts: Sequence[Sequence[int]],
         plans: Sequence[Plan | None],
-        sampling: GreedySampling | None = None,
+        sampling: SamplingConfig,
         *,
         read_prefix_cache: bool = False,
         extra_transfer_params: Mapping[str, Any] | None = None,
@@ -171,7 +172,6 @@ class CachedEngine:
         (tests use it for the connector's fault hook, `FAULT_KEY`)."""
         from ragcache_core.engine.compat import first_token_latency, token_prompt
 
-        sampling = sampling or GreedySampling()
         for prompt in prompts:
             check_fits_context(len(prompt), sampling.max_tokens, self.max_model_len)
         params = [
