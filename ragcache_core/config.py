@@ -383,15 +383,6 @@ class CacheConfig:
     """Settings of a `RAGCache`. Immutable; derive variants with `with_(...)`."""
 
     # Tiers and policy.
-    gpu_pool_tokens: int | None = None
-    """Refused (kept only to name what replaced it): there is no GPU pool any more. The GPU
-    tier is vLLM's own KV cache with its prefix caching on, sized by `vllm_kv_cache_gib`
-    (docs/design.md 3.1)."""
-    protected_gpu_tokens: int | None = None
-    """Refused unless 0 (kept only to name its removal): the protected set is gone (measured
-    on the eviction-time host tier, it lost to vLLM's LRU alone, docs/benchmarks.md "The
-    protected set"). vLLM's LRU decides what leaves its blocks; 0 (an older configuration's
-    "off") is accepted and means nothing."""
     host_pool_tokens: int = 65_536
     """Capacity of the host-tier pool (shared memory) in tokens; 0 turns the host tier off."""
     page_size: int = 16
@@ -498,18 +489,6 @@ class CacheConfig:
     restart_engine: bool = True
 
     def __post_init__(self) -> None:
-        if self.gpu_pool_tokens is not None:
-            raise ConfigError(
-                "gpu_pool_tokens is gone: RAGCache has no GPU pool beside vLLM's KV cache any "
-                "more, vLLM's own prefix-cached blocks are the GPU tier; size it with "
-                "vllm_kv_cache_gib (GiB of vLLM KV cache; on CUDA, or gpu_memory_utilization)"
-            )
-        if self.protected_gpu_tokens:
-            raise ConfigError(
-                "protected_gpu_tokens is gone: the protected set was removed (it lost to vLLM's "
-                "own LRU, docs/benchmarks.md 'The protected set'); vLLM's LRU decides what "
-                "leaves its blocks and the policy decides the host tier. Leave it unset"
-            )
         if self.host_pool_tokens < 0:
             raise ConfigError(f"host_pool_tokens cannot be negative, got {self.host_pool_tokens}")
         if self.page_size < 1:
