@@ -376,6 +376,20 @@ def check_document_order(value: object) -> str:
 DEFAULT_POLICY = "dgdsf"
 """The replacement policy a cache, the simulators and the commands use unless told otherwise
 (`CacheConfig.policy`; DGDSF: docs/benchmarks.md, "Decayed frequency")."""
+REMOVED_POLICIES = {
+    "apgdsf": "adaptive PGDSF, an experiment that lost: 0.80 of the best policy at worst, "
+    'docs/benchmarks.md "Policy hit rates"',
+}
+"""Policies that were removed, refused by name (`refuse_removed_policy`)."""
+
+
+def refuse_removed_policy(name: str) -> None:
+    """`ConfigError` naming the default policy when `name` is a removed one."""
+    if name in REMOVED_POLICIES:
+        raise ConfigError(
+            f"policy {name!r} was removed ({REMOVED_POLICIES[name]}); "
+            f"use the default, {DEFAULT_POLICY!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -392,7 +406,8 @@ class CacheConfig:
     frequency whose retrievals' weights halve every 2,000 final requests; measured at 0.995 or
     more of the best of LRU, LFU, GDSF, PGDSF and ARC in every cell of the eviction-time policy
     table, where PGDSF falls to 0.654: docs/benchmarks.md, "Decayed frequency"), "pgdsf" (the
-    paper's), "gdsf", "lru", "lfu", "arc" or "apgdsf" (docs/design.md 2.3)."""
+    paper's), "gdsf", "lru", "lfu" or "arc" (docs/design.md 2.3). A removed policy ("apgdsf")
+    is refused, naming the default."""
     store_policy: str = "always"
     """Which computed documents are stored: "always" (the paper), "second" (only a document
     met before at the same prefix) or "no_evict" (only into free room). See
@@ -489,6 +504,7 @@ class CacheConfig:
     restart_engine: bool = True
 
     def __post_init__(self) -> None:
+        refuse_removed_policy(self.policy)
         if self.host_pool_tokens < 0:
             raise ConfigError(f"host_pool_tokens cannot be negative, got {self.host_pool_tokens}")
         if self.page_size < 1:

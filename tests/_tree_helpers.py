@@ -40,6 +40,26 @@ def cached_paths(cache: KnowledgeTree) -> dict[tuple[str, ...], set[str]]:
     }
 
 
+def evicted_in_order(cache: KnowledgeTree, names: list[str]) -> list[str]:
+    """Insert one new 10-token document per name; return which document each one evicted."""
+    order = []
+    for name in names:
+        before = set(cached_paths(cache))
+        run(cache, doc(name))
+        gone = before - set(cached_paths(cache))
+        assert len(gone) == 1, gone
+        order.append(gone.pop()[-1])
+    return order
+
+
+class PrefixCost:
+    """T(alpha, beta) = beta * (1 + alpha / 100): computing after a long cached prefix is
+    costlier per token (attention), which only the prefix-aware policy sees."""
+
+    def prefill_time(self, cached_tokens: int, new_tokens: int) -> float:
+        return new_tokens * (1 + cached_tokens / 100)
+
+
 def node_path(node: Node) -> tuple[str, ...]:
     """A node's document-id path from the root (the root: ())."""
     path: list[str] = []
