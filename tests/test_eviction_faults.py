@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _faults import kill_engine_core
 from _heavy import Heavy
 from _integration_helpers import corpus, plain_tokens
 from _ragcache_shared import CONFIG as SHARED_CONFIG
@@ -182,7 +183,7 @@ def test_an_engine_killed_after_the_copy_loses_it_and_the_restart_recomputes(
     doc, other = DOCS[10], DOCS[11]
     restarts = cache.stats()["engine_restarts"]
     _copied_unreported(cache, doc)
-    cache.engine.kill_engine_core()
+    kill_engine_core(cache.engine)
     assert _exact(cache, f"after the kill {doc.title}?", [doc]) == (0, 0)  # retried, restarted
     assert cache.stats()["engine_restarts"] == restarts + 1
     assert not _on_host(cache, doc)

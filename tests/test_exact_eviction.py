@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _sync_run import TokenizedDocument, run_request
 
 from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.cached import CachedEngine, PoolSettings
 from ragcache_core.engine.connector import FAULT_KEY
 from ragcache_core.engine.settings import EngineSpec
-from ragcache_core.runtime.sync_run import TokenizedDocument, run_request
 from ragcache_core.storage.pool_layout import layout_for_model
 from ragcache_core.tree import DocKey, KnowledgeTree, RootKey
 

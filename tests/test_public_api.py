@@ -120,7 +120,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["runtime", "client"], 4),
     # what runs over it
     **dict.fromkeys(["serve", "sim"], 5),
-    **dict.fromkeys(["bench", "testing"], 6),
+    "bench": 6,
     # The command line sits above everything it runs: `bench` measures, `cli` parses and
     # prints, and nothing below `cli` imports it (its `CliError` lives in `errors`).
     "cli": 7,

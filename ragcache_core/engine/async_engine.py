@@ -8,8 +8,6 @@ killed process); it then closes this engine and starts a new one.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -91,21 +89,6 @@ class AsyncEngine:
 
     def tokenizer(self) -> Any:
         return self._engine.get_tokenizer()
-
-    def engine_core_pids(self) -> list[int]:
-        """Process ids of the engine core (for fault-injection tests)."""
-        core = getattr(self._engine, "engine_core", None)
-        manager = getattr(core, "resources", None)
-        procs = getattr(getattr(manager, "engine_manager", None), "processes", None) or []
-        return [int(p.pid) for p in procs if getattr(p, "pid", None)]
-
-    def kill_engine_core(self) -> None:
-        """Kill the engine core process with SIGKILL (fault-injection tests only)."""
-        pids = self.engine_core_pids()
-        if not pids:
-            raise RAGCacheError("cannot find the engine core process to kill")
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
 
     async def stream(
         self,

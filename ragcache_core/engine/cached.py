@@ -3,9 +3,9 @@
 App side of the data plane. It creates the host pool (shared memory that outlives the engine),
 checks that it fits before anything starts, starts vLLM with the connector and its prefix caching on
 (vLLM's cached blocks are the GPU tier), and runs requests with a given `Plan`, returning the
-connector's report. It decides no plan: `ragcache_core.runtime.sync_run.run_request` (or the
-controller) asks the `KnowledgeTree`, through the request lifecycle of
-`ragcache_core.runtime.lifecycle`.
+connector's report. It decides no plan: its callers bring one (`bench prefill` and `profile`
+build theirs; the exactness tests' `run_request`, tests/_sync_run.py, asks the `KnowledgeTree`
+through the request lifecycle of `ragcache_core.runtime.lifecycle`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Run one RAG request through the synchronous engine with the knowledge cache (the Python API
-of the data plane, used by tests and benchmarks).
+"""Run one RAG request through the synchronous engine with the knowledge cache: the exactness
+tests' way (test_exact.py, test_exact_eviction.py) to drive `CachedEngine` with a tree.
 
     system tokens + documents (token ids each) + question tokens
         │  check: fits the context (InputError before anything is allocated)
