@@ -1,8 +1,9 @@
 """vLLM's async engine (`AsyncLLM`) in the app process: many concurrent requests on one event
 loop, each streamed token by token, abortable, with vLLM's own TTFT.
 
-The controller is the only user. `EngineDied` tells it the engine core is gone (a crashed or
-killed process); it then closes this engine and starts a new one.
+The runtime is the only user (`runtime.supervisor.EngineSupervisor` starts and replaces it).
+`EngineDied` tells it the engine core is gone (a crashed or killed process); it then closes
+this engine and starts a new one.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class StreamEvent:
 
 class AsyncEngine:
     """A started `AsyncLLM`. Create it where no event loop runs and blocking is fine (start
-    takes ~25 s on CPU; the controller uses a worker thread); use it from one event loop: built
+    takes ~25 s on CPU; the supervisor uses a worker thread); use it from one event loop: built
     without a running loop, `AsyncLLM` starts its output handler at the first `stream`, on the
     loop that calls it."""
 

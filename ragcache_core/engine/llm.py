@@ -1,8 +1,8 @@
 """A thin synchronous wrapper over `vllm.LLM`: start with safe defaults, generate from token
 ids, report vLLM's own per-request TTFT.
 
-Used by `ragcache doctor`, the tests and the benchmarks. The RAG controller uses vLLM's async
-engine instead (`ragcache_core.engine.async_engine`).
+Used by `ragcache doctor`, the tests and the benchmarks. The runtime (`RAGCache`) uses vLLM's
+async engine instead (`ragcache_core.engine.async_engine`).
 """
 
 from __future__ import annotations
