@@ -60,6 +60,25 @@ class PrefixCost:
         return new_tokens * (1 + cached_tokens / 100)
 
 
+PREFIX_COST_TOKENS = 1000 + 10 + 10 + 10
+"""The tier `prefix_cost_victim` fills: two prefixes and two leaves."""
+
+
+def prefix_cost_victim(cache: KnowledgeTree) -> str:
+    """Two leaves of equal size and frequency: x computed after a 1,000-token cached prefix
+    (cost/token 11 under `PrefixCost`), y after a 10-token one (1.1), x older; then a third
+    leaf needs one's room. Which leaf it evicted (`cache`: `PREFIX_COST_TOKENS`, `PrefixCost`)."""
+    run(cache, doc("long", 1000))
+    run(cache, doc("long", 1000), doc("x"))
+    run(cache, doc("short", 10))
+    run(cache, doc("short", 10), doc("y"))
+    before = set(cached_paths(cache))
+    run(cache, doc("short", 10), doc("z"))  # needs 10 tokens: evicts one leaf
+    gone = before - set(cached_paths(cache))
+    assert len(gone) == 1, gone
+    return gone.pop()[-1]
+
+
 def node_path(node: Node) -> tuple[str, ...]:
     """A node's document-id path from the root (the root: ())."""
     path: list[str] = []

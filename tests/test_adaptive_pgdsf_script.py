@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _tree_helpers import PrefixCost, cached_paths, doc, evicted_in_order, make, run
+from _tree_helpers import (
+    PREFIX_COST_TOKENS,
+    PrefixCost,
+    cached_paths,
+    doc,
+    evicted_in_order,
+    make,
+    prefix_cost_victim,
+    run,
+)
 
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, NodeStats
@@ -35,14 +44,8 @@ def test_without_an_evicted_key_back_it_orders_as_pgdsf(adaptive: Any) -> None:
     for name in ["a", "b", "c", "a", "a", "c"]:
         run(cache, doc(name))
     assert evicted_in_order(cache, ["d", "e", "f"]) == ["b", "c", "d"]
-    cache = make(gpu=0, host=1030, page=1, policy="apgdsf", cost_model=PrefixCost())
-    run(cache, doc("long", 1000))
-    run(cache, doc("long", 1000), doc("x"))
-    run(cache, doc("short", 10))
-    run(cache, doc("short", 10), doc("y"))
-    before = set(cached_paths(cache))
-    run(cache, doc("short", 10), doc("z"))  # needs 10 tokens: evicts one leaf
-    assert [p[-1] for p in before - set(cached_paths(cache))] == ["y"]
+    cache = make(gpu=0, host=PREFIX_COST_TOKENS, page=1, policy="apgdsf", cost_model=PrefixCost())
+    assert prefix_cost_victim(cache) == "y"
 
 
 def test_it_weighs_recency_after_a_one_timer_returns(adaptive: Any) -> None:

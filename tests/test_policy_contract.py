@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 from _tree_helpers import (
+    PREFIX_COST_TOKENS,
     ROOT,
     PrefixCost,
     cached_paths,
     doc,
     evicted_in_order,
     gpu_used,
+    prefix_cost_victim,
     record_evictions,
     run,
     two_pools,
@@ -195,15 +197,8 @@ PREFIX_ORDER = {
 @pytest.mark.parametrize("policy", ALL)
 @TIERS
 def test_exact_order_prefix_aware_cost(policy: str, tier: Tier) -> None:
-    cache = make_in(policy, tier, 1000 + 10 + 10 + 10, cost_model=PrefixCost())
-    run(cache, doc("long", 1000))
-    run(cache, doc("long", 1000), doc("x"))
-    run(cache, doc("short", 10))
-    run(cache, doc("short", 10), doc("y"))
-    before = set(cached_paths(cache))
-    run(cache, doc("short", 10), doc("z"))  # needs 10 tokens: evicts one leaf
-    gone = before - set(cached_paths(cache))
-    assert [p[-1] for p in gone] == [PREFIX_ORDER[policy]]
+    cache = make_in(policy, tier, PREFIX_COST_TOKENS, cost_model=PrefixCost())
+    assert prefix_cost_victim(cache) == PREFIX_ORDER[policy]
 
 
 # ARC (vLLM's ARCCachePolicy): a tier of 30 tokens, a reused (T2), b and c stored once (T1).
