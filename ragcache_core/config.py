@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from ragcache_core.documents import DEFAULT_DOC_TEMPLATE, DocumentTemplate
@@ -136,25 +136,31 @@ class SamplingConfig:
       `logprob_token_ids`, `structured_outputs`, `repetition_detection`, `stream_interval`:
       as in vLLM.
 
-    The one declaration of the sampling fields: `/v1/rag/query`'s `sampling`
-    (`serve.sampling_in`, with `StructuredOutputs` and `RepetitionDetection`) and the vLLM
-    `SamplingParams` (`engine.sampling`) are derived from these fields. A field's `metadata`
-    holds what only the wire schema states: bounds (`ge`, `le`; the checks here word the
-    error when a `SamplingConfig` is built directly) and `lax_str` (plain `str` rather than
-    pydantic's `StrictStr`, as vLLM's model types it).
+    The one declaration of the sampling fields: the wire models of `/v1/rag/query`'s
+    `sampling` and of the OpenAI routes' sampling fields (`serve.sampling_in`, with
+    `StructuredOutputs` and `RepetitionDetection`), the OpenAI routes' field table
+    (`serve.fields`) and the vLLM `SamplingParams` (`engine.sampling`) are derived from these
+    fields. A field's `metadata` holds what only the wire states: bounds (`ge`, `le`; the
+    checks here word the error when a `SamplingConfig` is built directly), `lax_str` (plain
+    `str` rather than pydantic's `StrictStr`, as vLLM's model types it), and
+    `generation_config` (one of the seven knobs a model's `generation_config.json` sets for
+    an OpenAI request that leaves it null: `GENERATION_CONFIG_KNOBS`), with `vllm_default`
+    where vLLM's default differs from this one.
     """
 
     max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float = field(
+        default=0.0, metadata={"generation_config": True, "vllm_default": 1.0}
+    )
+    top_p: float = field(default=1.0, metadata={"generation_config": True})
     stop: tuple[str, ...] = ()
     seed: int | None = field(default=None, metadata={"ge": SEED_MIN, "le": SEED_MAX})
     ignore_eos: bool = False
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int = field(default=0, metadata={"generation_config": True})
+    min_p: float = field(default=0.0, metadata={"generation_config": True})
+    presence_penalty: float = field(default=0.0, metadata={"generation_config": True})
+    frequency_penalty: float = field(default=0.0, metadata={"generation_config": True})
+    repetition_penalty: float = field(default=1.0, metadata={"generation_config": True})
     logit_bias: Mapping[int, float] | Mapping[str, float] | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -186,6 +192,16 @@ class SamplingConfig:
                 object.__setattr__(self, name, tuple(value))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _clamped_bias(self.logit_bias))
+
+
+GENERATION_CONFIG_KNOBS: Mapping[str, float] = {
+    f.name: f.metadata.get("vllm_default", f.default)
+    for f in fields(SamplingConfig)
+    if f.metadata.get("generation_config")
+}
+"""The sampling knobs a model's `generation_config.json` sets (vLLM's
+`_DEFAULT_SAMPLING_PARAMS`), each with vLLM's default: what an OpenAI request that leaves one
+null gets when the model sets none (`serve.jobs.sampling_for`)."""
 
 
 def _check_sampling(s: SamplingConfig) -> None:
@@ -360,6 +376,20 @@ def check_document_order(value: object) -> str:
 DEFAULT_POLICY = "dgdsf"
 """The replacement policy a cache, the simulators and the commands use unless told otherwise
 (`CacheConfig.policy`; DGDSF: docs/benchmarks.md, "Decayed frequency")."""
+REMOVED_POLICIES = {
+    "apgdsf": "adaptive PGDSF, an experiment that lost: 0.80 of the best policy at worst, "
+    'docs/benchmarks.md "Policy hit rates"',
+}
+"""Policies that were removed, refused by name (`refuse_removed_policy`)."""
+
+
+def refuse_removed_policy(name: str) -> None:
+    """`ConfigError` naming the default policy when `name` is a removed one."""
+    if name in REMOVED_POLICIES:
+        raise ConfigError(
+            f"policy {name!r} was removed ({REMOVED_POLICIES[name]}); "
+            f"use the default, {DEFAULT_POLICY!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -367,15 +397,6 @@ class CacheConfig:
     """Settings of a `RAGCache`. Immutable; derive variants with `with_(...)`."""
 
     # Tiers and policy.
-    gpu_pool_tokens: int | None = None
-    """Refused (kept only to name what replaced it): there is no GPU pool any more. The GPU
-    tier is vLLM's own KV cache with its prefix caching on, sized by `vllm_kv_cache_gib`
-    (docs/design.md 3.1)."""
-    protected_gpu_tokens: int | None = None
-    """Refused unless 0 (kept only to name its removal): the protected set is gone (measured
-    on the eviction-time host tier, it lost to vLLM's LRU alone, docs/benchmarks.md "The
-    protected set"). vLLM's LRU decides what leaves its blocks; 0 (an older configuration's
-    "off") is accepted and means nothing."""
     host_pool_tokens: int = 65_536
     """Capacity of the host-tier pool (shared memory) in tokens; 0 turns the host tier off."""
     page_size: int = 16
@@ -385,7 +406,8 @@ class CacheConfig:
     frequency whose retrievals' weights halve every 2,000 final requests; measured at 0.995 or
     more of the best of LRU, LFU, GDSF, PGDSF and ARC in every cell of the eviction-time policy
     table, where PGDSF falls to 0.654: docs/benchmarks.md, "Decayed frequency"), "pgdsf" (the
-    paper's), "gdsf", "lru", "lfu", "arc" or "apgdsf" (docs/design.md 2.3)."""
+    paper's), "gdsf", "lru", "lfu" or "arc" (docs/design.md 2.3). A removed policy ("apgdsf")
+    is refused, naming the default."""
     store_policy: str = "always"
     """Which computed documents are stored: "always" (the paper), "second" (only a document
     met before at the same prefix) or "no_evict" (only into free room). See
@@ -491,18 +513,7 @@ class CacheConfig:
     restart_engine: bool = True
 
     def __post_init__(self) -> None:
-        if self.gpu_pool_tokens is not None:
-            raise ConfigError(
-                "gpu_pool_tokens is gone: RAGCache has no GPU pool beside vLLM's KV cache any "
-                "more, vLLM's own prefix-cached blocks are the GPU tier; size it with "
-                "vllm_kv_cache_gib (GiB of vLLM KV cache; on CUDA, or gpu_memory_utilization)"
-            )
-        if self.protected_gpu_tokens:
-            raise ConfigError(
-                "protected_gpu_tokens is gone: the protected set was removed (it lost to vLLM's "
-                "own LRU, docs/benchmarks.md 'The protected set'); vLLM's LRU decides what "
-                "leaves its blocks and the policy decides the host tier. Leave it unset"
-            )
+        refuse_removed_policy(self.policy)
         if self.host_pool_tokens < 0:
             raise ConfigError(f"host_pool_tokens cannot be negative, got {self.host_pool_tokens}")
         if self.page_size < 1:

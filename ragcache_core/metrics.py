@@ -79,8 +79,10 @@ class Metrics:
         self.speculation = Counter(
             "ragcache_speculation", "Speculative generations", ["outcome"], registry=r
         )
-        # Host victims only: the engine's GPU tier is vLLM's blocks, which vLLM evicts itself.
-        self.evictions = Counter("ragcache_evictions", "Nodes evicted", ["tier"], registry=r)
+        # Host victims: the engine's GPU tier is vLLM's blocks, which vLLM evicts itself.
+        self.evictions = Counter(
+            "ragcache_evictions", "Nodes evicted from the host tier", registry=r
+        )
         self.ttft = Histogram(
             "ragcache_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -192,11 +194,11 @@ class Metrics:
 
     def record_tree(self, now: TreeCounters) -> None:
         """Move the host eviction collector by what the tree counted since the last call (the
-        engine's tree has no GPU pool: vLLM evicts its own blocks, and the simulator's
-        `TwoPools` counts its GPU evictions and swap-outs itself). The tree's counters only
-        grow until its `clear()`: a drop means a clear, after which everything counted is new."""
+        engine's tree evicts from the host tier only: vLLM evicts its own blocks). The tree's
+        counters only grow until its `clear()`: a drop means a clear, after which everything
+        counted is new."""
         seen = self._tree_seen
         if now.evictions_host < seen.evictions_host:
             seen = TreeCounters()
-        self.evictions.labels("host").inc(now.evictions_host - seen.evictions_host)
+        self.evictions.inc(now.evictions_host - seen.evictions_host)
         self._tree_seen = now

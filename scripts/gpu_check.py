@@ -80,11 +80,8 @@ def step_layout(step: Step, run: Run) -> None:
     """Torch and Triton load/store round trips on vLLM-style CUDA views, bit-exact: every
     layout vLLM registers (LBNHC default, LBHNC, BLNHC), kernel blocks, bf16 and fp32."""
     import torch
+    from copy_reference import reference_gather_tokens, reference_scatter_tokens
 
-    from ragcache_core.storage.copy.reference import (
-        reference_gather_tokens,
-        reference_scatter_tokens,
-    )
     from ragcache_core.storage.copy.torch_ops import TorchCopyOps
     from ragcache_core.storage.copy.triton_ops import TritonCopyOps
 
@@ -143,18 +140,10 @@ def step_layout(step: Step, run: Run) -> None:
 def step_kernels(step: Step, run: Run) -> None:
     """Triton kernels on a Llama-3-8B-sized step: bit-exact, and GB/s against torch copy_."""
     import torch
+    from copy_reference import reference_gather_tokens, reference_scatter_tokens
 
-    from ragcache_core.storage.copy.reference import (
-        reference_gather_tokens,
-        reference_scatter_tokens,
-    )
     from ragcache_core.storage.copy.torch_ops import TorchCopyOps
-    from ragcache_core.storage.copy.triton_kernels import (
-        copy_slots,
-        copy_slots_torch,
-        gather_tokens,
-        scatter_tokens,
-    )
+    from ragcache_core.storage.copy.triton_kernels import copy_slots, gather_tokens, scatter_tokens
 
     device, model, dtype = run.device, run.model, torch.bfloat16
     index = run.index(tokens=run.tokens, span=run.span, blocks=run.blocks, seed=2)
@@ -209,7 +198,8 @@ def step_kernels(step: Step, run: Run) -> None:
             f"copy_slots GPU->GPU GB/s ({slots} permuted slots, 1 launch)", nbytes / t / 1e9
         )
         perm_list, dst_list = perm.tolist(), list(range(slots))
-        t = run.seconds(lambda: copy_slots_torch(pool, perm_list, dst, dst_list), iters=5)
+        torch_copy = TorchCopyOps(device).copy_pages  # one copy_ per run of slots
+        t = run.seconds(lambda: torch_copy(pool, perm_list, dst, dst_list), iters=5)
         step.figure(f"torch copy_ GPU->GPU GB/s ({slots} runs)", nbytes / t / 1e9)
 
     step.guard("copy_slots GPU->GPU", pool_to_pool)
@@ -220,7 +210,8 @@ def step_pinned(step: Step, run: Run) -> None:
     fallback, bit-exact, GB/s against torch's pinned copy_; host-pool loads; unregister."""
     import torch
 
-    from ragcache_core.storage.copy.triton_kernels import copy_slots, copy_slots_torch
+    from ragcache_core.storage.copy.torch_ops import TorchCopyOps
+    from ragcache_core.storage.copy.triton_kernels import copy_slots
     from ragcache_core.storage.copy.triton_ops import TritonCopyOps
     from ragcache_core.storage.host_pool import HostPool, shm_folder
     from ragcache_core.storage.memory import free_bytes_at
@@ -266,17 +257,18 @@ def step_pinned(step: Step, run: Run) -> None:
 
         def fallback() -> None:
             perm_list, ident_list = perm.tolist(), ident.tolist()
-            copy_slots_torch(host.tensor, perm_list, dev, ident_list)
+            torch_copy = TorchCopyOps(device).copy_pages  # TritonCopyOps' fallback
+            torch_copy(host.tensor, perm_list, dev, ident_list)
             run.sync()
             same = same_bits(dev.cpu(), host.tensor[perm])
             step.check("torch fallback H2D (permuted) bit-exact", same)
             for label, order in (("1 run", ident_list), (f"{slots} runs", perm_list)):
                 t = run.seconds(
-                    lambda o=order: copy_slots_torch(host.tensor, o, dev, ident_list), iters=5
+                    lambda o=order: torch_copy(host.tensor, o, dev, ident_list), iters=5
                 )
                 step.figure(f"torch fallback H2D GB/s ({label})", nbytes / t / 1e9)
                 t = run.seconds(
-                    lambda o=order: copy_slots_torch(dev, ident_list, host.tensor, o), iters=5
+                    lambda o=order: torch_copy(dev, ident_list, host.tensor, o), iters=5
                 )
                 step.figure(f"torch fallback D2H GB/s ({label})", nbytes / t / 1e9)
 

@@ -14,7 +14,8 @@ Each cell is the document hit rate / document-token hit rate, then (in brackets)
 hit rate relative to the best of the fixed policies (pgdsf, gdsf, lru, lfu, arc) in that row.
 Then the default policy (`DEFAULT_POLICY`, dgdsf), the default with `store_policy="second"`
 (a document is stored on its second sight, as vLLM's `store_threshold=2`) and adaptive PGDSF
-(`apgdsf`), each relative to the same best. The verdict lines say whether the default comes
+(`apgdsf`: no longer a policy of the package, `adaptive_pgdsf.py` here registers it), each
+relative to the same best. The verdict lines say whether the default comes
 within 1% of the best in every row, and how close apgdsf comes on the traces its STEP was
 tuned on (`--tuned`, by file stem: `scripts/tune_adaptive_pgdsf.py`) and on the others, apart.
 
@@ -28,6 +29,10 @@ import sys
 from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import adaptive_pgdsf
 
 from ragcache_core.policy import DEFAULT_POLICY
 from ragcache_core.sim import EngineConfig, EngineRequest, EngineSimulator, SimConfig, simulate
@@ -147,6 +152,7 @@ def cell_arguments() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    adaptive_pgdsf.register()
     parser = cell_arguments()
     parser.add_argument(
         "--tuned", default="nq_top2,mmlu_top2", help="traces apgdsf was tuned on (file stems)"

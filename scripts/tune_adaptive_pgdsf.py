@@ -21,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from adaptive_pgdsf import AdaptivePGDSF
 from policy_hit_rates import FIXED, grid, simulate_cell
 
-from ragcache_core.policy import POLICIES, AdaptivePGDSF
+from ragcache_core.policy import POLICIES
 
 STEPS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 

@@ -40,6 +40,45 @@ def cached_paths(cache: KnowledgeTree) -> dict[tuple[str, ...], set[str]]:
     }
 
 
+def evicted_in_order(cache: KnowledgeTree, names: list[str]) -> list[str]:
+    """Insert one new 10-token document per name; return which document each one evicted."""
+    order = []
+    for name in names:
+        before = set(cached_paths(cache))
+        run(cache, doc(name))
+        gone = before - set(cached_paths(cache))
+        assert len(gone) == 1, gone
+        order.append(gone.pop()[-1])
+    return order
+
+
+class PrefixCost:
+    """T(alpha, beta) = beta * (1 + alpha / 100): computing after a long cached prefix is
+    costlier per token (attention), which only the prefix-aware policy sees."""
+
+    def prefill_time(self, cached_tokens: int, new_tokens: int) -> float:
+        return new_tokens * (1 + cached_tokens / 100)
+
+
+PREFIX_COST_TOKENS = 1000 + 10 + 10 + 10
+"""The tier `prefix_cost_victim` fills: two prefixes and two leaves."""
+
+
+def prefix_cost_victim(cache: KnowledgeTree) -> str:
+    """Two leaves of equal size and frequency: x computed after a 1,000-token cached prefix
+    (cost/token 11 under `PrefixCost`), y after a 10-token one (1.1), x older; then a third
+    leaf needs one's room. Which leaf it evicted (`cache`: `PREFIX_COST_TOKENS`, `PrefixCost`)."""
+    run(cache, doc("long", 1000))
+    run(cache, doc("long", 1000), doc("x"))
+    run(cache, doc("short", 10))
+    run(cache, doc("short", 10), doc("y"))
+    before = set(cached_paths(cache))
+    run(cache, doc("short", 10), doc("z"))  # needs 10 tokens: evicts one leaf
+    gone = before - set(cached_paths(cache))
+    assert len(gone) == 1, gone
+    return gone.pop()[-1]
+
+
 def node_path(node: Node) -> tuple[str, ...]:
     """A node's document-id path from the root (the root: ())."""
     path: list[str] = []

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _heavy import Heavy
+from _heavy import EnginePool, Heavy
 from _runs import EngineRuns
 
 pytest_plugins = ("_serve_session", "_ragcache_shared")
@@ -54,7 +54,6 @@ def engine_pool() -> Iterator[Heavy]:
     shared by every test asking for the same settings (`_heavy.Heavy`). A fixture that starts
     an engine of its own calls `engine_pool.close()` first."""
     from ragcache_core.engine.llm import Engine
-    from ragcache_core.testing.engines import EnginePool
 
     heavy = Heavy(EnginePool(Engine, Engine.close))
     yield heavy

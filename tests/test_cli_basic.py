@@ -75,33 +75,6 @@ def test_help_lists_every_documented_command() -> None:
             assert actions <= _listed(sub.stdout), (command, sub.stdout)
 
 
-@pytest.mark.parametrize(
-    ("command", "replacement"),
-    [
-        (["demo"], "--vllm-kv-gib"),
-        (["serve", "--model", "m"], "--vllm-kv-cache-gib"),
-        (["bench", "serve"], "--vllm-kv-gib"),
-    ],
-)
-def test_gpu_pool_tokens_is_refused_naming_its_replacement(
-    command: list[str], replacement: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """RAGCache has no GPU pool any more (vLLM's prefix cache is the GPU tier): the old option
-    is a usage error that names what sizes the GPU tier now, not "unrecognized arguments"."""
-    from ragcache_core.cli import build_parser
-
-    parser = build_parser()
-    with pytest.raises(SystemExit) as exit_info:
-        parser.parse_args([*command, "--gpu-pool-tokens", "4096"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "--gpu-pool-tokens" in err and "is gone" in err and replacement in err
-    assert "unrecognized arguments" not in err
-    # The replacement itself is an option of the same command.
-    args = parser.parse_args([*command, replacement, "0.5"])
-    assert vars(args)[replacement.lstrip("-").replace("-", "_")] == 0.5
-
-
 def test_index_without_the_text_field_names_the_flag(tmp_path: Path) -> None:
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "1", "body": "some text"}\n', encoding="utf-8")

@@ -30,12 +30,12 @@ def test_model_folder_checks(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_greedy_generation_is_deterministic(engine_pool, tiny_model: Path) -> None:
-    from ragcache_core.engine.llm import GreedySampling
+    from ragcache_core.config import SamplingConfig
 
     engine = engine_pool.get(EngineSettings(model=str(tiny_model)))
     prompt = [(5 * i + 11) % 1000 + 3 for i in range(200)]
-    first = engine.generate([prompt], GreedySampling(max_tokens=12))[0]
-    second = engine.generate([prompt], GreedySampling(max_tokens=12))[0]
+    first = engine.generate([prompt], SamplingConfig(max_tokens=12, ignore_eos=True))[0]
+    second = engine.generate([prompt], SamplingConfig(max_tokens=12, ignore_eos=True))[0]
     assert len(first.token_ids) == 12
     assert first.token_ids == second.token_ids
     assert 0.0 < first.ttft_s < 30.0
@@ -67,7 +67,7 @@ def test_doctor_checks_the_stack_and_generates_like_the_engine(
     import torch
     import vllm
 
-    from ragcache_core.engine.llm import GreedySampling
+    from ragcache_core.config import SamplingConfig
 
     result = engine_runs.result(request)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -90,5 +90,5 @@ def test_doctor_checks_the_stack_and_generates_like_the_engine(
     engine = engine_pool.get(EngineSettings(model=str(tiny_model)))
     vocab = len(engine.tokenizer())
     prompt = [(7 * i + 3) % vocab for i in range(64)]
-    expected = engine.generate([prompt], GreedySampling(max_tokens=8))[0].token_ids
+    expected = engine.generate([prompt], SamplingConfig(max_tokens=8, ignore_eos=True))[0].token_ids
     assert generated == list(expected)

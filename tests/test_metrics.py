@@ -17,24 +17,24 @@ def test_tree_counters_arrive_as_deltas_and_survive_a_clear() -> None:
     metrics = Metrics()
     metrics.record_tree(TreeCounters(evictions_host=3))
     metrics.record_tree(TreeCounters(evictions_host=5))
-    assert _value(metrics, "ragcache_evictions_total", tier="host") == 5
+    assert _value(metrics, "ragcache_evictions_total") == 5
     # The tree was cleared (its counters restart at 0) without `Metrics.reset`: a drop.
     metrics.record_tree(TreeCounters(evictions_host=1))
-    assert _value(metrics, "ragcache_evictions_total", tier="host") == 6
+    assert _value(metrics, "ragcache_evictions_total") == 6
     metrics.reset()  # RAGCache.clear(): the tree starts again from 0 too
     metrics.record_tree(TreeCounters(evictions_host=2))
-    assert _value(metrics, "ragcache_evictions_total", tier="host") == 8
+    assert _value(metrics, "ragcache_evictions_total") == 8
 
 
-def test_the_engine_exports_no_gpu_pool_metric() -> None:
-    """The engine's tree has no GPU pool: GPU evictions and swap-outs would always read 0,
-    so there is no such series (the simulator's two pools count their own, `TwoPools`)."""
+def test_the_engine_exports_no_gpu_tier_series() -> None:
+    """The engine's tree evicts from the host tier only (vLLM evicts its own blocks): the
+    eviction counter has no tier label, and there is no swap-out series."""
     metrics = Metrics()
     metrics.record_tree(TreeCounters(evictions_host=1))
-    names = {s.name for m in metrics.registry.collect() for s in m.samples}
-    assert "ragcache_swap_outs_total" not in names
-    assert _value(metrics, "ragcache_evictions_total", tier="gpu") == 0
-    assert metrics.registry.get_sample_value("ragcache_evictions_total", {"tier": "gpu"}) is None
+    samples = [s for m in metrics.registry.collect() for s in m.samples]
+    assert "ragcache_swap_outs_total" not in {s.name for s in samples}
+    evictions = [s for s in samples if s.name == "ragcache_evictions_total"]
+    assert [(s.labels, s.value) for s in evictions] == [({}, 1.0)]
 
 
 def test_a_request_moves_its_counters_and_collectors() -> None:

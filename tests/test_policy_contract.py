@@ -4,8 +4,22 @@ eviction order of each policy on constructed scenarios."""
 from __future__ import annotations
 
 import pytest
-from _tree_helpers import ROOT, cached_paths, doc, gpu_used, record_evictions, run, two_pools
+from _tree_helpers import (
+    PREFIX_COST_TOKENS,
+    ROOT,
+    PrefixCost,
+    cached_paths,
+    doc,
+    evicted_in_order,
+    gpu_used,
+    prefix_cost_victim,
+    record_evictions,
+    run,
+    two_pools,
+)
 
+from ragcache_core.config import CacheConfig
+from ragcache_core.errors import ConfigError
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, NodeStats, make_policy
 from ragcache_core.sim.two_pools import TwoPools
@@ -134,18 +148,6 @@ def test_a_host_only_tree_evicts_on_the_host_and_never_copies_between_pools(
 # --------------------------------------------------------------------------- exact orders
 
 
-def _evicted_in_order(cache: KnowledgeTree, names: list[str]) -> list[str]:
-    """Insert one new 10-token document per name; return which document each one evicted."""
-    order = []
-    for name in names:
-        before = set(cached_paths(cache))
-        run(cache, doc(name))
-        gone = before - set(cached_paths(cache))
-        assert len(gone) == 1, gone
-        order.append(gone.pop()[-1])
-    return order
-
-
 # Stream [a] [b] [c] [a] [a] [c]: frequency a=3, b=1, c=2; recency b < a < c.
 # LRU evicts by recency; LFU by frequency (d, new with frequency 1, goes before c);
 # GDSF ages: evicting b raises the clock, so new d (clock + 1 unit) ties c (0 + 2 units)
@@ -156,7 +158,6 @@ FREQUENCY_ORDER = {
     "gdsf": ["b", "c", "d"],
     "pgdsf": ["b", "c", "d"],
     "arc": ["b", "d", "e"],  # a and c were reused (T2); b, then each newcomer, is T1's LRU
-    "apgdsf": ["b", "c", "d"],  # no evicted key comes back: theta stays 1, PGDSF's order
     "dgdsf": ["b", "d", "e"],  # no clock: frequency decides (a few requests decay nothing)
 }
 
@@ -178,15 +179,7 @@ def test_exact_order_frequency_and_recency(policy: str, tier: Tier) -> None:
     cache = make_in(policy, tier, 30)  # three 10-token documents, root of 0 tokens
     for name in ["a", "b", "c", "a", "a", "c"]:
         run(cache, doc(name))
-    assert _evicted_in_order(cache, ["d", "e", "f"]) == FREQUENCY_ORDER[policy]
-
-
-class PrefixCost:
-    """T(alpha, beta) = beta * (1 + alpha / 100): computing after a long cached prefix is
-    costlier per token (attention), which only the prefix-aware policy sees."""
-
-    def prefill_time(self, cached_tokens: int, new_tokens: int) -> float:
-        return new_tokens * (1 + cached_tokens / 100)
+    assert evicted_in_order(cache, ["d", "e", "f"]) == FREQUENCY_ORDER[policy]
 
 
 # Two leaves of equal size and frequency: x was computed after a 1,000-token cached prefix
@@ -197,7 +190,6 @@ PREFIX_ORDER = {
     "gdsf": "x",
     "pgdsf": "y",
     "arc": "x",
-    "apgdsf": "y",
     "dgdsf": "x",  # GDSF's standalone cost: equal; x's retrieval is older
 }
 
@@ -205,15 +197,8 @@ PREFIX_ORDER = {
 @pytest.mark.parametrize("policy", ALL)
 @TIERS
 def test_exact_order_prefix_aware_cost(policy: str, tier: Tier) -> None:
-    cache = make_in(policy, tier, 1000 + 10 + 10 + 10, cost_model=PrefixCost())
-    run(cache, doc("long", 1000))
-    run(cache, doc("long", 1000), doc("x"))
-    run(cache, doc("short", 10))
-    run(cache, doc("short", 10), doc("y"))
-    before = set(cached_paths(cache))
-    run(cache, doc("short", 10), doc("z"))  # needs 10 tokens: evicts one leaf
-    gone = before - set(cached_paths(cache))
-    assert [p[-1] for p in gone] == [PREFIX_ORDER[policy]]
+    cache = make_in(policy, tier, PREFIX_COST_TOKENS, cost_model=PrefixCost())
+    assert prefix_cost_victim(cache) == PREFIX_ORDER[policy]
 
 
 # ARC (vLLM's ARCCachePolicy): a tier of 30 tokens, a reused (T2), b and c stored once (T1).
@@ -231,7 +216,7 @@ def test_exact_order_arc_adapts_its_target_from_ghost_hits(tier: Tier) -> None:
     cache = make_in("arc", tier, 30)
     for name in ["a", "a", "b", "c"]:
         run(cache, doc(name))
-    assert _evicted_in_order(cache, ["d", "b", "c", "d", "e", "a"]) == ARC_ORDER
+    assert evicted_in_order(cache, ["d", "b", "c", "d", "e", "a"]) == ARC_ORDER
     state = cache.policy.tiers[tier]  # type: ignore[attr-defined]
     assert state.target == 10.0
     assert list(state.b1) and not state.b2
@@ -252,34 +237,14 @@ def test_arc_forgets_a_copy_that_leaves_without_eviction() -> None:
     assert [key[-1].doc_id for key in state.b1] == ["b"] and state.ghost[1.0] == 10
 
 
-def test_adaptive_pgdsf_weighs_recency_after_a_one_timer_returns() -> None:
-    """A document evicted after one retrieval that is requested again lowers theta (recency
-    was undervalued), one evicted after several raises it; each by the factor 1 + STEP."""
-    from ragcache_core.policy import AdaptivePGDSF
-
-    cache = make("apgdsf", gpu=20)
-    policy = cache.policy
-    assert isinstance(policy, AdaptivePGDSF)
-    for name in ["a", "a", "b", "c"]:  # c evicts b (frequency 1, below a's 2)
-        run(cache, doc(name))
-    assert ("b",) not in cached_paths(cache)
-    run(cache, doc("b"))  # b comes back from the ghost list: theta shrinks
-    assert policy.theta[Tier.GPU] == pytest.approx(1 / (1 + AdaptivePGDSF.STEP))
-
-
-def test_adaptive_pgdsf_weighs_frequency_after_a_frequent_document_returns() -> None:
-    """The hooks alone: a key evicted at frequency 2 that enters again raises theta; a copy
-    dropped without eviction (invalidated) leaves no ghost."""
-    from ragcache_core.policy import AdaptivePGDSF
-
-    policy = AdaptivePGDSF()
-    frequent = NodeStats(10, 1.0, now=0)
-    for now in (1, 2):
-        frequent.touch(now, count=True, window=0)
-    policy.on_enter(Tier.HOST, "k", frequent)
-    policy.on_leave(Tier.HOST, "k", frequent, evicted=True)
-    policy.on_enter(Tier.HOST, "k", NodeStats(10, 1.0, now=3))
-    assert policy.theta[Tier.HOST] == pytest.approx(1 + AdaptivePGDSF.STEP)
-    assert policy.theta[Tier.GPU] == 1.0  # per tier
-    policy.on_leave(Tier.HOST, "k", frequent, evicted=False)
-    assert not policy.ghosts[Tier.HOST].keys
+def test_a_removed_policy_is_refused_naming_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`apgdsf` (adaptive PGDSF, now in scripts/) is refused by name wherever a policy name is
+    taken, in one line naming the default."""
+    monkeypatch.delitem(POLICIES, "apgdsf", raising=False)  # a script may have registered it
+    refused = r"policy 'apgdsf' was removed \(adaptive PGDSF.*\); use the default, 'dgdsf'$"
+    with pytest.raises(ConfigError, match=refused):
+        make_policy("apgdsf")
+    with pytest.raises(ConfigError, match=refused):
+        CacheConfig(policy="apgdsf")
+    with pytest.raises(ConfigError, match="unknown replacement policy 'fifo'"):
+        make_policy("fifo")

@@ -6,14 +6,25 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from ragcache_core.policy import POLICIES
 from ragcache_core.trace import TraceRequest, load_trace, write_trace
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "policy_hit_rates.py"
+
+
+@pytest.fixture(autouse=True)
+def policies_kept() -> Iterator[None]:
+    """`main` registers `apgdsf` (adaptive_pgdsf.py) for its process: not for the suite's."""
+    saved = dict(POLICIES)
+    yield
+    POLICIES.clear()
+    POLICIES.update(saved)
 
 
 def _script() -> ModuleType:

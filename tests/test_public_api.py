@@ -120,7 +120,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["runtime", "client"], 4),
     # what runs over it
     **dict.fromkeys(["serve", "sim"], 5),
-    **dict.fromkeys(["bench", "testing"], 6),
+    "bench": 6,
     # The command line sits above everything it runs: `bench` measures, `cli` parses and
     # prints, and nothing below `cli` imports it (its `CliError` lives in `errors`).
     "cli": 7,
@@ -328,7 +328,8 @@ def test_the_answering_calls_take_their_keywords_from_one_declaration() -> None:
         assert calls == []
 
 
-def test_the_langchain_llm_takes_cache_and_the_old_keyword_warns() -> None:
+def test_the_langchain_llm_takes_cache_only() -> None:
+    """`cache=` is the RAGCache; `ragcache=` (its old keyword, removed) does not give one."""
     from ragcache_integrations.langchain import RAGCacheLLM
 
     fake = _fake_api()
@@ -336,6 +337,5 @@ def test_the_langchain_llm_takes_cache_and_the_old_keyword_warns() -> None:
         warnings.simplefilter("error")
         llm = RAGCacheLLM(cache=fake)
     assert llm.ragcache is fake and llm.cache is None  # LangChain's own cache stays unset
-    with pytest.warns(FutureWarning, match="cache="):
-        old = RAGCacheLLM(ragcache=fake)
-    assert old.ragcache is fake
+    with pytest.raises(TypeError, match=r"RAGCacheLLM\(cache=\.\.\.\)"):
+        RAGCacheLLM(ragcache=fake)

@@ -100,24 +100,6 @@ def test_ivf_stages_scan_chunks_and_speculation_sees_early_results(base) -> None
     assert all(b.elapsed_s >= a.elapsed_s for a, b in itertools.pairwise(stages))
 
 
-def test_stage_sizing_keeps_its_old_keyword_and_name(base) -> None:
-    """`sizing=` was `plan=` (a word that means the copy plan everywhere else): the old keyword
-    still sizes the stages the same, with a DeprecationWarning; both at once is refused."""
-    from ragcache_core.retrieval import StagePlan, StageSizing
-
-    assert StagePlan is StageSizing
-    index = _ivf(base, faiss.METRIC_INNER_PRODUCT, nprobe=12)
-    with pytest.warns(DeprecationWarning, match="plan= is now sizing="):
-        old = StagedIVF(index, plan=ListsPerStage(3))
-    with pytest.warns(DeprecationWarning, match="staged_search_for: plan= is now sizing="):
-        picked = staged_search_for(index, plan=ListsPerStage(3))
-    for staged in (old, picked):
-        assert isinstance(staged, StagedIVF) and staged.sizing == ListsPerStage(3)
-        assert len(list(staged.stages(base[:5], 1))) == 4
-    with pytest.raises(TypeError, match="give sizing= only"):
-        StagedIVF(index, sizing=ListsPerStage(3), plan=ListsPerStage(2))
-
-
 def test_ivf_explicit_nprobe_equals_search_with_that_nprobe(base) -> None:
     index = _ivf(base, faiss.METRIC_L2, nprobe=3)
     queries = _queries(base, 9, seed=5)

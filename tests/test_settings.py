@@ -68,25 +68,6 @@ def test_the_gpu_pool_is_gone_from_the_engine_spec() -> None:
         cache_engine_spec("m", CacheConfig(), connector=CONNECTOR, gpu_pool_bytes=GIB)  # type: ignore[call-arg]
 
 
-def test_gpu_pool_tokens_is_refused_naming_its_replacement() -> None:
-    assert CacheConfig().gpu_pool_tokens is None
-    with pytest.raises(ConfigError, match=r"gpu_pool_tokens is gone.*vllm_kv_cache_gib"):
-        CacheConfig(gpu_pool_tokens=1)
-    with pytest.raises(ConfigError, match="vllm_kv_cache_gib"):
-        CacheConfig().with_(gpu_pool_tokens=4096)
-
-
-def test_protected_gpu_tokens_is_refused_naming_its_removal() -> None:
-    """The protected set is gone: a budget is refused; 0 (an older configuration's "off")
-    and unset are accepted and mean nothing."""
-    assert CacheConfig().protected_gpu_tokens is None
-    assert CacheConfig(protected_gpu_tokens=0).protected_gpu_tokens == 0
-    with pytest.raises(ConfigError, match=r"protected_gpu_tokens is gone.*protected set"):
-        CacheConfig(protected_gpu_tokens=4096)
-    with pytest.raises(ConfigError, match="protected set was removed"):
-        CacheConfig().with_(protected_gpu_tokens=16)
-
-
 def test_prefix_caching_is_reserved_as_the_gpu_tier() -> None:
     assert "GPU tier" in RESERVED_EXTRA["enable_prefix_caching"]
     with pytest.raises(ConfigError, match="RAGCache's GPU tier"):

@@ -9,6 +9,7 @@ import pytest
 
 from ragcache_core.cli import main
 from ragcache_core.errors import ConfigError, InputError
+from ragcache_core.policy import POLICIES
 from ragcache_core.sim import SimConfig, Simulator, TraceRequest, load_trace, write_trace
 
 GOOD = {"id": "r1", "arrival_s": 0.5, "docs": ["a", "b"], "doc_tokens": [10, 20],
@@ -90,7 +91,10 @@ def test_cli_json_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert out["doc_hit_rate"] == 0.0  # same batch: the second cannot hit the first's stores
 
 
-def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delitem(POLICIES, "apgdsf", raising=False)  # a script may have registered it
     path = write_lines(tmp_path / "t.jsonl", [GOOD, {**GOOD, "doc_tokens": [1, 2, 3]}])
     args = ["simulate", "--trace", str(path), "--gpu-tokens", "10", "--host-tokens", "0"]
     assert main(args) == 2
@@ -98,6 +102,9 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "\n" not in err and ":2:" in err
     assert main([*args[:-1], "0", "--policy", "fifo"]) == 2
     assert "unknown replacement policy" in capsys.readouterr().err
+    assert main([*args[:-1], "0", "--policy", "apgdsf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'apgdsf' was removed" in err and "'dgdsf'" in err
 
 
 def _swapped() -> list[TraceRequest]:

@@ -9,12 +9,13 @@ Each layout case builds vLLM-style per-layer views (`vllm_style_views`: the CUDA
 `[B, H, N, 2D]` view, non-contiguous for LBNHC) and an index of two spans that cross blocks,
 one read from two pool slots, and checks: `TritonCopyOps.load/store` ==
 `TorchCopyOps.load/store` over the whole cache/pool (so nothing else is touched), the raw
-kernels == the torch reference, and the kernels' own offset arithmetic ==
-`cache_offsets`/`pool_offsets`.
+kernels == the torch reference (`scripts/copy_reference.py`, also `gpu_check.py`'s oracle), and
+the kernels' own offset arithmetic == `cache_offsets`/`pool_offsets`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,10 +27,21 @@ from typing import Any
 import pytest
 import torch
 
-from ragcache_core.storage.copy import reference as copy_reference
 from ragcache_core.storage.copy.base import TokenIndex
 from ragcache_core.storage.copy.torch_ops import TorchCopyOps
 from ragcache_core.storage.paged_layout import StridedLayout, strided_paged_kv, vllm_style_views
+
+
+def _script(name: str) -> Any:
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+copy_reference = _script("copy_reference")
 
 LBNHC = (0, 1, 3, 2, 4)  # CUDA default: [layer][block][token][head][content]
 LBHNC = (0, 1, 2, 3, 4)
@@ -387,15 +399,15 @@ def test_reference_offsets_are_int64_past_2_31() -> None:
 
 
 def test_torch_fallback_copies_runs() -> None:
-    from ragcache_core.storage.copy import triton_kernels as tc
-
+    """`TorchCopyOps.copy_pages`, `TritonCopyOps`' path for a pool no kernel can address: one
+    `copy_` per run of consecutive slots, as the reference copies them."""
     src = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
     dst = torch.zeros(5, 4)
     want = dst.clone()
     copy_reference.reference_copy_slots(
         src, torch.tensor([1, 2, 3, 5]), want, torch.tensor([0, 1, 2, 4])
     )
-    tc.copy_slots_torch(src, [1, 2, 3, 5], dst, [0, 1, 2, 4])
+    TorchCopyOps(torch.device("cpu")).copy_pages(src, [1, 2, 3, 5], dst, [0, 1, 2, 4])
     assert torch.equal(dst, want)
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ragcache_core.capacity import slots_for_tokens
-from ragcache_core.engine.sampling import GreedySampling
+from ragcache_core.config import SamplingConfig
 
 if TYPE_CHECKING:
     from ragcache_core.engine.cached import CachedEngine, PoolSettings
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 DOC_TOKENS = (512, 1024, 2048, 4096)
 QUESTION_TOKENS = 32
 PAGE = 16
-SAMPLING = GreedySampling(max_tokens=1)
+SAMPLING = SamplingConfig(max_tokens=1, ignore_eos=True)
 
 
 @dataclass(frozen=True, slots=True)

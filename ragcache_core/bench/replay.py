@@ -43,7 +43,7 @@ from ragcache_core.bench.workloads import (
     load_workload,
     workload_files,
 )
-from ragcache_core.config import CacheConfig
+from ragcache_core.config import CacheConfig, refuse_removed_policy
 from ragcache_core.errors import InputError
 from ragcache_core.policy import POLICIES
 from ragcache_core.sim.blocks import TokenIds
@@ -111,6 +111,7 @@ def replay(
     engine's columns stay the run's). Raises `InputError` for a file that is not a `bench
     serve` JSON, a workload it does not hold or an unknown policy."""
     if policy is not None and policy not in POLICIES:
+        refuse_removed_policy(policy)
         choices = ", ".join(POLICIES)
         raise InputError(f"unknown replacement policy {policy!r}; choose one of {choices}")
     try:

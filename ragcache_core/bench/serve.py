@@ -325,8 +325,9 @@ class RAGCacheSystem:
         slot_bytes = self.cache.connector.layout.slot_bytes
         counted["host_bytes_written"] = self.cache.tree.counters.host_slots_written * slot_bytes
         counted["host_evictions"] = stats["tree"]["evictions_host"]
+        since_start = ("copies", "copies_wasted", "keys_dropped", "report_probes")  # not cleared
         for key, value in stats.get("host_writes", {}).items():  # eviction-time host writes
-            if key not in ("copies", "report_probes"):  # not reset by clear()
+            if key not in since_start:
                 counted[f"host_{key}"] = value
         steps = self.cache.lifecycle.engine_steps.since(self._steps_at_reset)
         counted.update({f"engine_{k}": v for k, v in steps.summary().items()})

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ragcache_core.bench.workloads import RETRIEVERS
-from ragcache_core.cli.output import add_removed_option, add_verbose
+from ragcache_core.cli.output import add_verbose
 from ragcache_core.errors import CliError
 from ragcache_core.policy import DEFAULT_POLICY, POLICIES
 
@@ -95,7 +95,6 @@ def register(subparsers: Any) -> None:
         default=0.25,
         help="vLLM's own paged KV cache of every system (the scarce 'GPU' memory)",
     )
-    add_removed_option(p, "--gpu-pool-tokens", "--vllm-kv-gib")
     p.add_argument("--host-pool-tokens", type=int, default=65536, help="RAGCache's host pool")
     p.add_argument("--speculation", choices=("on", "off"), default="on")
     p.add_argument("--reorder", choices=("on", "off"), default="on")

@@ -64,7 +64,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
     _step("weights", describe_model(model))
 
-    from ragcache_core.engine.llm import Engine, GreedySampling
+    from ragcache_core.config import SamplingConfig
+    from ragcache_core.engine.llm import Engine
     from ragcache_core.engine.settings import EngineSpec, build_settings, detect_device
 
     device = detect_device()
@@ -74,8 +75,8 @@ def _doctor(args: argparse.Namespace) -> int:
         _step("engine start", f"{engine.start_s:.1f} s")
         vocab = len(engine.tokenizer())
         prompt = [(7 * i + 3) % vocab for i in range(args.prompt_tokens)]
-        engine.generate([prompt], GreedySampling(max_tokens=2))  # warm-up
-        result = engine.generate([prompt], GreedySampling(max_tokens=8))[0]
+        engine.generate([prompt], SamplingConfig(max_tokens=2, ignore_eos=True))  # warm-up
+        result = engine.generate([prompt], SamplingConfig(max_tokens=8, ignore_eos=True))[0]
         _step("generated", " ".join(map(str, result.token_ids)))
         print(
             f"TTFT: {result.ttft_s * 1000:.1f} ms for a {len(prompt)}-token prompt (vLLM metrics)"

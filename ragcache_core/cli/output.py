@@ -49,20 +49,3 @@ def vllm_log(args: argparse.Namespace, name: str, stream: TextIO) -> Path | None
     path = quiet_vllm(default_log_file(name))
     print(f"vLLM's log: {path} (--verbose shows it here)", file=stream, flush=True)
     return path
-
-
-GPU_POOL_GONE = (
-    "is gone: RAGCache has no GPU pool beside vLLM's KV cache any more, vLLM's own "
-    "prefix-cached blocks are the GPU tier; size it with {replacement}"
-)
-
-
-def add_removed_option(parser: Any, flag: str, replacement: str) -> None:
-    """Keep a removed option only to refuse it with what replaced it (argparse's usage error,
-    exit status 2), instead of "unrecognized arguments"."""
-
-    class Refuse(argparse.Action):
-        def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-            raise argparse.ArgumentError(self, GPU_POOL_GONE.format(replacement=replacement))
-
-    parser.add_argument(flag, action=Refuse, help=argparse.SUPPRESS)

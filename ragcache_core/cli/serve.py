@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragcache_core.cli.output import add_removed_option
 from ragcache_core.config import DEFAULT_POLICY
 from ragcache_core.errors import CliError
 from ragcache_core.policy import POLICIES
@@ -114,7 +113,6 @@ def register(subparsers: Any) -> None:
 
 def _cache_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache (CacheConfig; docs/configuration.md)")
-    add_removed_option(g, "--gpu-pool-tokens", "--vllm-kv-cache-gib")
     g.add_argument("--host-pool-tokens", type=int, default=None)
     g.add_argument("--page-size", type=int, default=None)
     g.add_argument(

@@ -171,8 +171,8 @@ def config_from_json(data: Mapping[str, Any]) -> CacheConfig:
         prompt = dict(data["prompt"])
         prompt["document"] = DocumentTemplate(**prompt["document"])
         fields = {f.name for f in dataclasses.fields(CacheConfig)}
-        # An older server's `protected_gpu_tokens` (the protected set, removed) is ignored.
-        skip = ("prompt", "sampling", "protected_gpu_tokens")
+        # A key this client does not know (a newer server's, or a removed one) is ignored.
+        skip = ("prompt", "sampling")
         rest = {k: v for k, v in data.items() if k in fields and k not in skip}
         return CacheConfig(
             **rest,

@@ -1,15 +1,14 @@
 """vLLM's async engine (`AsyncLLM`) in the app process: many concurrent requests on one event
 loop, each streamed token by token, abortable, with vLLM's own TTFT.
 
-The controller is the only user. `EngineDied` tells it the engine core is gone (a crashed or
-killed process); it then closes this engine and starts a new one.
+The runtime is the only user (`runtime.supervisor.EngineSupervisor` starts and replaces it).
+`EngineDied` tells it the engine core is gone (a crashed or killed process); it then closes
+this engine and starts a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ class StreamEvent:
 
 class AsyncEngine:
     """A started `AsyncLLM`. Create it where no event loop runs and blocking is fine (start
-    takes ~25 s on CPU; the controller uses a worker thread); use it from one event loop: built
+    takes ~25 s on CPU; the supervisor uses a worker thread); use it from one event loop: built
     without a running loop, `AsyncLLM` starts its output handler at the first `stream`, on the
     loop that calls it."""
 
@@ -91,21 +90,6 @@ class AsyncEngine:
 
     def tokenizer(self) -> Any:
         return self._engine.get_tokenizer()
-
-    def engine_core_pids(self) -> list[int]:
-        """Process ids of the engine core (for fault-injection tests)."""
-        core = getattr(self._engine, "engine_core", None)
-        manager = getattr(core, "resources", None)
-        procs = getattr(getattr(manager, "engine_manager", None), "processes", None) or []
-        return [int(p.pid) for p in procs if getattr(p, "pid", None)]
-
-    def kill_engine_core(self) -> None:
-        """Kill the engine core process with SIGKILL (fault-injection tests only)."""
-        pids = self.engine_core_pids()
-        if not pids:
-            raise RAGCacheError("cannot find the engine core process to kill")
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
 
     async def stream(
         self,

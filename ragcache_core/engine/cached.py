@@ -3,9 +3,9 @@
 App side of the data plane. It creates the host pool (shared memory that outlives the engine),
 checks that it fits before anything starts, starts vLLM with the connector and its prefix caching on
 (vLLM's cached blocks are the GPU tier), and runs requests with a given `Plan`, returning the
-connector's report. It decides no plan: `ragcache_core.runtime.sync_run.run_request` (or the
-controller) asks the `KnowledgeTree`, through the request lifecycle of
-`ragcache_core.runtime.lifecycle`.
+connector's report. It decides no plan: its callers bring one (`bench prefill` and `profile`
+build theirs; the exactness tests' `run_request`, tests/_sync_run.py, asks the `KnowledgeTree`
+through the request lifecycle of `ragcache_core.runtime.lifecycle`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.llm import Engine
-from ragcache_core.engine.sampling import GreedySampling, sampling_params, token_logprobs
+from ragcache_core.engine.sampling import sampling_params, token_logprobs
 from ragcache_core.engine.settings import (
     DeviceInfo,
     EngineSettings,
@@ -138,7 +139,7 @@ class CachedEngine:
         self,
         prompt: Sequence[int],
         plan: Plan | None,
-        sampling: GreedySampling | None = None,
+        sampling: SamplingConfig,
         *,
         read_prefix_cache: bool = False,
         extra_transfer_params: Mapping[str, Any] | None = None,
@@ -163,7 +164,7 @@ class CachedEngine:
         self,
         prompts: Sequence[Sequence[int]],
         plans: Sequence[Plan | None],
-        sampling: GreedySampling | None = None,
+        sampling: SamplingConfig,
         *,
         read_prefix_cache: bool = False,
         extra_transfer_params: Mapping[str, Any] | None = None,
@@ -173,7 +174,6 @@ class CachedEngine:
         (tests use it for the connector's fault hook, `FAULT_KEY`)."""
         from ragcache_core.engine.compat import first_token_latency, token_prompt
 
-        sampling = sampling or GreedySampling()
         for prompt in prompts:
             check_fits_context(len(prompt), sampling.max_tokens, self.max_model_len)
         params = [

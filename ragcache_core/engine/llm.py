@@ -1,8 +1,8 @@
 """A thin synchronous wrapper over `vllm.LLM`: start with safe defaults, generate from token
 ids, report vLLM's own per-request TTFT.
 
-Used by `ragcache doctor`, the tests and the benchmarks. The RAG controller uses vLLM's async
-engine instead (`ragcache_core.engine.async_engine`).
+Used by `ragcache doctor`, the tests and the benchmarks. The runtime (`RAGCache`) uses vLLM's
+async engine instead (`ragcache_core.engine.async_engine`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragcache_core.engine.sampling import GreedySampling, sampling_params, token_logprobs
+from ragcache_core.config import SamplingConfig
+from ragcache_core.engine.sampling import sampling_params, token_logprobs
 from ragcache_core.engine.settings import EngineSettings
 
-__all__ = ["Completion", "Engine", "GreedySampling"]
+__all__ = ["Completion", "Engine"]
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,12 @@ class Engine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        sampling: GreedySampling | None = None,
+        sampling: SamplingConfig,
         kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[Completion]:
         """Generate for each prompt (token ids) in one batch; results in prompt order."""
         from ragcache_core.engine.compat import first_token_latency, token_prompt
 
-        sampling = sampling or GreedySampling()
         transfers = kv_transfer_params or [None] * len(prompts)
         params = [sampling_params(sampling, kv_transfer_params=t) for t in transfers]
         started = time.perf_counter()

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ragcache_core.capacity import slots_for_tokens
+from ragcache_core.config import SamplingConfig
 from ragcache_core.cost.profile import CostProfile
 from ragcache_core.engine.cached import CachedEngine, PoolSettings, require_plan_ran
-from ragcache_core.engine.sampling import GreedySampling
 from ragcache_core.engine.settings import EngineSpec
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
@@ -32,7 +32,7 @@ from ragcache_core.storage.pool_layout import layout_for_model
 DEFAULT_CACHED = (0, 256, 1024, 2048)
 DEFAULT_NEW = (16, 128, 512, 1024)
 PAGE = 16
-SAMPLING = GreedySampling(max_tokens=1)
+SAMPLING = SamplingConfig(max_tokens=1, ignore_eos=True)
 
 
 def hardware_name() -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ragcache_core.config import RepetitionDetection, SamplingConfig, StructuredOutputs
@@ -24,18 +23,8 @@ from ragcache_core.errors import InputError
 from ragcache_core.query_result import Candidate, TokenLogprobs
 
 
-@dataclass(frozen=True)
-class GreedySampling:
-    """Sampling settings for tests and benchmarks (greedy by default; never stops at EOS, so
-    every run generates exactly `max_tokens`)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    logprobs: bool = False
-
-
 def sampling_params(
-    sampling: SamplingConfig | GreedySampling,
+    sampling: SamplingConfig,
     *,
     kv_transfer_params: Mapping[str, Any] | None = None,
     skip_reading_prefix_cache: bool = False,
@@ -48,17 +37,8 @@ def sampling_params(
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
-    if isinstance(sampling, SamplingConfig):
-        knobs = _knobs(sampling)
-    else:
-        knobs = {
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "ignore_eos": True,
-            "logprobs": 0 if sampling.logprobs else None,
-        }
     return SamplingParams(
-        skip_reading_prefix_cache=skip_reading_prefix_cache, extra_args=extra, **knobs
+        skip_reading_prefix_cache=skip_reading_prefix_cache, extra_args=extra, **_knobs(sampling)
     )
 
 

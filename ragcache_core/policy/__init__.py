@@ -1,9 +1,8 @@
-"""Replacement policies (DGDSF, PGDSF, GDSF, LRU, LFU, ARC, adaptive PGDSF) behind a registry."""
+"""Replacement policies (DGDSF, PGDSF, GDSF, LRU, LFU, ARC) behind a registry."""
 
 from __future__ import annotations
 
 from ragcache_core.config import DEFAULT_POLICY
-from ragcache_core.policy.adaptive import AdaptivePGDSF
 from ragcache_core.policy.arc import ARC
 from ragcache_core.policy.base import (
     FREQUENCY_HALF_LIFE,
@@ -25,7 +24,6 @@ __all__ = [
     "LRU",
     "PGDSF",
     "POLICIES",
-    "AdaptivePGDSF",
     "EvictionPolicy",
     "GreedyDualPolicy",
     "NodeStats",

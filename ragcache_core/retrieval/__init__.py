@@ -22,7 +22,6 @@ from ragcache_core.retrieval.index_store import IndexSettings, LocalIndex, build
 from ragcache_core.retrieval.ivf import (
     ListsPerStage,
     StagedIVF,
-    StagePlan,
     StageSizing,
     TargetStageTime,
 )
@@ -41,7 +40,6 @@ __all__ = [
     "SearchSource",
     "SingleStage",
     "Stage",
-    "StagePlan",
     "StageResult",
     "StageSizing",
     "StagedHNSW",

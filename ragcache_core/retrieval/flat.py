@@ -91,24 +91,20 @@ def staged_search_for(
     nprobe: int | None = None,
     sizing: StageSizing | None = None,
     ef_search: int | None = None,
-    plan: StageSizing | None = None,
 ) -> StagedSearch:
     """The staged search that fits a Faiss index: IVF, HNSW, else a single stage.
 
-    `nprobe` and `sizing` apply to IVF, `ef_search` to HNSW (None: the index's own setting;
-    `plan`: `sizing`'s old name, deprecated).
+    `nprobe` and `sizing` apply to IVF, `ef_search` to HNSW (None: the index's own setting).
     Wrappers such as IndexIDMap or IndexPreTransform get a single stage.
     """
     import faiss
 
     from ragcache_core.retrieval.hnsw import StagedHNSW
-    from ragcache_core.retrieval.ivf import StagedIVF, sizing_or_plan
+    from ragcache_core.retrieval.ivf import StagedIVF
 
     concrete = faiss.downcast_index(index)  # a non-owning proxy: pass the caller's object on
     if isinstance(concrete, faiss.IndexIVF):
-        return StagedIVF(
-            index, nprobe=nprobe, sizing=sizing_or_plan(sizing, plan, "staged_search_for")
-        )
+        return StagedIVF(index, nprobe=nprobe, sizing=sizing)
     if isinstance(concrete, faiss.IndexHNSW):
         return StagedHNSW(index, ef_search=ef_search)
     return SingleStage(index)

@@ -29,7 +29,7 @@ from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.retrieval.base import StagedSearch
 from ragcache_core.retrieval.embedder import Embedder, EmbedderConfig, TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import staged_search_for
-from ragcache_core.retrieval.ivf import ListsPerStage, StageSizing, default_nlist, sizing_or_plan
+from ragcache_core.retrieval.ivf import ListsPerStage, StageSizing, default_nlist
 from ragcache_core.retrieval.source import StagedSource
 
 IndexKind = Literal["ivf", "hnsw", "flat"]
@@ -121,11 +121,8 @@ class LocalIndex:
         nprobe: int | None = None,
         sizing: StageSizing | None = None,
         ef_search: int | None = None,
-        plan: StageSizing | None = None,
     ) -> StagedSearch:
-        """A staged search over this index (defaults from the build settings; `plan`:
-        `sizing`'s old name, deprecated)."""
-        sizing = sizing_or_plan(sizing, plan, "LocalIndex.staged")
+        """A staged search over this index (defaults from the build settings)."""
         s = self.settings
         return staged_search_for(
             self.faiss_index,

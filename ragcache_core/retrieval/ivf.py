@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -70,25 +69,6 @@ class TargetStageTime:
 
 StageSizing = ListsPerStage | TargetStageTime
 """How many lists each stage scans (`sizing=`)."""
-StagePlan = StageSizing
-"""The old name of `StageSizing`, kept for imports: "plan" is the copy plan (`plan.Plan`)
-everywhere else."""
-
-
-def sizing_or_plan(
-    sizing: StageSizing | None, plan: StageSizing | None, call: str
-) -> StageSizing | None:
-    """`sizing`, or `plan` (its old keyword, with a DeprecationWarning); both is a TypeError."""
-    if plan is None:
-        return sizing
-    if sizing is not None:
-        raise TypeError(f"{call}: give sizing= only (plan= is its old name)")
-    warnings.warn(
-        f"{call}: plan= is now sizing= (the stage sizing; a plan is the copy plan)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return plan
 
 
 class StagedIVF(StagedSearch):
@@ -103,10 +83,8 @@ class StagedIVF(StagedSearch):
         *,
         nprobe: int | None = None,
         sizing: StageSizing | None = None,
-        plan: StageSizing | None = None,
     ) -> None:
-        """`sizing`: how many lists each stage scans (default `ListsPerStage()`); `plan`: its
-        old name (deprecated)."""
+        """`sizing`: how many lists each stage scans (default `ListsPerStage()`)."""
         import faiss
 
         # downcast_index returns a second, non-owning proxy: keep the caller's object alive too.
@@ -122,7 +100,7 @@ class StagedIVF(StagedSearch):
         self.nprobe = min(int(ivf.nprobe if nprobe is None else nprobe), int(ivf.nlist))
         if self.nprobe < 1:
             raise ConfigError(f"nprobe must be >= 1, got {nprobe}")
-        self.sizing: StageSizing = sizing_or_plan(sizing, plan, "StagedIVF") or ListsPerStage()
+        self.sizing: StageSizing = sizing or ListsPerStage()
         self._sizes: tuple[int, npt.NDArray[np.int64]] | None = None
 
     @property

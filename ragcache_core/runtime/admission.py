@@ -11,7 +11,7 @@ computing the same document a second time beside it (what vLLM's own prefix cach
 scheduling the second request after the first one's blocks are computed). Nothing waits on a
 request that is not in prefill, so a deferral lasts at most one prefill.
 
-Runs on the controller's loop only (not thread-safe).
+Runs on RAGCache's own loop only (`loop.LoopThread`; not thread-safe).
 """
 
 from __future__ import annotations

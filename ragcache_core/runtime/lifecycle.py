@@ -19,8 +19,9 @@ engine), goes through it; everything else in `runtime/` only asks it.
 `served_hits` (what the request read, per tier) only reads a handle and a report.
 
 The async runtime (`generation.py`, over vLLM's `AsyncLLM`) runs every step and confirms at
-the first token; `sync_run.run_request` (over the synchronous `vllm.LLM`, which only returns
-finished requests) has no first token to watch, so `settle` confirms its handle at the end.
+the first token; the tests' `run_request` (tests/_sync_run.py, over the synchronous
+`vllm.LLM`, which only returns finished requests) has no first token to watch, so `settle`
+confirms its handle at the end.
 Not thread-safe: used from RAGCache's loop (or one thread) only.
 """
 

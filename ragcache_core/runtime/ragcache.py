@@ -330,6 +330,8 @@ class RAGCache(RAGCacheAPI):
         if writes is not None:  # eviction-time host writes: where kept documents went
             data["host_writes"] = {
                 "copies": writes.copies,
+                "copies_wasted": writes.wasted,
+                "keys_dropped": writes.dropped,
                 "lost_missed": writes.lost.missed,
                 "lost_no_lease": writes.lost.no_lease,
                 "lost_broken": writes.lost.broken,

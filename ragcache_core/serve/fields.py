@@ -3,7 +3,8 @@ with each, and the checks the bodies share.
 
 `CHAT_FIELDS` and `COMPLETION_FIELDS` cover every field of vLLM 0.32's `ChatCompletionRequest`
 / `CompletionRequest` (docs/deploy.md has them as a table; a test keeps both equal to vLLM's
-models):
+models). The sampling rows are `SamplingConfig`'s fields (`_sampling_rows`), the routes' own
+(`logprobs`, `top_logprobs`, `response_format`) besides:
 
     sampling  passed to vLLM's `SamplingParams` (through `SamplingConfig`), as vLLM passes it
     server    handled by the server itself (streaming, ids, the model name, the prompt, ...)
@@ -18,11 +19,15 @@ it) anywhere in a parsed body.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel
+
+from ragcache_core.config import SamplingConfig
+from ragcache_core.serve.sampling_in import MAX_STOP_STRINGS, ROUTE_FIELDS
 
 Kind = Literal["sampling", "server", "ignored", "refused"]
 
@@ -53,39 +58,47 @@ def _r(note: str, *allowed: Any) -> Treatment:
     return Treatment("refused", note, allowed)
 
 
+_SAMPLING_NOTES = {
+    "top_k": "0 = off",
+    "min_p": "0 = off",
+    "seed": "in [-2^63, 2^63 - 1]",
+    "logit_bias": "token id -> bias, clamped to [-100, 100]",
+    "stop": f"at most {MAX_STOP_STRINGS}; no empty string",
+    "logprob_token_ids": "needs logprobs",
+    "spaces_between_special_tokens": (
+        "visible only with a tokenizer whose decoder spaces special tokens, in vLLM too"
+    ),
+    "structured_outputs": "one constraint",
+    "stream_interval": "a streamed chunk per N tokens, the first at once",
+}
+"""What the table says of a sampling field besides its `SamplingParams` name."""
+
+
+def _sampling_rows() -> dict[str, Treatment]:
+    """A row per `SamplingConfig` field the routes take as is (all but `ROUTE_FIELDS`)."""
+    rows = {}
+    for f in dataclasses.fields(SamplingConfig):
+        if f.name in ROUTE_FIELDS:
+            continue
+        notes = []
+        if f.metadata.get("generation_config"):
+            notes.append(
+                f"null: generation config, else {f.metadata.get('vllm_default', f.default):g}"
+            )
+        if f.name in _SAMPLING_NOTES:
+            notes.append(_SAMPLING_NOTES[f.name])
+        said = f" ({'; '.join(notes)})" if notes else ""
+        rows[f.name] = _s(f"SamplingParams.{f.name}{said}")
+    return rows
+
+
 _NO_TRUNCATION = "the prompt is never truncated (a cut prompt would not be the one cached)"
 _COMMON: dict[str, Treatment] = {
     "model": _h("the served name or the model path (null or '' = the served model); else 404"),
-    "frequency_penalty": _s("SamplingParams.frequency_penalty (null: generation config, 0)"),
-    "presence_penalty": _s("SamplingParams.presence_penalty (null: generation config, 0)"),
-    "repetition_penalty": _s("SamplingParams.repetition_penalty (null: generation config, 1)"),
-    "temperature": _s("SamplingParams.temperature (null: generation config, else 1)"),
-    "top_p": _s("SamplingParams.top_p (null: generation config, else 1)"),
-    "top_k": _s("SamplingParams.top_k (null: generation config, else 0 = off)"),
-    "min_p": _s("SamplingParams.min_p (null: generation config, else 0 = off)"),
-    "logit_bias": _s("SamplingParams.logit_bias (token id -> bias, clamped to [-100, 100])"),
-    "seed": _s("SamplingParams.seed, in [-2^63, 2^63 - 1]"),
-    "stop": _s("SamplingParams.stop (at most 4; no empty string)"),
-    "stop_token_ids": _s("SamplingParams.stop_token_ids"),
-    "include_stop_str_in_output": _s("SamplingParams.include_stop_str_in_output"),
-    "ignore_eos": _s("SamplingParams.ignore_eos"),
-    "min_tokens": _s("SamplingParams.min_tokens"),
-    "skip_special_tokens": _s("SamplingParams.skip_special_tokens"),
-    "spaces_between_special_tokens": _s(
-        "SamplingParams.spaces_between_special_tokens (visible only with a tokenizer whose "
-        "decoder spaces special tokens, in vLLM too)"
-    ),
-    "allowed_token_ids": _s("SamplingParams.allowed_token_ids"),
-    "bad_words": _s("SamplingParams.bad_words"),
-    "logprob_token_ids": _s("SamplingParams.logprob_token_ids (needs logprobs)"),
+    **_sampling_rows(),
     "response_format": _s(
         "SamplingParams.structured_outputs: json_object, json_schema, structural_tag "
         "(text: none), overriding structured_outputs' constraint as vLLM does"
-    ),
-    "structured_outputs": _s("SamplingParams.structured_outputs (one constraint)"),
-    "repetition_detection": _s("SamplingParams.repetition_detection"),
-    "stream_interval": _s(
-        "SamplingParams.stream_interval: a streamed chunk per N tokens (the first at once)"
     ),
     "max_tokens": _h(
         "clamped to the context left after the prompt, as vLLM does; over max_model_len: 400"

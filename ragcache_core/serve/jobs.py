@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ragcache_core.app_prompt import NO_FRAMING, AppPrompt, Framing, default_prompt
-from ragcache_core.config import PromptConfig, SamplingConfig
+from ragcache_core.config import GENERATION_CONFIG_KNOBS, PromptConfig, SamplingConfig
 from ragcache_core.documents import Document
 from ragcache_core.errors import InputError, PromptTooLong
 from ragcache_core.runtime.prompt import PromptBuilder, check_text_fits
 from ragcache_core.serve.errors import bad_request
 from ragcache_core.serve.known import KnownDocuments, found_documents
-from ragcache_core.serve.sampling_in import config_value
 from ragcache_core.serve.schemas import ChatMessage, ChatRequest, CompletionRequest, OpenAIRequest
 
 UncachedReason = Literal["no_documents", "template_documents"]
@@ -109,18 +108,6 @@ class UncachedJob:
 
 Job = CachedJob | UncachedJob
 
-_VLLM_DEFAULTS: dict[str, float] = {
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-}
-"""vLLM's `_DEFAULT_SAMPLING_PARAMS`: a field the request leaves null takes the model's
-generation config, else this."""
-
 
 @dataclass(frozen=True)
 class GenerationDefaults:
@@ -142,7 +129,7 @@ class GenerationDefaults:
             return cls()
         values = tuple(
             (k, float(data[k]) if k != "top_k" else int(data[k]))
-            for k in _VLLM_DEFAULTS
+            for k in GENERATION_CONFIG_KNOBS
             if data.get(k) is not None
         )
         new_tokens = data.get("max_new_tokens")
@@ -152,7 +139,7 @@ class GenerationDefaults:
         """The request's value, else the model's default, else vLLM's."""
         if given is not None:
             return given
-        return dict(self.values).get(name, _VLLM_DEFAULTS[name])
+        return dict(self.values).get(name, GENERATION_CONFIG_KNOBS[name])
 
 
 def chat_job(request: ChatRequest, renderer: PromptRenderer, salt: str | None = None) -> Job:
@@ -277,17 +264,12 @@ def sampling_for(
     refuses, or a request that does not fit the context."""
     max_tokens = answer_tokens(request, job, defaults, max_model_len)
     try:
-        given: dict[str, Any] = {
-            "max_tokens": max_tokens,
-            **{name: defaults.pick(name, getattr(request, name)) for name in _VLLM_DEFAULTS},
-            "stop": request.stop_strings(),
-            "logprobs": request.sample_logprobs,
-            "logprob_token_ids": _ids(request.logprob_token_ids or None),
-            "structured_outputs": request.structured(),
-        }
-        for f in dataclasses.fields(SamplingConfig):
-            if f.name not in given:  # the rest: vLLM's request field of the same name
-                given[f.name] = config_value(getattr(request, f.name))
+        given = request.sampling_fields()  # the rest: vLLM's request field of the same name
+        for name in GENERATION_CONFIG_KNOBS:
+            given[name] = defaults.pick(name, given[name])
+        given["max_tokens"] = max_tokens
+        given["logprobs"] = request.sample_logprobs
+        given["logprob_token_ids"] = given["logprob_token_ids"] or None
         return SamplingConfig(**given)
     except InputError as exc:
         raise bad_request(str(exc), request_param(request, exc.param)) from None
@@ -300,10 +282,6 @@ def request_param(request: OpenAIRequest, param: str | None) -> str | None:
     if param == "logprobs" and isinstance(request, ChatRequest):
         return "top_logprobs"
     return param
-
-
-def _ids(ids: list[int] | None) -> tuple[int, ...] | None:
-    return None if ids is None else tuple(ids)
 
 
 def _text(message: ChatMessage, index: int) -> str:

@@ -166,7 +166,7 @@ def _logprobs_view(body: OpenAIRequest) -> LogprobsView | None:
     top = body.top_logprobs if isinstance(body, ChatRequest) else body.logprobs
     return LogprobsView(
         top=int(top or 0),
-        every_candidate=bool(body.logprob_token_ids),
+        every_candidate=bool(body.value("logprob_token_ids")),
         as_token_ids=bool(body.return_tokens_as_token_ids),
     )
 

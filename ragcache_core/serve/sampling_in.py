@@ -7,11 +7,19 @@ of the sampling fields, `config.py`) rather than written out a second time:
                            `structured_outputs`)
     RepetitionDetectionIn  `RepetitionDetection`, with its defaults (also the OpenAI routes'
                            `repetition_detection`)
+    OpenAISamplingIn       the sampling fields of `/v1/chat/completions` and `/v1/completions`
+                           (the base of their bodies, `serve/schemas.py`): every
+                           `SamplingConfig` field but those the routes own (`ROUTE_FIELDS`),
+                           with the types and defaults of vLLM's request models
 
 A field's wire type follows from its Python type: a tuple is a JSON list, a mapping a JSON
 object (its keys strings), text pydantic's `StrictStr` (unless the field's metadata says
 `lax_str`), a nested dataclass its own model; bounds come from the field's metadata (`ge`,
-`le`). tests/data/serve_schemas.json pins the resulting JSON schemas (test_serve_unit.py).
+`le`). On the OpenAI routes a field is null by default where `SamplingConfig`'s default is
+None or empty, or where null means the model's generation config (`generation_config`);
+else it has `SamplingConfig`'s default; `stop` and `bad_words` take vLLM's own shapes
+(`_OPENAI_SHAPES`). tests/data/serve_schemas.json pins the resulting JSON schemas
+(test_serve_schemas.py).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import functools
 import operator
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, create_model
@@ -47,6 +55,11 @@ class _DerivedIn(BaseModel):
             out[name] = config_value(value)
         return out
 
+    def value(self, name: str) -> Any:
+        """The field `name` (the dataclass's name) as the dataclass takes it."""
+        attr = {n: a for a, n in type(self).NAMES.items()}[name]  # KeyError: not a field
+        return config_value(getattr(self, attr))
+
     def to_config(self) -> Any:
         """The dataclass (its own checks raise `SamplingError` naming the field)."""
         return type(self).SOURCE(**self.given(skip_none=False))
@@ -64,6 +77,34 @@ class _SamplingBase(_DerivedIn):
     def over(self, default: SamplingConfig) -> SamplingConfig:
         """`default` with the given fields (`SamplingError` naming one out of range)."""
         return dataclasses.replace(default, **self.given(skip_none=True))
+
+
+MAX_STOP_STRINGS = 4
+"""vLLM's `VLLM_MAX_STOP_STRINGS` default: at most 4 stop strings per request."""
+ROUTE_FIELDS = ("max_tokens", "logprobs")
+"""`SamplingConfig` fields the OpenAI routes own: `max_tokens` is clamped to the context by the
+server, `logprobs` is a flag on chat (with `top_logprobs`) and a count on completions."""
+_OPENAI_SHAPES: dict[str, tuple[Any, Any]] = {
+    # One string or a list, as vLLM takes it, of at most vLLM's VLLM_MAX_STOP_STRINGS.
+    "stop": (
+        StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None,
+        None,
+    ),
+    # vLLM's models take no null here (an empty list by default).
+    "bad_words": (list[StrictStr], Field(default_factory=list)),
+}
+
+
+class _OpenAISampling(_DerivedIn):
+    """The OpenAI routes' sampling fields; `given` reads a lone `stop` string as one stop."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    def given(self, *, skip_none: bool) -> dict[str, Any]:
+        out = super().given(skip_none=skip_none)
+        if isinstance(out.get("stop"), str):
+            out["stop"] = (out["stop"],)
+        return out
 
 
 def _wire_type(hint: Any, meta: Mapping[str, Any], nested: Mapping[type, type]) -> Any:
@@ -92,25 +133,48 @@ def _wire_type(hint: Any, meta: Mapping[str, Any], nested: Mapping[type, type]) 
     return Annotated[hint, Field(**bounds)] if bounds else hint
 
 
+Shape = Callable[[dataclasses.Field[Any], Any], tuple[Any, Any]]
+"""(a dataclass field, its wire type) -> (the model's annotation, its default)."""
+
+
+def _as_declared(f: dataclasses.Field[Any], wire: Any) -> tuple[Any, Any]:
+    """The dataclass's own default."""
+    return wire, f.default
+
+
+def _optional(f: dataclasses.Field[Any], wire: Any) -> tuple[Any, Any]:
+    """Each also null, None by default (left out: the server's `CacheConfig.sampling`)."""
+    return wire | None, None
+
+
+def _openai(f: dataclasses.Field[Any], wire: Any) -> tuple[Any, Any]:
+    """vLLM's request models (the module docstring)."""
+    if f.name in _OPENAI_SHAPES:
+        return _OPENAI_SHAPES[f.name]
+    if f.default is None or f.default == () or f.metadata.get("generation_config"):
+        return wire | None, None
+    return wire, f.default
+
+
 def _derive(
     name: str,
     source: type,
     base: type[_DerivedIn],
     doc: str | None,
     *,
-    optional: bool,
+    shape: Shape,
     nested: Mapping[type, type] = {},
+    skip: tuple[str, ...] = (),
 ) -> type[_DerivedIn]:
-    """`source`'s wire model `name`: its fields in order, each of its wire
-    type; `optional`: each also null, None by default (else the dataclass's default)."""
+    """`source`'s wire model `name`: its fields in order (but `skip`), each of its wire type,
+    annotated and defaulted by `shape`."""
     hints = typing.get_type_hints(source)
     definitions: dict[str, Any] = {}
     names: dict[str, str] = {}
     for f in dataclasses.fields(source):
-        wire = _wire_type(hints[f.name], f.metadata, nested)
-        if optional:
-            wire = wire | None
-        default = None if optional else f.default
+        if f.name in skip:
+            continue
+        wire, default = shape(f, _wire_type(hints[f.name], f.metadata, nested))
         attr = f"{f.name}_" if hasattr(BaseModel, f.name) else f.name
         names[attr] = f.name
         value = Field(default=default, alias=f.name) if attr != f.name else default
@@ -127,23 +191,37 @@ if TYPE_CHECKING:
     StructuredOutputsIn = _DerivedIn
     RepetitionDetectionIn = _DerivedIn
     SamplingIn = _SamplingBase
+    OpenAISamplingIn = _OpenAISampling
 else:
     StructuredOutputsIn = _derive(
         "StructuredOutputsIn",
         StructuredOutputs,
         _DerivedIn,
         "vLLM's `structured_outputs` (`StructuredOutputsParams`).",
-        optional=False,
+        shape=_as_declared,
     )
     RepetitionDetectionIn = _derive(
-        "RepetitionDetectionIn", RepetitionDetection, _DerivedIn, None, optional=False
+        "RepetitionDetectionIn", RepetitionDetection, _DerivedIn, None, shape=_as_declared
     )
+    _NESTED = {
+        StructuredOutputs: StructuredOutputsIn,
+        RepetitionDetection: RepetitionDetectionIn,
+    }
     SamplingIn = _derive(
         "SamplingIn",
         SamplingConfig,
         _SamplingBase,
         "`SamplingConfig`, field for field; those left out take the server's\n"
         "    `CacheConfig.sampling`. Ranges are `SamplingConfig`'s (vLLM's).",
-        optional=True,
-        nested={StructuredOutputs: StructuredOutputsIn, RepetitionDetection: RepetitionDetectionIn},
+        shape=_optional,
+        nested=_NESTED,
+    )
+    OpenAISamplingIn = _derive(
+        "OpenAISamplingIn",
+        SamplingConfig,
+        _OpenAISampling,
+        _OpenAISampling.__doc__,
+        shape=_openai,
+        nested=_NESTED,
+        skip=ROUTE_FIELDS,
     )

@@ -3,7 +3,8 @@
 `/v1/chat/completions` and `/v1/completions` take every field of vLLM 0.32's
 `ChatCompletionRequest` / `CompletionRequest`, with vLLM's types and defaults (null wherever
 vLLM takes null); `serve/fields.py` says what the server does with each (`CHAT_FIELDS`,
-`COMPLETION_FIELDS`: sampling, server, ignored or refused).
+`COMPLETION_FIELDS`: sampling, server, ignored or refused). Their sampling fields are
+`SamplingConfig`'s, derived from it (`sampling_in.OpenAISamplingIn`, the base of both bodies).
 
 Unknown fields are ignored, as vLLM ignores them, except vLLM's removed `guided_*` fields
 (refused, pointing to `structured_outputs`: vLLM would silently ignore the constraint).
@@ -32,8 +33,9 @@ from pydantic import (
     model_validator,
 )
 
-from ragcache_core.config import SEED_MAX, SEED_MIN, StructuredOutputs
+from ragcache_core.config import StructuredOutputs
 from ragcache_core.documents import Document
+from ragcache_core.serve import sampling_in
 from ragcache_core.serve.fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -45,9 +47,26 @@ from ragcache_core.serve.fields import (
 )
 from ragcache_core.serve.sampling_in import RepetitionDetectionIn, SamplingIn, StructuredOutputsIn
 
+__all__ = [
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "ContentPart",
+    "DocumentIn",
+    "InvalidateRequest",
+    "JsonSchemaFormat",
+    "OpenAIRequest",
+    "RagQueryRequest",
+    "RepetitionDetectionIn",
+    "ResponseFormat",
+    "SamplingIn",
+    "StreamOptions",
+    "StructuredOutputsIn",
+]
+"""The wire models: the bodies and the models inside them (tests/data/serve_schemas.json pins
+their JSON schemas)."""
+
 NonEmpty = Annotated[StrictStr, Field(min_length=1)]
-MAX_STOP_STRINGS = 4
-"""vLLM's `VLLM_MAX_STOP_STRINGS` default: at most 4 stop strings per request."""
 
 
 class DocumentIn(BaseModel):
@@ -102,11 +121,7 @@ class ResponseFormat(BaseModel):
         return self
 
 
-Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
-Stop = StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)]
-
-
-class _OpenAIRequest(BaseModel):
+class _OpenAIRequest(sampling_in.OpenAISamplingIn):
     """Fields shared by both OpenAI routes (see the module docstring and `_COMMON`)."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -114,30 +129,8 @@ class _OpenAIRequest(BaseModel):
     """The route's table (`CHAT_FIELDS`, `COMPLETION_FIELDS`)."""
 
     model: StrictStr | None = None
-    # Passed to SamplingParams.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: Seed | None = None
-    stop: Stop | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[StrictStr] = Field(default_factory=list)
-    logprob_token_ids: list[int] | None = None
+    # Passed to SamplingParams, besides `SamplingConfig`'s own (the base's).
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsIn | None = None
-    repetition_detection: RepetitionDetectionIn | None = None
-    stream_interval: Annotated[int, Field(ge=1)] | None = None
     # Handled by the server.
     max_tokens: int | None = None
     n: int | None = 1
@@ -217,26 +210,31 @@ class _OpenAIRequest(BaseModel):
     def streamed(self) -> bool:
         return bool(self.stream)
 
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
     def doc_list(self) -> tuple[Document, ...] | None:
         """RAGCache's documents, or None when the request has none (served uncached)."""
         if not self.documents:
             return None
         return tuple(d.to_document() for d in self.documents)
 
-    def structured(self) -> StructuredOutputs | None:
-        """`structured_outputs` with `response_format`'s constraint over it, as vLLM."""
-        base = None if self.structured_outputs is None else self.structured_outputs.to_config()
-        overrides = _response_format_constraint(self.response_format)
-        if overrides is None:
-            return base
-        if base is None:
-            return StructuredOutputs(**overrides)
-        return dataclasses.replace(base, **overrides)
+    def sampling_fields(self) -> dict[str, Any]:
+        """The request's `SamplingConfig` fields (but `ROUTE_FIELDS`) as `SamplingConfig`
+        takes them, None where null; `structured_outputs` with `response_format`'s constraint
+        over it, as vLLM applies it."""
+        given = self.given(skip_none=False)
+        given["structured_outputs"] = _structured(given["structured_outputs"], self.response_format)
+        return given
+
+
+def _structured(
+    base: StructuredOutputs | None, response_format: ResponseFormat | None
+) -> StructuredOutputs | None:
+    """`structured_outputs` with `response_format`'s constraint over it, as vLLM."""
+    overrides = _response_format_constraint(response_format)
+    if overrides is None:
+        return base
+    if base is None:
+        return StructuredOutputs(**overrides)
+    return dataclasses.replace(base, **overrides)
 
 
 def _response_format_constraint(response_format: ResponseFormat | None) -> dict[str, Any] | None:
@@ -365,7 +363,7 @@ class ChatRequest(_OpenAIRequest):
     @property
     def sample_logprobs(self) -> int | None:
         """`SamplingParams.logprobs` (vLLM: top_logprobs when logprobs and no token ids)."""
-        if self.logprobs and not self.logprob_token_ids:
+        if self.logprobs and not self.value("logprob_token_ids"):
             return self.top_logprobs or 0
         return None
 
@@ -439,7 +437,7 @@ class CompletionRequest(_OpenAIRequest):
 
     @property
     def sample_logprobs(self) -> int | None:
-        return None if self.logprob_token_ids else self.logprobs
+        return None if self.value("logprob_token_ids") else self.logprobs
 
     @property
     def wants_logprobs(self) -> bool:

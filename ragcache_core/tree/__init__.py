@@ -20,7 +20,7 @@ from ragcache_core.tree.integrity import IntegrityError
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
 from ragcache_core.tree.knowledge_tree import KnowledgeTree
 from ragcache_core.tree.match import MatchResult, TierHit
-from ragcache_core.tree.order import apply_order, cache_order
+from ragcache_core.tree.order import cache_order
 from ragcache_core.tree.request import RequestHandle, RequestState
 from ragcache_core.tree.stats import CacheStats, TreeCounters
 
@@ -37,7 +37,6 @@ __all__ = [
     "SlotAllocator",
     "TierHit",
     "TreeCounters",
-    "apply_order",
     "bytes_for_tokens",
     "cache_order",
     "kv_bytes_per_token",

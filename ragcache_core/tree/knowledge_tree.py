@@ -53,7 +53,8 @@ class KnowledgeTree:
     that name none. Roots are evicted like other nodes (a leaf root, then with its subtree
     when it is left without a copy).
 
-    Not thread-safe: the controller calls it from one thread (or one event loop).
+    Not thread-safe: its one owner at run time (`runtime.lifecycle.Lifecycle`, on RAGCache's
+    loop) calls it from one thread (or one event loop).
     `max_depth` caches only the first j documents of a sequence (paper 2.7; None: all).
     `frequency_window` restarts the frequencies (and DGDSF's decayed ones) every that many
     final requests (None: frequencies last until `clear()`).

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ragcache_core.errors import InputError
 from ragcache_core.tree.keys import DocSpec, RootKey
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.prefix import PrefixTree
@@ -104,10 +103,3 @@ def _best_path(
         if tokens > best_tokens or not best_path:
             best_tokens, best_path = tokens, (rank, *path)
     return best_tokens, best_path
-
-
-def apply_order(docs: Sequence[DocSpec], order: Sequence[int]) -> list[DocSpec]:
-    """`docs` in the served `order` (retrieval ranks, as `cache_order` returns them)."""
-    if sorted(order) != list(range(len(docs))):
-        raise InputError(f"document order {list(order)} is not a permutation of {len(docs)} ranks")
-    return [docs[rank] for rank in order]

@@ -28,7 +28,7 @@ from ragcache_core.documents import Document
 from ragcache_core.errors import InputError
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import staged_search_for
-from ragcache_core.retrieval.ivf import StageSizing, sizing_or_plan
+from ragcache_core.retrieval.ivf import StageSizing
 from ragcache_core.retrieval.source import CallableSource, StagedSource
 from ragcache_core.search import SearchSource
 
@@ -51,15 +51,12 @@ def search_source(
     nprobe: int | None = None,
     sizing: StageSizing | None = None,
     ef_search: int | None = None,
-    plan: StageSizing | None = None,
 ) -> SearchSource:
     """A `SearchSource` over `vectorstore` (see the module docstring).
 
     `nprobe` / `sizing` (IVF) and `ef_search` (HNSW) default to the Faiss index's own settings,
-    so the last stage equals the store's own `similarity_search` (`plan`: `sizing`'s old name,
-    deprecated).
+    so the last stage equals the store's own `similarity_search`.
     """
-    sizing = sizing_or_plan(sizing, plan, "search_source(vectorstore)")
     if _is_community_faiss(vectorstore):
         return _faiss_source(vectorstore, nprobe=nprobe, sizing=sizing, ef_search=ef_search)
 

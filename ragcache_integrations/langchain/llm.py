@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -171,10 +170,8 @@ class RAGCacheLLM(LLM):
     every integration. Documents found in the prompt by `memory` are cached; see the module
     docstring. `generation_info` carries TTFT, cache hits and token ids.
 
-    LangChain's LLMs have a `cache` field of their own (an LLM response cache): a
-    `RAGCacheAPI` passed as `cache=` is taken as RAGCache's and kept in `ragcache`, anything
-    else stays LangChain's. `ragcache=` is the old keyword: it still works for this release,
-    with a `FutureWarning`."""
+    LangChain's LLMs have a `cache` field of their own (an LLM response cache): here `cache=`
+    is the `RAGCacheAPI`, kept in `ragcache`; LangChain's response cache stays unset."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -186,27 +183,16 @@ class RAGCacheLLM(LLM):
     def _take_cache(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        if isinstance(data.get("cache"), RAGCacheAPI):
-            data = dict(data)
-            if "ragcache" in data:
-                raise InputError("pass the RAGCache once, as cache= (ragcache= is the old name)")
-            data["ragcache"] = data.pop("cache")
-        elif "ragcache" not in data:
+        given = data.get("cache")
+        if not isinstance(given, RAGCacheAPI):
             # No RAGCache given: a wrong object as cache= (not LangChain's own response cache
             # either), or nothing at all. Name it here rather than as pydantic's "ragcache:
             # Field required" about a keyword nobody typed.
-            given = data.get("cache")
             require_cache(
                 given if not _is_langchain_cache(given) else None, "RAGCacheLLM(cache=...)"
             )
-        else:
-            require_cache(data["ragcache"], "RAGCacheLLM(ragcache=...)")
-            warnings.warn(
-                "RAGCacheLLM(ragcache=...) is deprecated: pass cache=..., as to every other "
-                "RAGCache integration (ragcache= goes in the next release)",
-                FutureWarning,
-                stacklevel=4,
-            )
+        data = dict(data)
+        data["ragcache"] = data.pop("cache")
         return data
 
     sampling: SamplingConfig | None = None

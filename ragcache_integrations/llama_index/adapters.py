@@ -36,7 +36,7 @@ from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError, InputError, wrong_type
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_core.retrieval.flat import MatrixFlat, staged_search_for
-from ragcache_core.retrieval.ivf import StageSizing, sizing_or_plan
+from ragcache_core.retrieval.ivf import StageSizing
 from ragcache_core.retrieval.source import CallableSource, StagedSource
 from ragcache_core.search import SearchSource, StageResult
 
@@ -77,17 +77,15 @@ def search_source(
     nprobe: int | None = None,
     sizing: StageSizing | None = None,
     ef_search: int | None = None,
-    plan: StageSizing | None = None,
     filters: MetadataFilters | None = None,
 ) -> SearchSource:
     """A `SearchSource` over `index` (see the module docstring for what each store gets).
 
     `nprobe` / `sizing` (IVF) and `ef_search` (HNSW) default to the Faiss index's own settings,
-    so the last stage equals the store's own query (`plan`: `sizing`'s old name, deprecated).
+    so the last stage equals the store's own query.
     `filters` go to the store (`ConfigError` for a `FaissVectorStore`, which has none;
     `TypeError` for anything but `MetadataFilters`).
     """
-    sizing = sizing_or_plan(sizing, plan, "search_source(index)")
     if filters is not None:
         return _filtered_source(index, filters, embed_model)
     model = embed_model or index._embed_model

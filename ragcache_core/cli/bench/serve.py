@@ -22,7 +22,6 @@ from typing import Any
 
 from ragcache_core.bench.systems import ABLATIONS, MAIN_SYSTEMS, SYSTEMS
 from ragcache_core.bench.workloads import RETRIEVERS, WORKLOADS
-from ragcache_core.cli.output import add_removed_option
 from ragcache_core.errors import CliError
 
 HEAVY = "search-heavy"
@@ -71,7 +70,6 @@ def register(bench_subparsers: Any) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=8, help="answer tokens (fixed length)")
     p.add_argument("--vllm-kv-gib", type=float, default=0.25, help="vLLM's own KV of every system")
-    add_removed_option(p, "--gpu-pool-tokens", "--vllm-kv-gib")
     p.add_argument("--host-pool-tokens", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -1,4 +1,4 @@
-"""Triton kernels for the KV copies of `CopyOps` on CUDA, and the pure-torch reference of each.
+"""Triton kernels for the KV copies of `CopyOps` on CUDA.
 
     scatter_tokens  pool rows -> paged cache (load)    one launch for all tokens (and layers)
     gather_tokens   paged cache -> pool rows (store)   one launch for all tokens (and layers)
@@ -40,7 +40,8 @@ hold (UVA off, memory not registered) the torch path copies whole slots with `co
 Triton has no CPU backend: on CPU these kernels run only under `TRITON_INTERPRET=1` (read when
 a kernel is decorated, i.e. when this module is imported), which the tests use. The package
 imports this module only when the device is CUDA. `TritonCopyOps` (`triton_ops.py`) puts the
-kernels behind `CopyOps`; `copy_reference.py` states each copy in pure torch (the tests' oracle).
+kernels behind `CopyOps`; `scripts/copy_reference.py` states each copy in pure torch (the oracle
+of the kernel tests and of `scripts/gpu_check.py`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ragcache_core.storage.copy.base import TokenIndex, contiguous_runs
+from ragcache_core.storage.copy.base import TokenIndex
 from ragcache_core.storage.paged_layout import StridedLayout
 
 _TILE = 4096
@@ -553,14 +554,3 @@ def launch_slot_copy(
                 chunks,
                 BLOCK=block,
             )
-
-
-def copy_slots_torch(
-    src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, dst_slots: Sequence[int]
-) -> None:
-    """The fallback of `copy_slots` when a pool is not addressable by a kernel (host memory
-    not registered, or UVA off): one `copy_` per run of consecutive slots (asynchronous from
-    pinned memory on CUDA), as `TorchCopyOps.copy_pages` does."""
-    non_blocking = src.device.type == "cuda" or dst.device.type == "cuda"
-    for s, d, n in contiguous_runs(src_slots, dst_slots):
-        dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)

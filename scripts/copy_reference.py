@@ -1,5 +1,6 @@
-"""The copies of `CopyOps` stated in pure torch: the oracle of the kernel tests and the
-plainest statement of what is copied where. Offsets are int64 element offsets.
+"""The copies of `CopyOps` stated in pure torch: the oracle of the kernel tests
+(tests/test_triton_copy.py) and of `gpu_check.py`, and the plainest statement of what is copied
+where. Offsets are int64 element offsets.
 
     cache_offsets   (token, K/V, head, dim) -> element of a strided paged layer
     pool_offsets    (token, K/V, head, dim) -> element of a contiguous [S, L, 2, P, H, D] pool

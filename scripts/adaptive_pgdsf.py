@@ -1,5 +1,9 @@
 """Adaptive PGDSF: PGDSF's cost term with its recency/frequency weight adapted online.
 
+An experiment that lost (0.80 of the best fixed policy at worst, docs/benchmarks.md "Policy
+hit rates"): removed from the package, kept here for the scripts that measure it
+(`policy_hit_rates.py`, `tune_adaptive_pgdsf.py`), which `register()` it as `apgdsf`.
+
 PGDSF's priority is Clock[tier] + frequency x Cost/Size: the clock is its recency (a node
 enters at the clock level) and frequency x cost its frequency. `apgdsf` weighs the second by
 theta[tier]: Clock[tier] + theta x frequency x Cost/Size. Theta near 0 is recency alone (the
@@ -24,8 +28,7 @@ from collections.abc import Hashable
 from typing import ClassVar
 
 from ragcache_core.plan import Tier
-from ragcache_core.policy.base import NodeStats, Priority
-from ragcache_core.policy.policies import PGDSF
+from ragcache_core.policy import PGDSF, POLICIES, NodeStats, Priority
 
 
 class _Ghosts:
@@ -91,3 +94,8 @@ class AdaptivePGDSF(PGDSF):
         super().reset()
         self.theta = {Tier.GPU: 1.0, Tier.HOST: 1.0}
         self.ghosts = {Tier.GPU: _Ghosts(), Tier.HOST: _Ghosts()}
+
+
+def register() -> None:
+    """Make `apgdsf` a policy name in this process (`make_policy`, the simulators)."""
+    POLICIES[AdaptivePGDSF.name] = AdaptivePGDSF

@@ -1,5 +1,5 @@
-"""Run one RAG request through the synchronous engine with the knowledge cache (the Python API
-of the data plane, used by tests and benchmarks).
+"""Run one RAG request through the synchronous engine with the knowledge cache: the exactness
+tests' way (test_exact.py, test_exact_eviction.py) to drive `CachedEngine` with a tree.
 
     system tokens + documents (token ids each) + question tokens
         │  check: fits the context (InputError before anything is allocated)
@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ragcache_core.config import SamplingConfig
 from ragcache_core.engine.cached import CachedEngine
 from ragcache_core.engine.connector.report import ConnectorResult
-from ragcache_core.engine.sampling import GreedySampling
 from ragcache_core.errors import check_fits_context
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
 from ragcache_core.runtime.prompt import BuiltPrompt
@@ -87,7 +87,7 @@ def run_request(
     system: Sequence[int],
     documents: Sequence[TokenizedDocument],
     question: Sequence[int],
-    sampling: GreedySampling | None = None,
+    sampling: SamplingConfig,
     final: bool = True,
     extra_transfer_params: Mapping[str, Any] | None = None,
 ) -> RequestResult:
@@ -97,7 +97,6 @@ def run_request(
     prompt plus `sampling.max_tokens` exceed the engine's context (before touching the cache);
     re-raises engine errors after aborting the request's plan.
     """
-    sampling = sampling or GreedySampling()
     prompt = build_prompt(system, documents, question)
     check_fits_context(prompt.num_tokens, sampling.max_tokens, engine.max_model_len)
     lifecycle = Lifecycle(cache, engine.config)
