@@ -138,3 +138,20 @@ def test_long_zipf_draws_popular_chunks_again(shared_data: Path) -> None:
     assert again.requests == zipf.requests and other.requests != zipf.requests
     capped = load_workload("long-zipf-host25", _words, data_dir=shared_data)
     assert capped.requests == zipf.requests and capped.host_share == 0.25
+
+
+def test_xlong_shuffled_has_the_long_shuffled_questions_over_chunks_twice_as_long(
+    shared_data: Path,
+) -> None:
+    """The host-tier issue's stream: each chunk is closed at 2,400 tokens or before 1.5 times
+    that, so a prompt of one fits the bench model's 4,096-token context."""
+    from ragcache_core.bench.workloads import XLONG_CHUNK_TOKENS
+
+    xlong = load_workload("xlong-shuffled", _words, data_dir=shared_data)
+    long = load_workload("long-shuffled", _words, data_dir=shared_data)
+    sizes = [_words(d.text) for d in xlong.documents]
+    assert max(sizes) < 1.5 * XLONG_CHUNK_TOKENS
+    assert sum(s >= XLONG_CHUNK_TOKENS for s in sizes) > len(sizes) / 2
+    assert len(xlong.documents) < len(long.documents) / 1.8
+    assert {r.question for r in xlong.requests} == {r.question for r in long.requests}
+    assert xlong.top_k == 1 and xlong.retrieves
