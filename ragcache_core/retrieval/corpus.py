@@ -24,10 +24,12 @@ DEFAULT_QUESTION_FIELDS = ("question", "input", "text")
 
 @dataclass(frozen=True)
 class Question:
-    """One question of a request stream."""
+    """One question of a request stream, with its gold answers when the file has them (an
+    `answers` list or an `answer` string or list, as SQuAD and NQ-open write them)."""
 
     id: str
     text: str
+    answers: tuple[str, ...] = ()
 
 
 def parse_fields(spec: str | Sequence[str]) -> tuple[str, ...]:
@@ -142,7 +144,17 @@ def load_questions(
         if not isinstance(text, str) or not text.strip():
             raise InputError(f"{where}: field {name!r} is empty or not a string")
         qid = next((str(record[n]) for n in id_names if n in record), str(len(out)))
-        out.append(Question(id=qid, text=text))
+        out.append(Question(id=qid, text=text, answers=_answers(record)))
     if not out:
         raise InputError(f"{path}: no questions")
     return tuple(out)
+
+
+def _answers(record: dict[str, Any]) -> tuple[str, ...]:
+    """A question record's gold answers: `answers` or `answer`, a string or a list of them."""
+    value = record.get("answers", record.get("answer", ()))
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(str(a) for a in value if str(a).strip())
+    return ()
