@@ -527,9 +527,7 @@ class Scenario:
             has_sync_kv_loads=self.sync_loads,
         )
 
-    def worker(
-        self, step: StepOps, scheduled: dict[str, int], *, before_forward: bool
-    ) -> set[int]:
+    def worker(self, step: StepOps, scheduled: dict[str, int], *, before_forward: bool) -> set[int]:
         """`start_load_kv` (the copies at hand-out, loads checked) and the forward pass, in
         vLLM's order: `start_load_kv` first only when `before_forward` (the step's
         `has_sync_kv_loads`); then the look-ahead's copies. The keys of the copies reported
