@@ -1,7 +1,9 @@
 """The model behind tests/test_host_tier_fuzz.py. The real `KnowledgeTree` plans and the real
 `SchedulerSide` (its `EvictionWindow`) runs over vLLM's real `BlockPool`; this file plays
 vLLM's scheduler (admission, chunked prefill, block caching, preemption, finishes, aborts),
-the worker (the copies at hand-out, loads, forward passes, the look-ahead's copies) and the
+the worker (the copies at hand-out and the loads, before the forward pass only in a step vLLM
+flags as loading synchronously, `SchedulerOutput.has_sync_kv_loads`, else after it, as vLLM
+0.32 calls `start_load_kv`; forward passes; the look-ahead's copies) and the
 app (plans, first tokens, reports late, out of order or lost, `invalidate`, `clear`, engine
 restarts). What each vLLM block and host slot holds is tracked per token (its path from the
 root and its offset there), written only where the engine writes bytes (a forward pass, a
@@ -130,6 +132,8 @@ class Scenario:
         self.counts = Counts(scenarios=1)
         self.log: list[str] = []
         self.tick = 0
+        self.sync_loads = False
+        """Whether a request admitted in this step loads external tokens (vLLM's flag)."""
         lease = -(-s.budget // s.page)  # a step's budget, as the engine's tree has it
         self.tree = KnowledgeTree(
             ROOT,
@@ -431,6 +435,7 @@ class Scenario:
         self.cache_blocks(req, computed + new)
         if req.params is not None:
             self.side.after_alloc(req.rid, external)
+        self.sync_loads = self.sync_loads or external > 0  # vLLM's `has_sync_kv_loads`
         req.computed = computed
         req.hit = local
         self.log.append(f"{self.tick} admit {req.rid} gpu={local} external={external}")
@@ -444,6 +449,7 @@ class Scenario:
             side.release_all()
         budget = s.budget
         scheduled: dict[str, int] = {}
+        self.sync_loads = False
         for req in self.running:
             if budget <= 0:
                 break
@@ -464,8 +470,9 @@ class Scenario:
         if not scheduled:
             return
         self.counts.steps += 1
-        step = side.build_step(self.scheduler_output(scheduled))
-        written = self.worker(step, scheduled)
+        output = self.scheduler_output(scheduled)
+        step = side.build_step(output)  # may flag the step as loading synchronously
+        written = self.worker(step, scheduled, before_forward=output.has_sync_kv_loads)
         if self.dying:  # killed after the copies ran: nothing of this step is reported
             self.restart()
             return
@@ -517,13 +524,25 @@ class Scenario:
             num_scheduled_tokens=scheduled,
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
+            has_sync_kv_loads=self.sync_loads,
         )
 
-    def worker(self, step: StepOps, scheduled: dict[str, int]) -> set[int]:
-        """The copies at hand-out, loads (checked), the forward pass, then the look-ahead's
-        copies; the keys of the copies reported run."""
-        s, requests = self.s, {r.rid: r for r in self.running}
+    def worker(self, step: StepOps, scheduled: dict[str, int], *, before_forward: bool) -> set[int]:
+        """`start_load_kv` (the copies at hand-out, loads checked) and the forward pass, in
+        vLLM's order: `start_load_kv` first only when `before_forward` (the step's
+        `has_sync_kv_loads`); then the look-ahead's copies. The keys of the copies reported
+        run."""
         written: set[int] = set()
+        if before_forward:
+            self.start_load_kv(step, written)
+        self.forward(scheduled)
+        if not before_forward:
+            self.start_load_kv(step, written)
+        self.copy_out(step.host_writes, written)
+        return written
+
+    def start_load_kv(self, step: StepOps, written: set[int]) -> None:
+        s, requests = self.s, {r.rid: r for r in self.running}
         self.copy_out(step.handout_writes, written)
         self.counts.handout_copies += len(step.handout_writes)
         for ops in step.requests:
@@ -553,6 +572,11 @@ class Scenario:
                             f"of {list(ops.load)}, plan {_plan_str(plan)})"
                         )
                     self.paged[(ops.block_ids[pos // s.block], pos % s.block)] = got
+
+    def forward(self, scheduled: dict[str, int]) -> None:
+        """The step's forward pass: each scheduled token's KV into its block; a prefix-cache
+        hit is checked to hold the prompt's KV."""
+        s, requests = self.s, {r.rid: r for r in self.running}
         for rid, new in scheduled.items():
             req = requests[rid]
             for pos in range(req.computed, req.computed + new):
@@ -564,8 +588,6 @@ class Scenario:
                 if self.paged.get((block, pos % s.block)) != req.tokens[pos]:
                     self.fail(f"{req.rid}: vLLM's prefix-cache hit is wrong at {pos}")
             req.hit = 0
-        self.copy_out(step.host_writes, written)
-        return written
 
     def copy_out(self, writes: Sequence[Any], written: set[int]) -> None:
         """Eviction-time copies, paged KV -> host slots, as the blocks hold it now; the keys

