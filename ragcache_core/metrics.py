@@ -192,8 +192,7 @@ class Metrics:
 
     def record_tree(self, now: TreeCounters) -> None:
         """Move the host eviction collector by what the tree counted since the last call (the
-        engine's tree has no GPU pool: vLLM evicts its own blocks, and the simulator's
-        `TwoPools` counts its GPU evictions and swap-outs itself). The tree's counters only
+        tree has no GPU slots: vLLM evicts its own blocks). The tree's counters only
         grow until its `clear()`: a drop means a clear, after which everything counted is new."""
         seen = self._tree_seen
         if now.evictions_host < seen.evictions_host:

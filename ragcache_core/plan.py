@@ -19,9 +19,8 @@ In the engine the GPU tier is vLLM's own block pool with its prefix caching on (
 3.1): vLLM matches its cached blocks first, and the connector loads from the host pool only
 the tokens past vLLM's hit (none on a full GPU hit: no byte moves). The engine's plans
 therefore load the host tier and either store it (write-through) or keep documents for the
-eviction window with a lease of host slots (`keep`, `lease`: the default). GPU loads and
-stores belong to the simulator's two pools (`sim/two_pools.py`, whose plans are bookkeeping
-only); the engine's connector refuses them (`engine.connector.spans.plan_problems`).
+eviction window with a lease of host slots (`keep`, `lease`: the default). The engine's
+connector refuses a GPU load or store (`engine.connector.spans.plan_problems`).
 
 Execution order in the worker (docs/design.md 3.2):
   1. load:     host slots -> the request's token positions in vLLM's paged cache,

@@ -27,8 +27,8 @@ def test_tree_counters_arrive_as_deltas_and_survive_a_clear() -> None:
 
 
 def test_the_engine_exports_no_gpu_pool_metric() -> None:
-    """The engine's tree has no GPU pool: GPU evictions and swap-outs would always read 0,
-    so there is no such series (the simulator's two pools count their own, `TwoPools`)."""
+    """The tree has no GPU slots (vLLM evicts its own blocks): GPU evictions and swap-outs
+    would always read 0, so there is no such series."""
     metrics = Metrics()
     metrics.record_tree(TreeCounters(evictions_host=1))
     names = {s.name for m in metrics.registry.collect() for s in m.samples}
