@@ -64,7 +64,9 @@ class SimConfig:
 @dataclass(frozen=True, slots=True)
 class SimResult:
     """Totals of one `Simulator.run`; rates are over requested documents/tokens (document
-    tokens: `token_hit_rate`; prompt tokens, the root included: `prompt_token_hit_rate`)."""
+    tokens: `token_hit_rate`; prompt tokens, the root included: `prompt_token_hit_rate`).
+    Seconds: `estimated_prefill_s` (T(cached, computed)), `load_s` (host loads), `copy_s`
+    (copies on the prefills' critical path), `decode_copy_s` (copies in decode steps)."""
 
     requests: int
     requested_docs: int
@@ -79,6 +81,7 @@ class SimResult:
     estimated_prefill_s: float
     load_s: float
     copy_s: float
+    decode_copy_s: float
     wait_mean_s: float
     wait_p95_s: float
     ttft_mean_s: float
@@ -142,7 +145,8 @@ class Tally:
             loaded_tokens=sum(s.loaded_tokens for s in served),
             estimated_prefill_s=sum(s.prefill_s for s in served),
             load_s=sum(s.load_s for s in served),
-            copy_s=sum(s.copy_s + s.after_s for s in served),
+            copy_s=sum(s.copy_s for s in served),
+            decode_copy_s=sum(s.after_s for s in served),
             wait_mean_s=ratio(sum(self.waits), len(self.waits)),
             wait_p95_s=p95(self.waits),
             ttft_mean_s=ratio(sum(self.ttfts), len(self.ttfts)),
