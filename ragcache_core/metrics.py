@@ -194,9 +194,8 @@ class Metrics:
 
     def record_tree(self, now: TreeCounters) -> None:
         """Move the host eviction collector by what the tree counted since the last call (the
-        engine's tree evicts from the host tier only: vLLM evicts its own blocks). The tree's
-        counters only grow until its `clear()`: a drop means a clear, after which everything
-        counted is new."""
+        tree has no GPU slots: vLLM evicts its own blocks). The tree's counters only
+        grow until its `clear()`: a drop means a clear, after which everything counted is new."""
         seen = self._tree_seen
         if now.evictions_host < seen.evictions_host:
             seen = TreeCounters()

@@ -15,13 +15,13 @@ Token positions are positions in the request's prompt (0 = first template/system
               <---- load spans ----><- store span ->   computed
               cached (pool -> paged KV)   computed, then paged KV -> host pool
 
-In the engine the GPU tier is vLLM's own block pool with its prefix caching on (docs/design.md
-3.1): vLLM matches its cached blocks first, and the connector loads from the host pool only
-the tokens past vLLM's hit (none on a full GPU hit: no byte moves). The engine's plans
-therefore load the host tier and either store it (write-through) or keep documents for the
-eviction window with a lease of host slots (`keep`, `lease`: the default). GPU loads and
-stores belong to the simulator's two pools (`sim/two_pools.py`, whose plans are bookkeeping
-only); the engine's connector refuses them (`engine.connector.spans.plan_problems`).
+The GPU tier is vLLM's own block pool with its prefix caching on (docs/design.md 2.2): vLLM
+matches its cached blocks first, and the connector loads from the host pool only the tokens
+past vLLM's hit (none on a full GPU hit: no byte moves). Plans therefore load the host tier
+and either store it (write-through) or keep documents for the eviction window with a lease of
+host slots (`keep`, `lease`: the default). Nothing is ever loaded from or stored to the GPU
+tier (`Tier.GPU`: it has no slots of the tree's); the connector refuses such a span
+(`engine.connector.spans.plan_problems`).
 
 Execution order in the worker (docs/design.md 3.2):
   1. load:     host slots -> the request's token positions in vLLM's paged cache,
@@ -44,10 +44,16 @@ PLAN_KEY = "ragcache_plan"
 
 
 class Tier(StrEnum):
-    """Where a node's KV lives. A node may be on both (GPU copy + host copy)."""
+    """Where a node's KV lives: vLLM's blocks (`GPU`: vLLM's own, held and evicted by vLLM,
+    known to the tree as `Node.resident`; no slots of the tree's) or a slot tier below them
+    (`SLOT_TIERS`: the tree's own slots, each with its write rule). A node may be in several."""
 
     GPU = "gpu"
     HOST = "host"
+
+
+SLOT_TIERS: tuple[Tier, ...] = (Tier.HOST,)
+"""The tiers of the tree's own slots, top first (a disk tier would follow the host tier)."""
 
 
 @dataclass(frozen=True, slots=True)

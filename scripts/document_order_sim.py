@@ -1,12 +1,13 @@
 """Document order (issue 40) in the simulator: token and document hit rates of each order.
 
 For each trace, the host tier is sized at a fraction of the trace's distinct document tokens
-(the sum over distinct document ids of their token counts), the GPU tier is 0 (the host tier
-is the cache), the policy PGDSF (pinned: docs/benchmarks.md's figures were measured with it,
-before DGDSF became the default), store policy "always", FCFS, batch size 1: the same run as
+(the sum over distinct document ids of their token counts), in one-token slots written as
+documents are computed, and is the only cache (vLLM without prefix caching); the policy PGDSF
+(pinned: docs/benchmarks.md's figures were measured with it, before DGDSF became the default),
+store policy "always", FCFS, one request at a time: the same run as
 
-    ragcache simulate --trace T --gpu-tokens 0 --host-tokens H --document-order O \
-        --policy pgdsf --json
+    ragcache simulate --trace T --vllm-blocks 256 --no-prefix-caching --page-size 1 \
+        --host-tokens H --document-order O --policy pgdsf --json
 
 for every order O. Prints one markdown table row per (trace, fraction).
 
@@ -33,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from ragcache_core.sim import SimConfig, SimResult, simulate
+from ragcache_core.sim import EngineConfig, EngineRequest, SimConfig, SimResult, simulate
 from ragcache_core.sim.simulator import SIM_DOCUMENT_ORDERS, Simulator
 from ragcache_core.trace import TraceRequest, load_trace
 from ragcache_core.tree import DocSpec
@@ -58,21 +59,21 @@ class TailSimulator(Simulator):
         self.tail = tail
         self.seen: dict[str, int] = {}
 
-    def served_specs(self, request: TraceRequest) -> list[DocSpec]:
-        specs = super().served_specs(request)
+    def served_docs(self, request: EngineRequest) -> tuple[DocSpec, ...]:
+        specs = super().served_docs(request)
         for spec in specs:
             self.seen.setdefault(spec.key.doc_id, len(self.seen))
         if self.tail == "retrieval":
             return specs
         # The walk placed exactly the documents that hit (one root, no vLLM residency here).
-        walked = len(self.tree.match(specs).doc_hits)
-        rank = {spec.key.doc_id: i for i, spec in enumerate(self.specs(request))}
-        return specs[:walked] + sorted(specs[walked:], key=self.tail_key(rank))
+        walked = len(self.engine.tree.match(specs).doc_hits)
+        rank = {spec.key.doc_id: i for i, spec in enumerate(request.docs)}
+        return specs[:walked] + tuple(sorted(specs[walked:], key=self.tail_key(rank)))
 
     def tail_key(self, rank: dict[str, int]) -> Callable[[DocSpec], tuple[int, int]]:
         accesses: Counter[str] = Counter()
         known: set[str] = set()
-        for node in self.tree.iter_nodes():
+        for node in self.engine.tree.iter_nodes():
             doc_id = getattr(node.key, "doc_id", None)
             if doc_id in rank and node.cached:
                 known.add(doc_id)
@@ -87,14 +88,20 @@ class TailSimulator(Simulator):
         return lambda spec: (rule(spec.key.doc_id), rank[spec.key.doc_id])
 
 
+def host_alone(host: int) -> EngineConfig:
+    """The host tier as the only cache: `host` one-token slots, vLLM without prefix caching
+    (its 256 blocks of 32 tokens only run each request)."""
+    return EngineConfig(
+        vllm_blocks=256, host_tokens=host, page_size=1, policy=POLICY, prefix_caching=False
+    )
+
+
 def run_cell(requests: list[TraceRequest], host: int, order: str) -> SimResult:
     """One run: `order` is a document order, or "tail:RULE" ("cache" with that tail)."""
     if order.startswith("tail:"):
-        config = SimConfig(gpu_tokens=0, host_tokens=host, document_order="cache", policy=POLICY)
+        config = SimConfig(host_alone(host), document_order="cache")
         return TailSimulator(config, order.removeprefix("tail:")).run(requests)
-    return simulate(
-        requests, SimConfig(gpu_tokens=0, host_tokens=host, document_order=order, policy=POLICY)
-    )
+    return simulate(requests, SimConfig(host_alone(host), document_order=order))
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 """Policy hit-rate table: every policy over host capacities, relative to the best, plus the
 infinite ceiling and the "second" store policy.
 
-By default on the engine's tier model (`sim.engine.EngineSimulator`): vLLM's prefix-cached
-blocks under LRU (`--vllm-blocks`, else the GPU share below in 32-token blocks) and the host
-tier, written at eviction or as documents are computed (`--host-write`); the policy decides
-host admission and eviction. `--two-pool` runs the paper's two pools (`sim.simulate`).
+On the engine's tier model (`sim.engine.EngineSimulator`): vLLM's prefix-cached blocks under
+LRU (`--vllm-blocks`, else the GPU share below in 32-token blocks) and the host tier, written
+at eviction or as documents are computed (`--host-write`); the policy decides host admission
+and eviction. (Until issue 57 `--two-pool` ran the paper's two pools; that model is gone.)
 
 GPU capacity is fixed; host capacities are fractions of the trace's *distinct prefix tokens*
 (the tokens an infinite cache would end up holding: every distinct document prefix once).
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import adaptive_pgdsf
 
 from ragcache_core.policy import DEFAULT_POLICY
-from ragcache_core.sim import EngineConfig, EngineRequest, EngineSimulator, SimConfig, simulate
+from ragcache_core.sim import EngineConfig, EngineRequest, EngineSimulator
 from ragcache_core.trace import TraceRequest, load_trace
 
 FRACTIONS = (0.025, 0.05, 0.1, 0.2, 0.4)
@@ -45,6 +45,21 @@ ADAPTIVE = "apgdsf"
 BLOCK_SIZE = 32
 WITHIN = 0.99
 """The default must reach this share of the best fixed policy's document hit rate."""
+
+
+def infinite_ceiling(requests: list[TraceRequest]) -> _Cell:
+    """Document and document-token hit rates with unbounded memory: a document hits when an
+    earlier request had the same documents before it (its KV is its prefix's)."""
+    seen: set[tuple[str, ...]] = set()
+    docs = hits = tokens = hit_tokens = 0
+    for r in sorted(requests, key=lambda r: r.arrival_s):
+        for depth in range(1, len(r.docs) + 1):
+            prefix = r.docs[:depth]
+            docs, tokens = docs + 1, tokens + r.doc_tokens[depth - 1]
+            if prefix in seen:
+                hits, hit_tokens = hits + 1, hit_tokens + r.doc_tokens[depth - 1]
+            seen.add(prefix)
+    return _Cell(hits / docs if docs else 0.0, hit_tokens / tokens if tokens else 0.0)
 
 
 def distinct_prefix_tokens(requests: list[TraceRequest]) -> int:
@@ -105,21 +120,10 @@ def simulate_cell(
     system_tokens: int,
     store_policy: str = "always",
     *,
-    two_pool: bool = False,
     vllm_blocks: int | None = None,
     host_write: str = "compute",
 ) -> _Cell:
     """One cell: `gpu` tokens of GPU (or `vllm_blocks`), `host` tokens of host tier."""
-    if two_pool:
-        config = SimConfig(
-            gpu_tokens=gpu,
-            host_tokens=host,
-            policy=policy,
-            system_tokens=system_tokens,
-            store_policy=store_policy,
-        )
-        result = simulate(requests, config)
-        return _Cell(result.doc_hit_rate, result.token_hit_rate)
     engine = EngineConfig(
         vllm_blocks=vllm_blocks or engine_blocks(requests, gpu, system_tokens),
         host_tokens=host,
@@ -157,23 +161,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--tuned", default="nq_top2,mmlu_top2", help="traces apgdsf was tuned on (file stems)"
     )
-    parser.add_argument("--two-pool", action="store_true", help="the paper's two pools")
     parser.add_argument("--vllm-blocks", type=int, help="vLLM's blocks (default: GPU share)")
     parser.add_argument(
         "--fractions", default=",".join(map(str, FRACTIONS)), help="host shares, comma-separated"
     )
     args = parser.parse_args(argv)
     fractions = tuple(float(f) for f in args.fractions.split(","))
-    cell = partial(
-        simulate_cell,
-        two_pool=args.two_pool,
-        vllm_blocks=args.vllm_blocks,
-        host_write=args.host_write,
-    )
-    print(
-        "tier model: "
-        + ("two pools" if args.two_pool else f"engine (host_write={args.host_write})")
-    )
+    cell = partial(simulate_cell, vllm_blocks=args.vllm_blocks, host_write=args.host_write)
+    print(f"tier model: engine (host_write={args.host_write})")
     tuned = set(args.tuned.split(","))
     worst: list[tuple[float, str]] = []
     adaptive: dict[bool, list[tuple[float, str]]] = {True: [], False: []}
@@ -181,9 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         requests = load_trace(path)
         distinct = distinct_prefix_tokens(requests)
         gpu = int(distinct * args.gpu_fraction)
-        ceiling = simulate(
-            requests, SimConfig(gpu_tokens=10**12, host_tokens=0, system_tokens=args.system_tokens)
-        )
+        ceiling = infinite_ceiling(requests)
         print(
             f"\n{path.stem}: {len(requests)} requests, distinct prefix tokens {distinct}, "
             f"GPU {gpu} tokens; infinite ceiling doc hit {ceiling.doc_hit_rate:.3f}, "

@@ -2,9 +2,11 @@
 
 For each trace (made by scripts/build_sim_traces.py), a stream of --length requests is
 resampled with the trace's measured first-document skew (ragcache_core/sim/resample.py), then
-run through 8, 16 and 64 replicas with every routing policy. Memory: the replicas together hold
---share of the stream's distinct prefix tokens (per replica M = share x W / N; a quarter GPU,
-three quarters host, 16-token pages); the single-replica reference holds N x M. The memory
+run through 8, 16 and 64 replicas with every routing policy, each replica one simulated engine
+(vLLM's blocks and the host tier, `ragcache_core/sim/engine.py`). Memory: the replicas together
+hold --share of the stream's distinct prefix tokens (per replica M = share x W / N; a quarter
+vLLM's blocks of 32 tokens, three quarters host tier in 16-token pages, written at eviction as
+the engine's default); the single-replica reference holds N x M. The memory
 search finds the smallest per-replica memory, as a multiple of M on a grid, that reaches the
 single replica's token hit rate.
 
@@ -26,6 +28,7 @@ from typing import Any
 from ragcache_core.sim import (
     ROUTINGS,
     ClusterConfig,
+    EngineConfig,
     SimConfig,
     load_trace,
     resample,
@@ -35,6 +38,9 @@ from ragcache_core.sim import (
 from ragcache_core.trace import TraceRequest
 
 GRID = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+BLOCK_SIZE = 32
+LONGEST_PROMPT = 2048
+"""vLLM's blocks never fall below this many tokens (a replica must run its longest prompt)."""
 SEARCHED = ("round_robin", "prefix_affinity", "doc_affinity", "oracle")
 
 
@@ -50,17 +56,19 @@ def distinct_prefix_tokens(requests: list[TraceRequest]) -> int:
 
 
 def replica_config(memory: int, system_tokens: int) -> SimConfig:
-    """A quarter GPU, three quarters host; 16-token pages (twice as fast as 1-token ones);
-    PGDSF (pinned: docs/benchmarks.md's figures were measured with it, before DGDSF became
-    the default)."""
+    """A quarter vLLM's blocks (at least `LONGEST_PROMPT` tokens), three quarters host tier in
+    16-token pages written at eviction; PGDSF (pinned: docs/benchmarks.md's figures were first
+    measured with it, before DGDSF became the default, and rerun with it)."""
     gpu = memory // 4
-    return SimConfig(
-        gpu_tokens=gpu,
+    engine = EngineConfig(
+        vllm_blocks=max(gpu, LONGEST_PROMPT) // BLOCK_SIZE + 1,
         host_tokens=memory - gpu,
-        system_tokens=system_tokens,
+        block_size=BLOCK_SIZE,
         page_size=16,
         policy="pgdsf",
+        host_write="eviction",
     )
+    return SimConfig(engine, system_tokens=system_tokens)
 
 
 def cluster_hit(

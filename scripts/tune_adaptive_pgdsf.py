@@ -6,7 +6,7 @@ For each STEP of the grid, on the tuning traces only, every cell of `policy_hit_
 the best fixed policy of that cell. The STEP with the highest lowest share wins (ties: the
 highest mean). The held-out traces are not read here; `policy_hit_rates.py` reports apgdsf
 (with the STEP the code ships) on every trace. The tier model is `policy_hit_rates.py`'s: the
-engine's by default (`--host-write`, `--vllm-blocks`), the paper's two pools with `--two-pool`.
+engine's (`--host-write`, `--vllm-blocks`).
 
     .venv/bin/python scripts/tune_adaptive_pgdsf.py /tmp/ragcache-traces/{nq_top2,mmlu_top2}.jsonl
 """
@@ -34,16 +34,10 @@ def main() -> None:
     parser.add_argument("traces", type=Path, nargs="+", help="the tuning traces only")
     parser.add_argument("--system-tokens", type=int, default=64)
     parser.add_argument("--gpu-fraction", type=float, default=0.01)
-    parser.add_argument("--two-pool", action="store_true", help="the paper's two pools")
     parser.add_argument("--vllm-blocks", type=int, help="vLLM's blocks (default: GPU share)")
     parser.add_argument("--host-write", choices=("eviction", "compute"), default="compute")
     args = parser.parse_args()
-    cell = partial(
-        simulate_cell,
-        two_pool=args.two_pool,
-        vllm_blocks=args.vllm_blocks,
-        host_write=args.host_write,
-    )
+    cell = partial(simulate_cell, vllm_blocks=args.vllm_blocks, host_write=args.host_write)
     cells = []
     for _, requests, gpu, _, host in grid(args.traces, args.gpu_fraction):
         best = max(cell(requests, gpu, host, p, args.system_tokens).doc_hit_rate for p in FIXED)

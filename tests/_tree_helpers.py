@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pytest
 
 from ragcache_core.plan import Tier
-from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RootKey
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.placement import Placement
@@ -15,10 +14,10 @@ from ragcache_core.tree.placement import Placement
 ROOT = RootKey("model", "tokenizer", "template", "float16")
 
 
-def make(gpu: int = 100, host: int = 0, page: int = 4, **kw: object) -> KnowledgeTree:
-    """A tree over the simulator's two pools (`gpu` GPU slots; 0: the engine's tree)."""
-    pool = TwoPools(gpu) if gpu else None
-    return KnowledgeTree(ROOT, gpu_pool=pool, host_slots=host, page_size=page, **kw)  # type: ignore[arg-type]
+def make(host: int = 100, page: int = 4, **kw: object) -> KnowledgeTree:
+    """The engine's tree with a host tier of `host` slots of `page` tokens (written at
+    compute unless `host_write` says otherwise)."""
+    return KnowledgeTree(ROOT, host_slots=host, page_size=page, **kw)  # type: ignore[arg-type]
 
 
 def doc(name: str, tokens: int = 10) -> DocSpec:
@@ -115,13 +114,6 @@ def record_evictions(monkeypatch: pytest.MonkeyPatch) -> list[Eviction]:
     return log
 
 
-def two_pools(cache: KnowledgeTree) -> TwoPools:
-    """The simulator's GPU pool of a tree built with one."""
-    pool = cache.gpu_pool
-    assert isinstance(pool, TwoPools)
-    return pool
-
-
-def gpu_used(cache: KnowledgeTree) -> int:
-    """GPU pool slots in use (0 without a GPU pool)."""
-    return 0 if cache.gpu_pool is None else two_pools(cache).used_slots
+def host_used(cache: KnowledgeTree) -> int:
+    """Host slots holding a node's copy."""
+    return cache.stats().host_used_slots

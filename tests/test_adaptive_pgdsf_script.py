@@ -40,18 +40,18 @@ def adaptive(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_without_an_evicted_key_back_it_orders_as_pgdsf(adaptive: Any) -> None:
     """The contract suite's scenarios: theta stays 1, so PGDSF's orders."""
-    cache = make(gpu=0, host=30, page=1, policy="apgdsf")
+    cache = make(host=30, page=1, policy="apgdsf")
     for name in ["a", "b", "c", "a", "a", "c"]:
         run(cache, doc(name))
     assert evicted_in_order(cache, ["d", "e", "f"]) == ["b", "c", "d"]
-    cache = make(gpu=0, host=PREFIX_COST_TOKENS, page=1, policy="apgdsf", cost_model=PrefixCost())
+    cache = make(host=PREFIX_COST_TOKENS, page=1, policy="apgdsf", cost_model=PrefixCost())
     assert prefix_cost_victim(cache) == "y"
 
 
 def test_it_weighs_recency_after_a_one_timer_returns(adaptive: Any) -> None:
     """A document evicted after one retrieval that is requested again lowers theta (recency
     was undervalued), one evicted after several raises it; each by the factor 1 + STEP."""
-    cache = make(gpu=0, host=20, page=1, policy="apgdsf")
+    cache = make(host=20, page=1, policy="apgdsf")
     policy = cache.policy
     assert isinstance(policy, adaptive)
     for name in ["a", "a", "b", "c"]:  # c evicts b (frequency 1, below a's 2)

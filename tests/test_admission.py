@@ -9,15 +9,17 @@ import pytest
 
 from ragcache_core.config import SamplingConfig
 from ragcache_core.runtime.admission import Admission
-from ragcache_core.runtime.attempt import Attempt
+from ragcache_core.runtime.attempt import Attempt, Request
 from ragcache_core.runtime.prompt import BuiltPrompt
 
 
 def request(
     score: Callable[[], tuple[int, int]], blocked: Callable[[], bool] = lambda: False
 ) -> Attempt:
-    """A request as admission sees it: its score and whether it is blocked (no prompt)."""
-    return Attempt(BuiltPrompt((), (), (), ()), SamplingConfig(), score=score, blocked=blocked)
+    """A request's try as admission sees it: its request's score and whether it is blocked
+    (no prompt)."""
+    prompt = BuiltPrompt((), (), (), ())
+    return Request(prompt, SamplingConfig(), score=score, blocked=blocked).attempt
 
 
 async def admit(admission: Admission, attempt: Attempt) -> Attempt:

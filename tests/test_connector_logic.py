@@ -79,7 +79,8 @@ def test_plan_problems_are_named() -> None:
 
 def test_plan_problems_refuse_every_gpu_pool_part() -> None:
     """The engine's GPU tier is vLLM's own KV cache: a plan that loads or stores a GPU pool
-    (the simulator's two pools) is refused, part by part, whatever its slots."""
+    (the tree has none since issue 57; a plan from elsewhere) is refused, part by part,
+    whatever its slots."""
     gpu_load = Plan(PAGE, load=(LoadSpan(Tier.GPU, (0, 1), 0, 6),))
     (problem,) = _problems(gpu_load)
     assert problem.startswith("load[0] uses the gpu pool: the engine has none")
@@ -416,8 +417,8 @@ def test_rejected_plan_runs_nothing_and_says_why() -> None:
     ids=["gpu-load", "gpu-store"],
 )
 def test_a_gpu_pool_plan_is_refused_and_runs_nothing(plan: Plan) -> None:
-    """The old two-pool plans (the simulator's) reach the engine's connector refused: no load
-    is counted, no copy is sent, and the result says why."""
+    """A plan with GPU spans (the old two-pool model's) reaches the engine's connector refused:
+    no load is counted, no copy is sent, and the result says why."""
     side, _ = _side()
     assert side.track_and_count_loads("w", {PLAN_KEY: plan.to_json()}, 30, 0) == 0
     side.after_alloc("w", 0)

@@ -101,7 +101,7 @@ def test_on_the_tree_a_document_that_stops_being_retrieved_gives_way() -> None:
     then `new` stays."""
 
     def tree(policy: str) -> KnowledgeTree:
-        return KnowledgeTree(ROOT, gpu_pool=None, host_slots=20, page_size=1, policy=policy)
+        return KnowledgeTree(ROOT, host_slots=20, page_size=1, policy=policy)
 
     for policy, keeps_new in (("lfu", False), ("dgdsf", True)):
         cache = tree(policy)

@@ -16,16 +16,13 @@ from ragcache_core.config import CacheConfig, check_document_order
 from ragcache_core.documents import Document
 from ragcache_core.errors import ConfigError, InputError
 from ragcache_core.runtime.speculation import _Run, served_order
-from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import DocSpec, KnowledgeTree, cache_order
 
 A, B, C, D = doc("a", 5), doc("b", 10), doc("c", 8), doc("d", 8)
 
 
 def tree(max_depth: int | None = None) -> KnowledgeTree:
-    return KnowledgeTree.from_tokens(
-        ROOT, gpu_pool=TwoPools(10_000), host_tokens=0, page_size=1, max_depth=max_depth
-    )
+    return KnowledgeTree.from_tokens(ROOT, host_tokens=10_000, page_size=1, max_depth=max_depth)
 
 
 def apply_order(docs: Sequence[DocSpec], order: Sequence[int]) -> list[DocSpec]:

@@ -10,7 +10,6 @@ import pytest
 from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import KeepSpan, Plan, Tier, WindowLosses
-from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import KnowledgeTree
 from ragcache_core.tree.integrity import IntegrityError
 from tests._tree_helpers import ROOT, cached_paths, doc
@@ -279,10 +278,6 @@ def test_an_engine_report_of_stranded_blocks_fails_the_integrity_check() -> None
 def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="host_write"):
         _tree().__class__(ROOT, host_slots=8, page_size=PAGE, host_write="lazy")
-    with pytest.raises(ConfigError, match="no GPU pool"):
-        KnowledgeTree(
-            ROOT, gpu_pool=TwoPools(4), host_slots=8, page_size=PAGE, host_write="eviction"
-        )
     with pytest.raises(ConfigError, match="host_lease_max_slots"):
         _tree(lease=8, host_lease_max_slots=4)
 

@@ -13,7 +13,6 @@ from ragcache_core.engine.connector import ConnectorConfig, ConnectorResult
 from ragcache_core.plan import Tier
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
 from ragcache_core.runtime.prompt import BuiltPrompt
-from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.storage.pool_layout import PoolLayout
 from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RequestState, RootKey
 
@@ -27,11 +26,9 @@ def _connector(host_slots: int = 64) -> ConnectorConfig:
     return ConnectorConfig(layout=layout, host_slots=host_slots, host_pool_name="test")
 
 
-def _lifecycle(host_slots: int = 64, tree_gpu_slots: int = 0) -> Lifecycle:
-    """A lifecycle over a fresh tree of 64 host slots (and, like the engine's, no GPU pool
-    unless `tree_gpu_slots`: the simulator's two pools); its connector view has `host_slots`."""
-    pool = TwoPools(tree_gpu_slots) if tree_gpu_slots else None
-    tree = KnowledgeTree(ROOT, gpu_pool=pool, host_slots=64, page_size=PAGE)
+def _lifecycle(host_slots: int = 64) -> Lifecycle:
+    """A lifecycle over a fresh tree of 64 host slots; its connector view has `host_slots`."""
+    tree = KnowledgeTree(ROOT, host_slots=64, page_size=PAGE)
     return Lifecycle(tree, _connector(host_slots))
 
 
@@ -92,17 +89,17 @@ def test_a_plan_the_connector_would_refuse_is_never_sent(
     tree.check_integrity()
 
 
-def test_a_tree_with_gpu_slots_plans_gpu_stores_the_connector_refuses(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """The simulator's two-pool tree stores on its GPU tier; the engine's connector has no GPU
-    pool, so such a plan is refused before it is sent."""
-    life = _lifecycle(tree_gpu_slots=64)
-    with caplog.at_level(logging.ERROR):
-        handle, plan = life.open(_prompt("a"), final=True)
-    assert plan is None and handle.state is RequestState.ABORTED
-    assert all(span.tier is Tier.GPU for span in handle.plan.store) and handle.plan.store
-    assert "uses the gpu pool" in caplog.text
+def test_a_lifecycle_of_a_tree_alone_checks_plans_against_the_trees_sizes() -> None:
+    """`Lifecycle.of` (the simulator's, `bench overhead`'s): no connector, so plans are
+    checked against the tree's own page size and host slots, and they pass."""
+    tree = KnowledgeTree(ROOT, host_slots=8, page_size=PAGE)
+    life = Lifecycle.of(tree)
+    handle, plan = life.open(_prompt("a"), final=True)
+    assert plan is not None and plan.store and handle.is_open
+    life.first_token(handle)
+    handle, plan = life.open(_prompt("a"), final=True)
+    assert plan is not None and plan.load
+    life.first_token(handle)
     life.tree.check_integrity()
 
 

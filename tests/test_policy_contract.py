@@ -11,27 +11,24 @@ from _tree_helpers import (
     cached_paths,
     doc,
     evicted_in_order,
-    gpu_used,
     prefix_cost_victim,
     record_evictions,
     run,
-    two_pools,
 )
 
 from ragcache_core.config import CacheConfig
 from ragcache_core.errors import ConfigError
 from ragcache_core.plan import Tier
 from ragcache_core.policy import POLICIES, NodeStats, make_policy
-from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import KnowledgeTree
 
 ALL = sorted(POLICIES)
 
 
-def make(policy: str, gpu: int, host: int = 0, page: int = 1, **kw: object) -> KnowledgeTree:
-    """A tree over the simulator's two pools (`gpu` GPU slots; 0: the engine's tree)."""
-    pool = TwoPools(gpu) if gpu else None
-    return KnowledgeTree(ROOT, gpu_pool=pool, host_slots=host, page_size=page, policy=policy, **kw)  # type: ignore[arg-type]
+def make(policy: str, host: int, page: int = 1, **kw: object) -> KnowledgeTree:
+    """The engine's tree with a host tier of `host` slots written at compute (the tier the
+    policy governs; vLLM's blocks are vLLM's)."""
+    return KnowledgeTree(ROOT, host_slots=host, page_size=page, policy=policy, **kw)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- contract
@@ -43,14 +40,14 @@ def test_priority_is_a_deterministic_pair(policy: str) -> None:
     stats = NodeStats(10, 0.5, now=3)
     stats.touch(4, count=True, window=0)
     stats.record_computed(0.25)
-    first = p.priority(stats, Tier.GPU)
-    assert first == p.priority(stats, Tier.GPU)
+    first = p.priority(stats, Tier.HOST)
+    assert first == p.priority(stats, Tier.HOST)
     assert len(first) == 2 and all(isinstance(x, float) for x in first)
 
 
 @pytest.mark.parametrize("policy", ALL)
 def test_no_eviction_below_capacity(policy: str) -> None:
-    cache = make(policy, gpu=50)
+    cache = make(policy, host=50)
     for name in "abcde":
         run(cache, doc(name))
     assert len(cached_paths(cache)) == 6
@@ -60,22 +57,21 @@ def test_no_eviction_below_capacity(policy: str) -> None:
 
 @pytest.mark.parametrize("policy", ALL)
 def test_capacity_is_never_exceeded_and_hot_item_repeats_hit(policy: str) -> None:
-    cache = make(policy, gpu=30, host=20)
+    cache = make(policy, host=30)
     hits = 0
     for i in range(40):
         name = "hot" if i % 2 == 0 else f"cold{i}"
         handle = cache.begin_request(0, [doc(name)], 0)
         hits += len(handle.hits.doc_hits) if name == "hot" else 0
         cache.confirm(handle)
-        stats = cache.stats()
-        assert gpu_used(cache) <= 30 and stats.host_used_slots <= 20
+        assert cache.stats().host_used_slots <= 30
         cache.check_integrity()
     assert hits >= 15  # every policy keeps a document requested every other time
 
 
 @pytest.mark.parametrize("policy", ALL)
 def test_pinned_nodes_are_never_victims(policy: str) -> None:
-    cache = make(policy, gpu=30)
+    cache = make(policy, host=30)
     run(cache)
     holder = cache.begin_request(0, [doc("pinned")], 0)
     for i in range(10):
@@ -88,43 +84,35 @@ def test_pinned_nodes_are_never_victims(policy: str) -> None:
 def test_only_leaves_are_evicted(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cold inner node a (below it: b) ties its leaf b on every policy's priority and
     entered the candidate heap first, so only the leaf rule keeps it from being evicted."""
-    cache = make(policy, gpu=30)
+    cache = make(policy, host=30)
     evictions = record_evictions(monkeypatch)
     run(cache, doc("a"), doc("b"))  # a -> b, computed together: same statistics
     run(cache, doc("c"))
     run(cache, doc("c"))  # c is hotter and more recent than a and b
     run(cache, doc("d"))  # 10 more tokens in a full tier of 30: one eviction
-    assert [(e.path, e.tier) for e in evictions] == [(("a", "b"), Tier.GPU)]
+    assert [(e.path, e.tier) for e in evictions] == [(("a", "b"), Tier.HOST)]
     assert all(not e.children_in_tier and not e.pinned for e in evictions), evictions
     assert set(cached_paths(cache)) == {(), ("a",), ("c",), ("d",)}
 
 
 @pytest.mark.parametrize("policy", ALL)
 def test_clear_resets_policy_state(policy: str) -> None:
-    cache = make(policy, gpu=20)
+    cache = make(policy, host=20)
     for name in "abcd":
         run(cache, doc(name))
     cache.clear()
     fresh = make_policy(policy)
     stats = NodeStats(10, 1.0, now=0)
-    assert cache.policy.priority(stats, Tier.GPU) == fresh.priority(stats, Tier.GPU)
+    assert cache.policy.priority(stats, Tier.HOST) == fresh.priority(stats, Tier.HOST)
 
 
 @pytest.mark.parametrize("policy", ALL)
-def test_swap_out_once_for_every_policy(policy: str) -> None:
-    cache = make(policy, gpu=10, host=100)
-    for i in range(12):
-        run(cache, doc("a" if i % 2 else "b"))
-    assert two_pools(cache).swap_outs == 2  # a and b each copied to host exactly once
-
-
-@pytest.mark.parametrize("policy", ALL)
-def test_a_host_only_tree_evicts_on_the_host_and_never_copies_between_pools(
+def test_the_tree_stores_loads_and_evicts_on_the_host_tier(
     policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine's tree (no GPU slots): stores and loads on the host tier, evictions there,
-    capacity kept, and a document requested every other time keeps hitting."""
-    cache = make(policy, gpu=0, host=30)
+    """The engine's tree (its slot tier is the host tier): stores and loads there, evictions
+    there, capacity kept, and a document requested every other time keeps hitting."""
+    cache = make(policy, host=30)
     evictions = record_evictions(monkeypatch)
     hits = 0
     for i in range(40):
@@ -136,13 +124,11 @@ def test_a_host_only_tree_evicts_on_the_host_and_never_copies_between_pools(
         assert all(span.tier is Tier.HOST for span in (*plan.load, *plan.store))
         hits += handle.hits.docs_on(Tier.HOST) if name == "hot" else 0
         cache.confirm(handle)
-        stats = cache.stats()
-        assert gpu_used(cache) == 0 and stats.host_used_slots <= 30
+        assert cache.stats().host_used_slots <= 30
         cache.check_integrity()
     assert hits >= 15
     assert cache.match([doc("hot")]).root_cached
     assert evictions and all(e.tier is Tier.HOST for e in evictions)
-    assert cache.gpu_pool is None
 
 
 # --------------------------------------------------------------------------- exact orders
@@ -162,21 +148,9 @@ FREQUENCY_ORDER = {
 }
 
 
-# The simulator's GPU tier, or the engine's tree (no GPU slots: documents are stored on the
-# host tier, vLLM's prefix cache being the GPU tier): every policy orders both alike.
-TIERS = pytest.mark.parametrize("tier", [Tier.GPU, Tier.HOST])
-
-
-def make_in(policy: str, tier: Tier, slots: int, **kw: object) -> KnowledgeTree:
-    """A tree whose only tier is `tier`, of `slots` slots."""
-    gpu, host = (slots, 0) if tier is Tier.GPU else (0, slots)
-    return make(policy, gpu=gpu, host=host, **kw)
-
-
 @pytest.mark.parametrize("policy", ALL)
-@TIERS
-def test_exact_order_frequency_and_recency(policy: str, tier: Tier) -> None:
-    cache = make_in(policy, tier, 30)  # three 10-token documents, root of 0 tokens
+def test_exact_order_frequency_and_recency(policy: str) -> None:
+    cache = make(policy, host=30)  # three 10-token documents, root of 0 tokens
     for name in ["a", "b", "c", "a", "a", "c"]:
         run(cache, doc(name))
     assert evicted_in_order(cache, ["d", "e", "f"]) == FREQUENCY_ORDER[policy]
@@ -195,9 +169,8 @@ PREFIX_ORDER = {
 
 
 @pytest.mark.parametrize("policy", ALL)
-@TIERS
-def test_exact_order_prefix_aware_cost(policy: str, tier: Tier) -> None:
-    cache = make_in(policy, tier, PREFIX_COST_TOKENS, cost_model=PrefixCost())
+def test_exact_order_prefix_aware_cost(policy: str) -> None:
+    cache = make(policy, host=PREFIX_COST_TOKENS, cost_model=PrefixCost())
     assert prefix_cost_victim(cache) == PREFIX_ORDER[policy]
 
 
@@ -211,13 +184,12 @@ def test_exact_order_prefix_aware_cost(policy: str, tier: Tier) -> None:
 ARC_ORDER = ["b", "c", "d", "b", "a", "c"]
 
 
-@TIERS
-def test_exact_order_arc_adapts_its_target_from_ghost_hits(tier: Tier) -> None:
-    cache = make_in("arc", tier, 30)
+def test_exact_order_arc_adapts_its_target_from_ghost_hits() -> None:
+    cache = make("arc", host=30)
     for name in ["a", "a", "b", "c"]:
         run(cache, doc(name))
     assert evicted_in_order(cache, ["d", "b", "c", "d", "e", "a"]) == ARC_ORDER
-    state = cache.policy.tiers[tier]  # type: ignore[attr-defined]
+    state = cache.policy.tiers[Tier.HOST]  # type: ignore[attr-defined]
     assert state.target == 10.0
     assert list(state.b1) and not state.b2
 
@@ -225,10 +197,10 @@ def test_exact_order_arc_adapts_its_target_from_ghost_hits(tier: Tier) -> None:
 def test_arc_forgets_a_copy_that_leaves_without_eviction() -> None:
     """An invalidated copy leaves T1/T2 but no ghost: only the policy's own evictions teach
     it (vLLM's `remove`); an evicted one leaves a ghost of its size."""
-    cache = make("arc", gpu=20)
+    cache = make("arc", host=20)
     for name in ["a", "a", "b"]:
         run(cache, doc(name))
-    state = cache.policy.tiers[Tier.GPU]  # type: ignore[attr-defined]
+    state = cache.policy.tiers[Tier.HOST]  # type: ignore[attr-defined]
     assert (state.t1_tokens, state.t2_tokens) == (10, 10)  # b stored once, a reused
     assert cache.invalidate("a") == 1
     assert (state.t1_tokens, state.t2_tokens) == (10, 0) and not state.b1 and not state.b2

@@ -1,5 +1,5 @@
-"""scripts/policy_hit_rates.py on a tiny generated trace: the table's shape, on the engine's
-tier model and on the two pools, and the policy changes a cell."""
+"""scripts/policy_hit_rates.py on a tiny generated trace: the table's shape on the engine's
+tier model, its infinite ceiling, and the policy changes a cell."""
 
 from __future__ import annotations
 
@@ -62,9 +62,7 @@ def _rows(out: str) -> list[list[str]]:
     return [row for row in rows if not row[0].startswith("host")]
 
 
-@pytest.mark.parametrize(
-    "flags", [[], ["--host-write", "eviction"], ["--two-pool"], ["--vllm-blocks", "40"]]
-)
+@pytest.mark.parametrize("flags", [[], ["--host-write", "eviction"], ["--vllm-blocks", "40"]])
 def test_table_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
     script = _script()
     trace = _trace(tmp_path / "tiny.jsonl")
@@ -78,7 +76,21 @@ def test_table_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: 
     shares = [float(cell.rsplit("(", 1)[1].rstrip(")")) for cell in rows[0][1:6]]
     assert max(shares) == pytest.approx(1.0)
     assert "of the best fixed policy in every cell" in out
-    assert ("two pools" in out) == ("--two-pool" in flags)
+    assert "tier model: engine" in out
+
+
+def test_the_infinite_ceiling_counts_a_document_after_the_same_documents() -> None:
+    script = _script()
+
+    def req(i: int, *docs: str) -> TraceRequest:
+        return TraceRequest(str(i), float(i), docs, tuple(10 for _ in docs), 1)
+
+    # a (miss), a b (a hit, b miss), b a (b after the root: miss, a after b: miss), a b (hits)
+    ceiling = script.infinite_ceiling(
+        [req(0, "a"), req(1, "a", "b"), req(2, "b", "a"), req(3, "a", "b")]
+    )
+    assert ceiling.doc_hit_rate == pytest.approx(3 / 7)
+    assert ceiling.token_hit_rate == pytest.approx(3 / 7)
 
 
 @pytest.mark.parametrize("host_write", ["compute", "eviction"])

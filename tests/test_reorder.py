@@ -1,4 +1,7 @@
-"""Cache-aware reordering: the queue, and the paper's worked examples (section 4.3)."""
+"""Cache-aware reordering: the queue, and the paper's worked examples (section 4.3) on the
+simulator, with the knowledge tree as the only cache (a host tier of one-token slots, vLLM
+without prefix caching). The engine computes at least a prompt's last token, so each request
+here has a question of one token (the paper's have none): one more token computed per request."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from hypothesis import strategies as st
 
 from ragcache_core.errors import ConfigError, RAGCacheError
 from ragcache_core.runtime.reorder import CacheAwareQueue, FCFSQueue, make_queue, order_priority
-from ragcache_core.sim import SimConfig, Simulator, TraceRequest
+from ragcache_core.sim import EngineConfig, SimConfig, Simulator, TraceRequest
 
 
 def req(name: str, docs: list[tuple[str, int]], arrival: float = 0.0) -> TraceRequest:
@@ -17,8 +20,21 @@ def req(name: str, docs: list[tuple[str, int]], arrival: float = 0.0) -> TraceRe
         arrival_s=arrival,
         docs=tuple(d for d, _ in docs),
         doc_tokens=tuple(n for _, n in docs),
-        question_tokens=0,
+        question_tokens=1,
     )
+
+
+def config(capacity: int, policy: str = "dgdsf", **changes: object) -> SimConfig:
+    """The tree as the only cache: `capacity` tokens of host tier, written at compute."""
+    engine = EngineConfig(
+        vllm_blocks=2000,
+        host_tokens=capacity,
+        block_size=1,
+        page_size=1,
+        policy=policy,
+        prefix_caching=False,
+    )
+    return SimConfig(engine, **changes)  # type: ignore[arg-type]
 
 
 class TokenCost:
@@ -68,10 +84,9 @@ def _alternating(n: int) -> list[TraceRequest]:
 @pytest.mark.parametrize("policy", ["pgdsf", "lru"])
 def test_paper_alternating_stream_fcfs_zero_reordered_two_thirds(policy: str) -> None:
     # Room for one document; Q1, Q3, Q5 need D1 and Q2, Q4, Q6 need D2; all queued at once.
-    base = SimConfig(gpu_tokens=10, host_tokens=0, policy=policy, window=8)
-    fcfs = Simulator(base).run(_alternating(6))
+    fcfs = Simulator(config(10, policy, window=8)).run(_alternating(6))
     assert fcfs.doc_hit_rate == 0.0
-    reordered = Simulator(SimConfig(**{**_fields(base), "reorder": True})).run(_alternating(6))
+    reordered = Simulator(config(10, policy, window=8, reorder=True)).run(_alternating(6))
     assert reordered.cached_docs == 4  # Q1 Q3 Q5 Q2 Q4 Q6: misses on Q1 and Q2 only
     assert reordered.doc_hit_rate == pytest.approx(2 / 3)
 
@@ -80,9 +95,7 @@ def test_window_bounds_the_gain_on_a_long_alternating_stream() -> None:
     # Window 0 is FCFS (0%); a small window still switches documents periodically; an
     # unbounded one serves all D1 requests, then all D2 requests.
     rates = {
-        w: Simulator(SimConfig(gpu_tokens=10, host_tokens=0, reorder=True, window=w))
-        .run(_alternating(60))
-        .doc_hit_rate
+        w: Simulator(config(10, reorder=True, window=w)).run(_alternating(60)).doc_hit_rate
         for w in (0, 2, 1000)
     }
     assert rates[0] == 0.0
@@ -112,10 +125,6 @@ def test_no_request_is_overtaken_more_than_window_times(
         assert overtakers <= window
 
 
-def _fields(config: SimConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
-
-
 def _figure10(
     capacity: int, warm: list[tuple[str, int]], q1: list[tuple[str, int]], q2: list[tuple[str, int]]
 ) -> dict[str, float]:
@@ -127,7 +136,7 @@ def _figure10(
         ("q2_first", ["Q2", "Q1"], False),
         ("reordered", ["Q2", "Q1"], True),
     ]:
-        sim = Simulator(SimConfig(gpu_tokens=capacity, host_tokens=0, reorder=reorder), TokenCost())
+        sim = Simulator(config(capacity, reorder=reorder), TokenCost())
         for name, size in warm:
             sim.run([req(f"warm-{name}", [(name, size)])])
         pair = {"Q1": req("Q1", q1), "Q2": req("Q2", q2)}
@@ -139,29 +148,33 @@ def _figure10(
 
 def test_paper_figure10a_prefer_longer_cached_context() -> None:
     # Capacity 4. Cached: C1 (2 tokens, Q1's context) and C2 (1 token, Q2's). Both requests
-    # compute 2 new tokens. Q1 first: 2 (N1; storing it evicts C2) + 1 + 2 (C2 + N2) = 5.
-    # Q2 first: 2 (N2; evicts C1) + 2 + 2 (C1 + N1) = 6. Reordering (2/2 > 1/2) picks Q1.
+    # compute 2 new tokens and their question. Q1 first: 3 (N1 + q; storing N1 evicts C2) +
+    # 4 (C2 + N2 + q) = 7. Q2 first: 3 (N2 + q; evicts C1) + 5 (C1 + N1 + q) = 8. Reordering
+    # (2/3 > 1/3) picks Q1. (The paper's totals, without questions: 5, 6, 5.)
     totals = _figure10(
         4, warm=[("C1", 2), ("C2", 1)], q1=[("C1", 2), ("N1", 2)], q2=[("C2", 1), ("N2", 2)]
     )
-    assert totals == {"q1_first": 5, "q2_first": 6, "reordered": 5}
+    assert totals == {"q1_first": 7, "q2_first": 8, "reordered": 7}
 
 
 def test_paper_figure10b_prefer_shorter_recomputation() -> None:
-    # Capacity 5. Cached: C1 and C2 (2 tokens each). Q1 computes 2 new tokens, Q2 one.
-    # Q1 first: 2 (N1; evicts C2) + 2 + 1 (C2 + N2) = 5. Q2 first: 1 (N2 fits) + 2 (N1;
-    # evicts N2 then C2) = 3. Reordering (2/1 > 2/2) picks Q2.
+    # Capacity 5. Cached: C1 and C2 (2 tokens each). Q1 computes 2 new tokens, Q2 one (and
+    # each its question). Q1 first: 3 (N1 + q; evicts C2) + 4 (C2 + N2 + q) = 7. Q2 first:
+    # 2 (N2 fits) + 3 (N1 + q; evicts N2 then C2) = 5. Reordering (2/2 > 2/3) picks Q2. (The
+    # paper's totals, without questions: 5, 3, 3.)
     totals = _figure10(
         5, warm=[("C1", 2), ("C2", 2)], q1=[("C1", 2), ("N1", 2)], q2=[("C2", 2), ("N2", 1)]
     )
-    assert totals == {"q1_first": 5, "q2_first": 3, "reordered": 3}
+    assert totals == {"q1_first": 7, "q2_first": 5, "reordered": 5}
 
 
 def test_reordering_cuts_queueing_on_a_saturated_stream() -> None:
-    # Ten hot documents, requests arrive faster than they are served.
-    stream = [req(f"r{i}", [(f"D{(i * 7) % 10}", 400)], arrival=i * 0.001) for i in range(200)]
-    base = dict(gpu_tokens=1600, host_tokens=0, window=32)
-    fcfs = Simulator(SimConfig(**base)).run(stream)  # type: ignore[arg-type]
-    reordered = Simulator(SimConfig(**base, reorder=True)).run(stream)  # type: ignore[arg-type]
+    # Ten hot documents, requests arrive faster than they are served; the engine's tiers:
+    # vLLM's blocks hold one request and part of another, the host tier (written at eviction)
+    # two documents. A document fills 12 whole blocks of 32 (only full blocks are cached).
+    stream = [req(f"r{i}", [(f"D{(i * 7) % 10}", 384)], arrival=i * 0.001) for i in range(200)]
+    engine = EngineConfig(vllm_blocks=26, host_tokens=800, host_write="eviction")
+    fcfs = Simulator(SimConfig(engine, window=32)).run(stream)
+    reordered = Simulator(SimConfig(engine, window=32, reorder=True)).run(stream)
     assert reordered.doc_hit_rate > fcfs.doc_hit_rate
     assert reordered.ttft_mean_s < fcfs.ttft_mean_s

@@ -14,6 +14,7 @@ from ragcache_core.cli import main
 from ragcache_core.errors import ConfigError
 from ragcache_core.sim import (
     ClusterConfig,
+    EngineConfig,
     SimConfig,
     TraceRequest,
     fit_zipf,
@@ -29,10 +30,17 @@ def req(i: int, *docs: str, tokens: int = 10) -> TraceRequest:
     return TraceRequest(str(i), float(i), tuple(docs), tuple(tokens for _ in docs), 1)
 
 
+def replica(memory: int) -> SimConfig:
+    """A replica whose knowledge tree is its only cache: `memory` one-token host slots
+    written at compute, vLLM without prefix caching (its hits are the tree's, exactly)."""
+    engine = EngineConfig(
+        vllm_blocks=100, host_tokens=memory, block_size=1, page_size=1, prefix_caching=False
+    )
+    return SimConfig(engine)
+
+
 def cluster(n: int, routing: str, memory: int = 1000, **kw: object) -> ClusterConfig:
-    return ClusterConfig(
-        replicas=n, replica=SimConfig(gpu_tokens=memory, host_tokens=0), routing=routing, **kw
-    )  # type: ignore[arg-type]
+    return ClusterConfig(replicas=n, replica=replica(memory), routing=routing, **kw)  # type: ignore[arg-type]
 
 
 def names_homed(n: int, count: int) -> list[str]:
@@ -75,7 +83,7 @@ def test_doc_affinity_keeps_a_first_document_on_one_replica() -> None:
 def test_affinity_with_half_the_memory_matches_one_replica_with_all_of_it() -> None:
     a, b = names_homed(2, 2)
     requests = [req(i, d) for i, d in enumerate([a, a, b, b] * 3)]
-    one = simulate(requests, SimConfig(gpu_tokens=20, host_tokens=0))
+    one = simulate(requests, replica(20))
     affinity = simulate_cluster(requests, cluster(2, "doc_affinity", memory=10, load_factor=2))
     rr = simulate_cluster(requests, cluster(2, "round_robin", memory=10))
     assert one.doc_hit_rate == pytest.approx(10 / 12)
@@ -188,10 +196,22 @@ def test_resample_keeps_the_one_off_share_and_the_templates() -> None:
     assert resample(trace, 1000, seed=3)[0] == stream
 
 
+def test_replicas_run_the_engines_tiers() -> None:
+    """Each replica is one simulated engine (vLLM's blocks, the host tier at eviction): a
+    replica's repeat is a hit in its own caches, never in another's."""
+    engine = EngineConfig(vllm_blocks=100, host_tokens=1000, block_size=1, host_write="eviction")
+    config = ClusterConfig(replicas=2, replica=SimConfig(engine), routing="round_robin")
+    result = simulate_cluster([req(i, "a") for i in range(6)], config)
+    assert result.doc_hit_rate == pytest.approx(4 / 6)  # each replica misses "a" once
+    assert result.ttft_mean_s > 0
+    with pytest.raises(ConfigError, match="FCFS"):
+        ClusterConfig(replicas=2, replica=SimConfig(engine, reorder=True))
+
+
 def test_cli_replicas_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "t.jsonl"
     write_trace(path, [req(i, "a") for i in range(4)])
-    args = ["simulate", "--trace", str(path), "--gpu-tokens", "100", "--host-tokens", "0"]
+    args = ["simulate", "--trace", str(path), "--vllm-blocks", "100", "--block-size", "1"]
     assert main([*args, "--replicas", "2", "--routing", "round_robin", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["requests_per_replica"] == [2, 2] and out["doc_hit_rate"] == 0.5

@@ -1,5 +1,6 @@
-"""The engine-tier simulator (`sim.blocks`, `sim.engine`): its block pool against vLLM's own,
-and the host tier written at compute or at eviction, on small streams whose outcome is known."""
+"""The simulated engine (`sim.blocks`, `sim.engine`): its block pool against vLLM's own, the
+host tier written at compute or at eviction on small streams whose outcome is known, and the
+runtime's protocol that drives its tree."""
 
 from __future__ import annotations
 
@@ -168,7 +169,7 @@ def test_settings_out_of_range_are_refused_by_name() -> None:
         EngineSimulator(EngineConfig(vllm_blocks=1, host_tokens=0))
 
 
-def test_simulate_engine_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ragcache_core.cli import main
 
     trace = tmp_path / "t.jsonl"
@@ -177,12 +178,36 @@ def test_simulate_engine_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFixtur
         for i, d in enumerate("ababcab")
     ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    args = ["simulate", "--trace", str(trace), "--engine", "--vllm-blocks", "25"]
+    args = ["simulate", "--trace", str(trace), "--vllm-blocks", "25"]
     args += ["--host-tokens", "4096", "--system-tokens", "40", "--host-write", "eviction", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 7 and out["host_write"] == "eviction"
-    assert 0 < out["doc_token_hit_rate"] <= 1
+    assert 0 < out["token_hit_rate"] <= 1 and out["host_doc_hit_rate"] > 0
+
+
+def test_the_tree_is_driven_through_the_runtimes_lifecycle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each request is opened (planned and checked), confirmed at its first token and settled
+    with the connector's report, in that order, through `runtime.lifecycle.Lifecycle`: the
+    window's copies reach the tree by the reports, as in the engine."""
+    from ragcache_core.runtime.lifecycle import Lifecycle
+
+    calls: list[str] = []
+    for name in ("open", "first_token", "settle"):
+        method = getattr(Lifecycle, name)
+
+        def spy(self: Lifecycle, *args: Any, _m: Any = method, _n: str = name, **kw: Any) -> Any:
+            calls.append(_n)
+            return _m(self, *args, **kw)
+
+        monkeypatch.setattr(Lifecycle, name, spy)
+    sim = EngineSimulator(_config(host_write="eviction"))
+    for i, name in enumerate("abca"):
+        sim.serve(_request(_doc(name, 300), i))
+    assert calls == ["open", "first_token", "settle"] * 4
+    assert sim.tree.host_writes is not None and sim.tree.host_writes.copies > 0
 
 
 def test_the_reuse_ceiling_counts_a_document_only_after_the_same_prefix() -> None:
@@ -222,11 +247,11 @@ def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
         return {"system": system, "token_hit_rate": rate, "prompt_tokens_mean": 0.0}
 
     settings = {
-        "mode": {"warmup": 6, "requests": 4},
+        "mode": {"warmup": 16, "requests": 8},
         "model": str(tiny_model),
         "kv_bytes_per_token": 2048,
         "max_tokens": 4,
-        "vllm_kv_gib": 0.01,
+        "vllm_kv_gib": 0.003,
         "host_pool_tokens": 4096,
         "policy": "pgdsf",
         "seed": 0,
@@ -239,8 +264,8 @@ def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
     assert set(rows) == {"vllm-apc", "ragcache"}  # plain vLLM caches nothing: not simulated
     apc, ours = rows["vllm-apc"], rows["ragcache"]
     assert apc.config.host_tokens == 0 and ours.config.host_tokens == 4096
-    assert apc.config.vllm_blocks == int(0.01 * 2**30) // (32 * 2048)
-    assert apc.sim.requests == 4 and apc.sim_prompt_tokens_mean > 100
+    assert apc.config.vllm_blocks == int(0.003 * 2**30) // (32 * 2048)
+    assert apc.sim.requests == 8 and apc.sim_prompt_tokens_mean > 100
     # The engine's document tokens cached: its cached tokens less the roots'.
     assert ours.engine_doc_token_hit_rate > apc.engine_doc_token_hit_rate
     # The host tier's tokens, and the share vLLM's blocks hold too, within it.
@@ -250,6 +275,7 @@ def test_replay_rebuilds_a_bench_runs_stream_and_prints_both_rates(
     out = capsys.readouterr().out
     assert "ragcache" in out and "vllm-apc" in out and "30.0%/" in out
     # The stream's ceiling bounds every system's simulated document-token rate.
+    assert ours.ceiling_doc_token_hit_rate > 0
     assert all(
         r.sim.doc_token_hit_rate <= r.ceiling_doc_token_hit_rate + 1e-9 for r in rows.values()
     )

@@ -9,17 +9,15 @@ from _tree_helpers import (
     ROOT,
     cached_paths,
     doc,
-    gpu_used,
+    host_used,
     make,
     node_path,
     record_evictions,
     run,
-    two_pools,
 )
 
 from ragcache_core.errors import ConfigError, InputError, RAGCacheError
 from ragcache_core.plan import LoadSpan, Plan, StoreSpan, Tier
-from ragcache_core.sim.two_pools import TwoPools
 from ragcache_core.tree import (
     DocKey,
     DocSpec,
@@ -58,7 +56,7 @@ def test_unconfirmed_nodes_are_in_flight_not_hits() -> None:
     cache.confirm(first)
     cache.confirm(second)
     result = cache.match([doc("a").key])
-    assert [h.tier for h in result.hits] == [Tier.GPU, Tier.GPU]
+    assert [h.tier for h in result.hits] == [Tier.HOST, Tier.HOST]
     assert result.root_cached and result.cached_tokens == 18
 
 
@@ -67,42 +65,22 @@ def test_hit_plan_loads_prefix_in_order_and_stores_the_tail() -> None:
     run(cache, doc("a", 6), doc("b", 6), root=4)
     handle = cache.begin_request(4, [doc("a", 6), doc("c", 9)], 5)
     loads = [(s.tier, s.token_start, s.num_tokens) for s in handle.plan.load]
-    assert loads == [(Tier.GPU, 0, 4), (Tier.GPU, 4, 6)]
+    assert loads == [(Tier.HOST, 0, 4), (Tier.HOST, 4, 6)]
     assert [(s.token_start, s.num_tokens) for s in handle.plan.store] == [(10, 9)]
     assert handle.cached_tokens == 10 and handle.computed_tokens == 14
-    assert handle.hits.docs_on(Tier.GPU) == 1 and handle.hits.doc_tokens_on(Tier.GPU) == 6
+    assert handle.hits.docs_on(Tier.HOST) == 1 and handle.hits.doc_tokens_on(Tier.HOST) == 6
     cache.confirm(handle)
     cache.check_integrity()
 
 
 def test_match_does_not_modify_the_cache() -> None:
-    cache = make(gpu=6, page=4)
+    cache = make(host=6, page=4)
     run(cache, doc("a", 8), root=4)
     before = {n.key: (dict(n.slots), n.pins, n.stats.frequency) for n in cache.iter_nodes()}
     for _ in range(3):
         cache.match([doc("a", 8), doc("b", 8)])
     after = {n.key: (dict(n.slots), n.pins, n.stats.frequency) for n in cache.iter_nodes()}
     assert before == after
-
-
-def test_swap_out_only_once_then_zero_copy_and_promote() -> None:
-    # Room for the root + one document on GPU, plenty on host.
-    cache = make(gpu=2, host=10, page=4)
-    run(cache, doc("a", 4), root=4)
-    pool = two_pools(cache)
-    first = cache.begin_request(4, [doc("b", 4)], 0)  # evicts a: first time -> swap out
-    assert (pool.swap_outs, pool.promotions) == (1, 0)
-    cache.confirm(first)
-    promote = cache.begin_request(4, [doc("a", 4)], 0)  # host hit: promoted, b swapped out
-    assert (pool.swap_outs, pool.promotions) == (2, 1)
-    assert promote.hits.docs_on(Tier.HOST) == 1
-    assert promote.plan.load[1].tier is Tier.GPU
-    cache.confirm(promote)
-    again = cache.begin_request(4, [doc("b", 4)], 0)  # a already on host: no copy out
-    assert (pool.swap_outs, pool.promotions, pool.evictions) == (2, 2, 3)
-    cache.confirm(again)
-    assert cached_paths(cache)[("a",)] == {"host"}
-    cache.check_integrity()
 
 
 class _PerRequest:
@@ -114,39 +92,28 @@ class _PerRequest:
 
 
 def test_host_eviction_frees_and_parent_before_child(monkeypatch: pytest.MonkeyPatch) -> None:
-    """a (8 tokens) -> b (4) both end up host-only; host pressure then evicts the leaf b
+    """a (8 tokens) -> b (4) fill the host tier; host pressure then evicts the leaf b
     (freeing its slot, the node leaves the tree) and keeps a, although a's priority is the
     lower one: a host copy is never evicted while a child still has a host copy."""
-    cache = KnowledgeTree(
-        ROOT,
-        gpu_pool=TwoPools(3),
-        host_slots=3,
-        page_size=4,
-        policy="gdsf",
-        cost_model=_PerRequest(),
-    )
+    cache = KnowledgeTree(ROOT, host_slots=3, page_size=4, policy="gdsf", cost_model=_PerRequest())
     evictions = record_evictions(monkeypatch)
-    run(cache, doc("a", 8), doc("b", 4))  # GPU full: a (2 slots), b (1)
-    run(cache, doc("c", 4))  # b swapped out to host
-    run(cache, doc("d", 4))  # a swapped out to host: host full (a 2, b 1)
-    run(cache, doc("e", 4))
+    run(cache, doc("a", 8), doc("b", 4))  # host full: a (2 slots), b (1); the root has none
     assert cached_paths(cache)[("a",)] == cached_paths(cache)[("a", "b")] == {"host"}
     assert cache.counters.evictions_host == 0 and cache.stats().host_used_slots == 3
     nodes = {node_path(n): n for n in cache.iter_nodes()}
     a, b = nodes[("a",)], nodes[("a", "b")]
     assert a.priority[Tier.HOST] < b.priority[Tier.HOST]  # a would go first, were it a leaf
-    run(cache, doc("f", 4))  # c's swap-out needs a host slot: one host eviction
-    host = [e for e in evictions if e.tier is Tier.HOST]
-    assert [e.path for e in host] == [("a", "b")], evictions
-    assert not host[0].children_in_tier and cache.counters.evictions_host == 1
+    run(cache, doc("c", 4))  # c needs a host slot: one host eviction
+    assert [e.path for e in evictions] == [("a", "b")], evictions
+    assert not evictions[0].children_in_tier and cache.counters.evictions_host == 1
     paths = cached_paths(cache)
     assert ("a", "b") not in paths and paths[("a",)] == {"host"} and paths[("c",)] == {"host"}
     assert cache.stats().host_used_slots == 3  # b's slot was freed and went to c
-    assert [h.tier for h in cache.match([doc("a", 8), doc("b", 4)]).hits] == [Tier.GPU, Tier.HOST]
+    assert [h.tier for h in cache.match([doc("a", 8), doc("b", 4)]).hits] == [Tier.HOST] * 2
 
 
 def test_pinned_nodes_survive_pressure_and_room_shortage_is_not_an_error() -> None:
-    cache = make(gpu=3, host=0, page=4)
+    cache = make(host=3, page=4)
     run(cache)  # the (empty) root is confirmed: it no longer blocks other requests
     holder = cache.begin_request(0, [doc("a", 4), doc("b", 4)], 0)
     assert holder.stored_docs == 2
@@ -162,11 +129,10 @@ def test_pinned_nodes_survive_pressure_and_room_shortage_is_not_an_error() -> No
     cache.check_integrity()
 
 
-def test_zero_gpu_capacity_stores_on_the_host_tier_and_loads_from_it() -> None:
-    """The engine's tree: no GPU slots (vLLM's prefix cache is the GPU tier), so computed
-    documents are stored on the host tier, later hits load from it, and no plan ever copies
-    between pools."""
-    cache = make(gpu=0, host=10)
+def test_computed_documents_are_stored_on_the_host_tier_and_loaded_from_it() -> None:
+    """The tree's only slot tier is the host tier (vLLM's prefix cache is the GPU tier):
+    computed documents are stored there and later hits load from it."""
+    cache = make(host=10)
     first = cache.begin_request(4, [doc("a", 4)], 1)
     assert first.plan.store == (
         StoreSpan(Tier.HOST, (0,), 0, 4),
@@ -184,29 +150,27 @@ def test_zero_gpu_capacity_stores_on_the_host_tier_and_loads_from_it() -> None:
         assert plan.store == ()
         assert handle.cached_tokens == 8 and handle.hits.docs_on(Tier.HOST) == 1
         cache.confirm(handle)
-    stats = cache.stats()
-    assert (gpu_used(cache), stats.host_used_slots) == (0, 2)
+    assert host_used(cache) == 2
     cache.check_integrity()
 
 
-def test_a_host_only_tree_never_promotes_an_empty_root() -> None:
-    """A root of 0 tokens (an empty system prompt, no BOS) on the engine's host-only tree: the
-    second request must get a plan the connector accepts (no GPU part at all), not one that
-    `plan_problems` refuses and that then runs uncached."""
+def test_an_empty_root_gets_a_plan_the_connector_accepts() -> None:
+    """A root of 0 tokens (an empty system prompt, no BOS): the second request must get a
+    plan the connector accepts (host spans only), not one that `plan_problems` refuses and
+    that then runs uncached."""
     from ragcache_core.engine.connector.spans import plan_problems
 
-    cache = make(gpu=0, host=10)
+    cache = make(host=10)
     cache.confirm(cache.begin_request(0, [doc("a", 4)], 1))
     handle = cache.begin_request(0, [doc("a", 4)], 1)
     assert all(span.tier is Tier.HOST for span in handle.plan.load)
     assert plan_problems(handle.plan, prompt_len=5, page_size=4, host_slots=10) == []
-    assert gpu_used(cache) == 0
     cache.confirm(handle)
     cache.check_integrity()
 
 
 def test_no_capacity_at_all_stores_nothing() -> None:
-    cache = make(gpu=0, host=0)
+    cache = make(host=0)
     for _ in range(3):
         handle = cache.begin_request(4, [doc("a", 4)], 1)
         assert handle.plan.is_empty and handle.cached_tokens == 0
@@ -215,23 +179,13 @@ def test_no_capacity_at_all_stores_nothing() -> None:
 
 
 def test_abort_discards_unconfirmed_nodes_and_frees_slots() -> None:
-    cache = make(gpu=10, host=0)
+    cache = make(host=10)
     handle = cache.begin_request(4, [doc("a", 4), doc("b", 4)], 0)
-    assert gpu_used(cache) == 3
+    assert host_used(cache) == 3
     cache.abort(handle)
-    assert gpu_used(cache) == 0 and cache.num_nodes == 0
+    assert host_used(cache) == 0 and cache.num_nodes == 0
     with pytest.raises(RAGCacheError, match="already aborted"):
         cache.confirm(handle)
-    cache.check_integrity()
-
-
-def test_abort_of_a_swap_out_drops_the_victim() -> None:
-    cache = make(gpu=2, host=4, page=4)
-    run(cache, doc("a", 4), root=4)
-    handle = cache.begin_request(4, [doc("b", 4)], 0)
-    assert two_pools(cache).swap_outs == 1
-    cache.abort(handle)
-    assert ("a",) not in cached_paths(cache)
     cache.check_integrity()
 
 
@@ -255,16 +209,16 @@ def test_invalidate_drops_every_prefix_of_the_document_and_subtrees() -> None:
 
 
 def test_invalidate_while_pinned_frees_slots_on_release() -> None:
-    cache = make(gpu=10)
+    cache = make(host=10)
     run(cache, doc("a", 8), root=4)
     reader = cache.begin_request(4, [doc("a", 8)], 0)
-    used = gpu_used(cache)
+    used = host_used(cache)
     cache.invalidate("a")
     assert cache.match([doc("a", 8)]).doc_hits == ()
-    assert gpu_used(cache) == used  # still being read
+    assert host_used(cache) == used  # still being read
     cache.check_integrity()
     cache.confirm(reader)
-    assert gpu_used(cache) == 1  # the root only
+    assert host_used(cache) == 1  # the root only
     cache.check_integrity()
 
 
@@ -276,20 +230,21 @@ def test_clear_resets_everything_and_open_requests_finish_cleanly() -> None:
     assert cache.num_nodes == 0 and cache.match([doc("a")]).hits == ()
     cache.confirm(writer)  # its nodes were detached: confirmation makes nothing readable
     assert cache.match([doc("b")]).hits == ()
-    assert gpu_used(cache) == 0
+    assert host_used(cache) == 0
     cache.check_integrity()
 
 
-def test_drop_gpu_keeps_only_confirmed_host_copies_with_a_surviving_parent() -> None:
-    cache = make(gpu=3, host=10, page=4)
-    run(cache, doc("a", 4), root=4)
-    run(cache, doc("b", 4), root=4)
-    run(cache, doc("c", 4), root=4)  # a swapped out, root stays on GPU
+def test_losing_vllms_blocks_keeps_only_confirmed_host_copies() -> None:
+    """The engine died (`drop_tier(Tier.GPU)`): its open requests are aborted (their copies
+    were never confirmed), and every confirmed host copy stays."""
+    cache = make(host=10, page=4)
+    for name in "abc":
+        run(cache, doc(name, 4), root=4)
     open_handle = cache.begin_request(4, [doc("d", 4)], 0)
     cache.drop_tier(Tier.GPU)
     assert not open_handle.is_open
-    # The root was only on GPU: nothing can survive below it.
-    assert cache.num_nodes == 0 and cache.stats().host_used_slots == 0
+    assert set(cached_paths(cache)) == {(), ("a",), ("b",), ("c",)}
+    assert cache.num_nodes == 4 and host_used(cache) == 4
     cache.check_integrity()
 
 
@@ -338,18 +293,19 @@ def test_check_integrity_detects_corruption() -> None:
     cache = make()
     run(cache, doc("a"), root=4)
     node = next(n for n in cache.iter_nodes() if n.parent is not None)
-    cache._placement.tiers[Tier.GPU].allocator.free(node.slots[Tier.GPU][:1])
+    cache._placement.tiers[Tier.HOST].allocator.free(node.slots[Tier.HOST][:1])
     with pytest.raises(IntegrityError, match="also free"):
         cache.check_integrity()
 
 
 def test_check_integrity_detects_hierarchy_violation() -> None:
-    cache = make(gpu=10, host=10)
+    cache = make(host=20)
     run(cache, doc("a"), doc("b"), root=4)
     parent = next(n for n in cache.iter_nodes() if n.depth == 1)
-    parent.slots[Tier.HOST] = parent.slots.pop(Tier.GPU)
-    parent.ready = {Tier.HOST}
-    with pytest.raises(IntegrityError):
+    parent.slots.clear()  # b's host copy is left below a parent without one
+    parent.ready.clear()
+    parent.parent.tier_children[Tier.HOST] -= 1  # type: ignore[union-attr]
+    with pytest.raises(IntegrityError, match="without any copy"):
         cache.check_integrity()
 
 
@@ -367,11 +323,11 @@ def _add_stray_pin(cache: KnowledgeTree) -> None:
 
 
 def _miscount_pinned_slots(cache: KnowledgeTree) -> None:
-    cache._placement.tiers[Tier.GPU].pinned_slots += 1
+    cache._placement.tiers[Tier.HOST].pinned_slots += 1
 
 
 def _miscount_tier_children(cache: KnowledgeTree) -> None:
-    cache._prefixes.root.tier_children[Tier.GPU] += 1
+    cache._prefixes.root.tier_children[Tier.HOST] += 1
 
 
 def _unconfirm_a_copy(cache: KnowledgeTree) -> None:
@@ -399,44 +355,35 @@ def test_check_integrity_detects_each_parts_corruption(
 ) -> None:
     """Each part checks its own invariants: the structure (index, links), the placement
     (pins, counters, readiness) and the planner (max_depth)."""
-    cache = make(gpu=10, host=10)
+    cache = make(host=20)
     run(cache, doc("a"), doc("b"), root=4)
     corrupt(cache)
     with pytest.raises(IntegrityError, match=message):
         cache.check_integrity()
 
 
-def test_counters_count_victims_and_swap_outs_until_clear() -> None:
-    pool = TwoPools(10)
-    cache = KnowledgeTree(ROOT, gpu_pool=pool, host_slots=10, page_size=1, policy="lru")
+def test_counters_count_victims_and_writes_until_clear() -> None:
+    cache = KnowledgeTree(ROOT, host_slots=10, page_size=1, policy="lru")
     assert cache.counters == TreeCounters()
     seen = []
     for name in "abacd":
-        run(cache, doc(name, 10))
-        seen.append((pool.evictions, cache.counters.evictions_host, pool.swap_outs))
-    assert seen == [
-        (0, 0, 0),
-        (1, 0, 1),  # a leaves the GPU: first eviction, copied to host
-        (2, 0, 1),  # promoting a evicts b, with no host room (a is pinned there): freed
-        (3, 0, 1),  # a is on host already: a zero-copy GPU eviction, not a swap-out
-        (4, 1, 2),  # c is swapped out, which first evicts a from host
-    ]
+        run(cache, doc(name, 10))  # room for one document: each new one evicts the last
+        seen.append((cache.counters.evictions_host, cache.counters.host_slots_written))
+    assert seen == [(0, 10), (1, 20), (2, 30), (3, 40), (4, 50)]
     cache.clear()
     assert cache.counters == TreeCounters()
-    assert (pool.evictions, pool.swap_outs, pool.promotions) == (0, 0, 0)
 
 
 def test_counters_never_decrease_between_clears() -> None:
-    pool = TwoPools(12)
-    cache = KnowledgeTree(ROOT, gpu_pool=pool, host_slots=20, page_size=2, policy="pgdsf")
-    previous = (0, 0, 0)
+    cache = KnowledgeTree(ROOT, host_slots=20, page_size=2, policy="pgdsf")
+    previous = (0, 0)
     for i in range(200):
         names = [f"d{(i * 7 + j * 3) % 11}" for j in range(1 + i % 3)]
         handle = cache.begin_request(3, [doc(n, 3 + len(n)) for n in names], 1)
         (cache.confirm if i % 5 else cache.abort)(handle)
-        now = (pool.evictions, cache.counters.evictions_host, pool.swap_outs)
+        counters = cache.counters
+        now = (counters.evictions_host, counters.host_slots_written)
         assert now[0] >= previous[0] and now[1] >= previous[1]
-        assert previous[2] <= now[2] <= now[0]
         previous = now
     assert min(previous) > 0
     cache.check_integrity()
@@ -468,13 +415,13 @@ def test_allocator_double_free_and_exhaustion() -> None:
 def test_different_roots_never_share_kv() -> None:
     other = RootKey("model", "tokenizer", "another system prompt", "float16")
     assert other != ROOT
-    a, b = make(), KnowledgeTree(other, gpu_pool=TwoPools(10), host_slots=0, page_size=4)
+    a, b = make(), KnowledgeTree(other, host_slots=10, page_size=4)
     run(a, doc("x"), root=4)
     assert b.match([doc("x")]).hits == ()
 
 
 def test_load_and_store_spans_tile_the_prompt_prefix() -> None:
-    cache = make(gpu=50, host=50, page=3)
+    cache = make(host=100, page=3)
     run(cache, doc("a", 5), doc("b", 7), root=4)
     handle = cache.begin_request(4, [doc("a", 5), doc("b", 7), doc("c", 2)], 6)
     spans: list[LoadSpan | StoreSpan] = [*handle.plan.load, *handle.plan.store]
@@ -500,16 +447,16 @@ def test_a_failed_load_removes_only_the_node_it_read() -> None:
 
 
 def test_a_failed_root_load_empties_the_tree_but_keeps_the_policys_clocks() -> None:
-    cache = make(gpu=6, host=0, policy="pgdsf")  # a policy with clocks
-    for name in "abcdef":  # evictions move the GPU clock
+    cache = make(host=6, policy="pgdsf")  # a policy with clocks
+    for name in "abcdef":  # evictions move the host clock
         run(cache, doc(name, 8), root=4)
-    clock = cache.policy.clocks[Tier.GPU]  # type: ignore[attr-defined]
+    clock = cache.policy.clocks[Tier.HOST]  # type: ignore[attr-defined]
     assert clock > 0
     reader = cache.begin_request(4, [doc("f", 8)], 2)
     cache.invalidate_loads(reader, [0])
-    assert cache.num_nodes == 0 and cache.policy.clocks[Tier.GPU] == clock  # type: ignore[attr-defined]
+    assert cache.num_nodes == 0 and cache.policy.clocks[Tier.HOST] == clock  # type: ignore[attr-defined]
     cache.confirm(reader)  # its pinned nodes are freed now
-    assert gpu_used(cache) == 0
+    assert host_used(cache) == 0
     cache.check_integrity()
 
 
@@ -534,7 +481,7 @@ def test_store_policy_second_stores_a_document_on_its_second_retrieval() -> None
 
 
 def test_store_policy_no_evict_never_evicts_to_store() -> None:
-    cache = make(gpu=4, store_policy="no_evict")  # root 1 slot + a 3 slots
+    cache = make(host=4, store_policy="no_evict")  # root 1 slot + a 3 slots
     run(cache, doc("a", 12), root=4)
     run(cache, doc("b", 12), root=4)
     assert set(cached_paths(cache)) == {(), ("a",)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _tree_helpers import doc, make, two_pools
+from _tree_helpers import doc, make
 
 from ragcache_core.errors import InputError
 from ragcache_core.tree import DocSpec, KnowledgeTree, RootKey
@@ -19,7 +19,7 @@ def _run_under(cache: KnowledgeTree, root: RootKey, *docs: DocSpec, root_tokens:
 
 
 def test_two_system_prompts_are_two_roots_each_hitting_its_own_documents() -> None:
-    cache = make(gpu=100, page=4)
+    cache = make(host=100, page=4)
     one, two = _root("system-one"), _root("system-two")
     _run_under(cache, one, doc("a"), doc("b"))
     _run_under(cache, two, doc("a"), doc("c"))
@@ -41,7 +41,7 @@ def test_two_system_prompts_are_two_roots_each_hitting_its_own_documents() -> No
 
 
 def test_salted_roots_never_share_a_node() -> None:
-    cache = make(gpu=100, page=4)
+    cache = make(host=100, page=4)
     tenant_a, tenant_b = _root("t", "salt-a"), _root("t", "salt-b")
     _run_under(cache, tenant_a, doc("a"))
     assert cache.match([doc("a")], tenant_b).hits == ()
@@ -54,13 +54,13 @@ def test_salted_roots_never_share_a_node() -> None:
 def test_roots_share_one_budget_and_are_evicted_with_their_subtrees() -> None:
     """One memory budget over every root: filling it under one root evicts another root's
     leaves first, then the root itself once it is a leaf."""
-    cache = make(gpu=12, page=4, policy="lru")  # 12 slots of 4 tokens
+    cache = make(host=12, page=4, policy="lru")  # 12 slots of 4 tokens
     old, new = _root("old"), _root("new")
     _run_under(cache, old, doc("a", 8), doc("b", 8))  # root 1 + 2 + 2 slots
     for name in "cdefghi":  # 1 + 7 x 2 slots: no room left for the old root
         _run_under(cache, new, doc(name, 8))
     assert old not in {n.key for n in cache.iter_nodes()}
-    assert cache.num_roots == 1 and two_pools(cache).evictions >= 3
+    assert cache.num_roots == 1 and cache.counters.evictions_host >= 3
     assert cache.match([doc("a")], old).hits == ()
 
 

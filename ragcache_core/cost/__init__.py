@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from ragcache_core.cost.analytic import AnalyticPrefill, analytic_profile, default_cost_model
 from ragcache_core.cost.model import CostModel, InterpolatedCostModel
-from ragcache_core.cost.profile import PROFILE_FORMAT, CostProfile
+from ragcache_core.cost.profile import PROFILE_FORMAT, CopyCost, CostProfile
 
 __all__ = [
     "PROFILE_FORMAT",
     "AnalyticPrefill",
+    "CopyCost",
     "CostModel",
     "CostProfile",
     "InterpolatedCostModel",

@@ -25,9 +25,9 @@ from ragcache_core.runtime.reorder import RequestQueue, make_queue
 
 class Admission:
     """`capacity`: requests in prefill at most; `token_budget`: tokens to compute in prefill
-    at most (None: no token limit). The requests are `Attempt`s: admission reads their
-    `score` and `blocked` and keeps their place in prefill on them (`in_prefill`,
-    `prefill_tokens`)."""
+    at most (None: no token limit). What waits is a request's try (`Attempt`): admission reads
+    its request's `score` and `blocked` and keeps the try's place in prefill on it
+    (`in_prefill`, `prefill_tokens`)."""
 
     def __init__(
         self, capacity: int, queue: str, window: int, token_budget: int | None = None
@@ -39,7 +39,7 @@ class Admission:
         self.deferrals = 0
         """Requests deferred so far (each waited for a document another request computed)."""
         self._queue: RequestQueue[Attempt] = make_queue(
-            queue, score=lambda a: a.score(), window=window
+            queue, score=lambda a: a.request.score(), window=window
         )
         self._deferred: list[Attempt] = []
 
@@ -65,7 +65,7 @@ class Admission:
         """Admit `attempt` only if room for its tokens is free now and nobody waits, not
         even a deferred request (speculation only uses capacity the final requests leave
         idle). Returns whether it was admitted."""
-        tokens = attempt.score()[1]
+        tokens = attempt.request.score()[1]
         if self.waiting or not self.fits(tokens):
             return False
         self._enter(attempt, tokens)
@@ -74,11 +74,11 @@ class Admission:
     async def acquire(self, attempt: Attempt) -> None:
         """Wait for room in prefill; `attempt` holds it on return. Cancelling the wait leaves
         the queue consistent."""
-        if self.in_prefill and attempt.blocked():
+        if self.in_prefill and attempt.request.blocked():
             self.deferrals += 1
             self._deferred.append(attempt)
         else:
-            tokens = attempt.score()[1]
+            tokens = attempt.request.score()[1]
             if self.has_room(tokens):
                 attempt.admitted_at = time.perf_counter()
                 self._enter(attempt, tokens)
@@ -109,7 +109,7 @@ class Admission:
             if waiter.wake.done():  # cancelled while waiting
                 self._queue.pop()
                 continue
-            tokens = waiter.score()[1]  # the tree may have cached more since it queued
+            tokens = waiter.request.score()[1]  # the tree may have cached more since it queued
             waiter.prefill_tokens = tokens
             if not self.fits(tokens):
                 break
@@ -127,7 +127,7 @@ class Admission:
         for attempt in self._deferred:
             if attempt.wake.done():  # cancelled while deferred
                 continue
-            if self.in_prefill and attempt.blocked():
+            if self.in_prefill and attempt.request.blocked():
                 still.append(attempt)
             else:
                 self._queue.push(attempt)

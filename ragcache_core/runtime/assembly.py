@@ -70,10 +70,9 @@ def build_tree(
     connector: ConnectorConfig,
     settings: EngineSettings,
 ) -> KnowledgeTree:
-    """The knowledge tree over the host pool, with the configured policy and cost model. It
-    has no GPU tier of slots: vLLM's prefix cache holds the GPU-resident KV, so the tree
-    stores computed documents on the host tier (`Planner.store_tier`); vLLM's LRU decides what
-    leaves vLLM's blocks."""
+    """The knowledge tree over the host pool, with the configured policy and cost model. Its
+    only slot tier is the host tier: vLLM's prefix cache holds the GPU-resident KV (the tree
+    knows it as `Node.resident`), and vLLM's LRU decides what leaves vLLM's blocks."""
     from ragcache_core.cost import CostProfile, InterpolatedCostModel, default_cost_model
 
     cost_model = (

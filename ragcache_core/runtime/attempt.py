@@ -1,23 +1,25 @@
-"""`Attempt`: one try at one generation, the one object a request carries from the admission
-queue to its `QueryResult` (as mini-sglang's `Req`).
+"""A request in the app process: one record (`Request`, as mini-sglang's `Req`) from the
+admission queue to its `QueryResult`, and its tries (`Attempt`).
 
-    prompt, sampling, final       what to generate (`final`: not a speculation)
-    request_id, epoch, retries    its vLLM request, the engine epoch it was admitted on, and
-                                  how many tries came before it
-    score, blocked                admission's view of it, asked again at each pick (the tree
-                                  moves while it waits)
-    in_prefill, prefill_tokens    its place in prefill (`Admission`): taken at admission,
-                                  given back at its first token or when it ends
-    handle, plan                  what the knowledge tree planned for it (`Lifecycle.open`)
-    text, token_ids, ...          what the engine streamed (`generation.follow`)
-    hits, doc_hit_tokens          what the cache served (`Generator._settle`)
-    timings, streamed             how long each step took; whether text reached the caller
+    Request   prompt, sampling, final        what to generate (`final`: not a speculation)
+              score, blocked, reorder        admission's view of it, asked again at each pick
+                                             (the tree moves while it waits)
+              caller, streamed               where its text goes; whether any reached it
+              attempts                       its tries, oldest first; `attempt` is the current
+    Attempt   request_id, epoch              its vLLM request, the engine epoch it ran on
+              in_prefill, prefill_tokens     its place in prefill (`Admission`): taken at
+                                             admission, given back at its first token or end
+              prompt, handle, plan           as it opened: the tree's part of the request (the
+                                             tree's `RequestHandle`: plan, hits, ledger) and
+                                             the plan sent (`Lifecycle.open`)
+              text, token_ids, ...           what the engine streamed (`generation.follow`)
+              hits, doc_hit_tokens, timings  what the cache served, where the time went
 
-A generation makes a new `Attempt` for each try (`Generator.generate` retries on a timeout or
-an engine death); the steps that move it along are `Admission`'s (admission.py) and
-`Generator`'s (generation.py), which builds the caller's `QueryResult` once, from the last
-try (`Generator.finish`). An uncached request (uncached.py) is an attempt with no documents
-and no plan.
+A generation tries again (`Request.try_again`) on a timeout or an engine death
+(`Generator.generate`), unless text reached the caller; the steps that move a try along are
+`Admission`'s (admission.py) and `Generator`'s (generation.py), which builds the caller's
+`QueryResult` once, from the last try (`Generator.finish`). An uncached request (uncached.py)
+is a request with no documents and no plan.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ def _future() -> asyncio.Future[None]:
 
 
 @dataclass(eq=False)
-class Attempt:
-    """One try at one generation (see the module docstring). Created and used on RAGCache's
-    loop only; compared by identity."""
+class Request:
+    """One generation the app asked for (see the module docstring). Created and used on
+    RAGCache's loop only; compared by identity. It is made with its first try."""
 
     prompt: BuiltPrompt
-    """As built; a `document_order="cache"` request's is built again when it opens."""
+    """As built; a `document_order="cache"` request's tries open it again in the cache's order."""
     sampling: SamplingConfig
     score: Callable[[], tuple[int, int]]
     """(cached tokens, tokens to compute) as of now: the reordering queue's priority."""
@@ -62,25 +64,70 @@ class Attempt:
     """Where the answer's text deltas go (None: nobody streams them)."""
     reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None
     """A `document_order="cache"` request: its prompt in the order that follows the cached
-    path when it opens (`Generator.reordering`); None keeps `prompt` as built."""
-    retries: int = 0
+    path when a try opens (`Generator.reordering`); None keeps `prompt` as built."""
+    streamed: bool = False
+    """Whether text reached the caller (it cannot be taken back: no further try)."""
+    attempts: list[Attempt] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.attempts:
+            self.try_again()
+
+    @property
+    def attempt(self) -> Attempt:
+        """The current try (the last)."""
+        return self.attempts[-1]
+
+    @property
+    def retries(self) -> int:
+        """Tries before the current one."""
+        return len(self.attempts) - 1
+
+    def try_again(self) -> Attempt:
+        """A new try, opening from `prompt` again; it becomes the current one."""
+        attempt = Attempt(self, self.prompt)
+        self.attempts.append(attempt)
+        return attempt
+
+    def emit(self, chunk: StreamChunk) -> None:
+        """Send a text delta to the caller (and note that text was shown: it cannot be taken
+        back, so the request is not tried again)."""
+        if self.caller is not None:
+            self.streamed = True
+            self.caller(chunk)
+
+    @property
+    def sink(self) -> Emit | None:
+        """`emit` when someone streams the answer, else None (the engine stream skips it)."""
+        return None if self.caller is None else self.emit
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One try at a `Request` (see the module docstring). Created by the request; compared by
+    identity."""
+
+    request: Request
+    prompt: BuiltPrompt
+    """As the try opens it (`Request.reorder` may order its documents again)."""
     request_id: str = ""
     """Its vLLM request, named when the try starts."""
     epoch: int = 0
 
     # Admission (admission.py): waiting for prefill, then holding `prefill_tokens` of its budget.
     prefill_tokens: int = 0
-    """Tokens to compute, as of admission (what the request takes from the budget)."""
+    """Tokens to compute, as of admission (what the try takes from the budget)."""
     in_prefill: bool = False
     """Whether it holds its place (given back once: `Admission.release` is idempotent)."""
     wake: asyncio.Future[None] = field(default_factory=_future)
-    """Set when a waiting request is admitted (cancelled when its wait is)."""
+    """Set when a waiting try is admitted (cancelled when its wait is)."""
     enqueued_at: float = field(default_factory=time.perf_counter)
     admitted_at: float = 0.0
 
-    # The knowledge tree (`Lifecycle.open`).
+    # The tree's part of the request (`Lifecycle.open`).
     handle: RequestHandle | None = None
     plan: Plan | None = None
+    """The plan sent with the request (None: none, it runs uncached)."""
 
     # What the engine streamed (`generation.follow`).
     text: str = ""
@@ -99,21 +146,8 @@ class Attempt:
     hits: CacheHits = field(default_factory=CacheHits)
     doc_hit_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-    streamed: bool = False
 
     @property
     def wait_s(self) -> float:
         """How long it waited for prefill."""
         return max(0.0, self.admitted_at - self.enqueued_at)
-
-    def emit(self, chunk: StreamChunk) -> None:
-        """Send a text delta to the caller (and note that text was shown: it cannot be taken
-        back, so the attempt is not retried)."""
-        if self.caller is not None:
-            self.streamed = True
-            self.caller(chunk)
-
-    @property
-    def sink(self) -> Emit | None:
-        """`emit` when someone streams the answer, else None (the engine stream skips it)."""
-        return None if self.caller is None else self.emit

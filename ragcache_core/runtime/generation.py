@@ -1,19 +1,22 @@
-"""One generation on vLLM's async engine: attempts through admission and the lifecycle, retries.
+"""One generation on vLLM's async engine: a request's tries through admission and the
+lifecycle, retries.
 
-    generate ─► Attempt ─► admit   a place in prefill (a speculation comes holding one)
-        ▲                ├► open    Lifecycle.open: the plan in the tree, checked as the
-        │                │          connector will check it
-        │                ├► stream  engine.stream(prompt, plan); at the first token
-        │                │          Lifecycle.first_token (confirm), then the place goes back
-        │                └► settle  Lifecycle.settle + served_hits on the connector's report
-        └── on a timeout or an engine death (engine restarted once): a new attempt, unless text
-            reached the caller already (it cannot be taken back) or `max_retries` is spent
-            (`check_retry`, the rule uncached requests follow too: a whole answer shows
-            nothing before it ends, so it is retried like a stream before its first token)
+    generate ─► Request.attempt ─► admit   a place in prefill (a speculation comes holding one)
+        ▲                        ├► open    Lifecycle.open: the plan in the tree, checked as
+        │                        │          the connector will check it
+        │                        ├► stream  engine.stream(prompt, plan); at the first token
+        │                        │          Lifecycle.first_token (confirm), then the place
+        │                        │          goes back
+        │                        └► settle  Lifecycle.settle + served_hits on the report
+        └── on a timeout or an engine death (engine restarted once): `Request.try_again`,
+            unless text reached the caller already (it cannot be taken back) or
+            `max_retries` is spent (`check_retry`, the rule uncached requests follow too: a
+            whole answer shows nothing before it ends, so it is retried like a stream before
+            its first token)
 
-Whatever happens to an attempt, its place in prefill is given back and a handle left open is
-aborted (`_release`). `Generator.finish` builds the caller's `QueryResult` from the last
-attempt, once, and records it in the metrics. Runs on RAGCache's loop only.
+Whatever happens to a try, its place in prefill is given back and a handle left open is
+aborted (`_release`). `Generator.finish` builds the caller's `QueryResult` from the request's
+last try, once, and records it in the metrics. Runs on RAGCache's loop only.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from ragcache_core.metrics import Metrics
 from ragcache_core.plan import PLAN_KEY
 from ragcache_core.query_result import CacheHits, QueryResult, StreamChunk
 from ragcache_core.runtime.admission import Admission
-from ragcache_core.runtime.attempt import Attempt
+from ragcache_core.runtime.attempt import Attempt, Request
 from ragcache_core.runtime.lifecycle import Lifecycle, served_hits
 from ragcache_core.runtime.prompt import BuiltPrompt, PromptBuilder
 from ragcache_core.runtime.supervisor import EngineSupervisor
@@ -55,12 +58,12 @@ async def follow(
 ) -> None:
     """Follow one request's engine stream to its end (closing it on every path), writing what
     it streamed into `attempt`: text deltas (with their tokens and logprobs) to its caller
-    (`Attempt.sink`), the first at once, then one per `interval` tokens at most
+    (`Request.sink`), the first at once, then one per `interval` tokens at most
     (`SamplingConfig.stream_interval`, as vLLM's streams), and the rest at the end;
     `on_first_token(time)` once, at the first token. `timeout_s` bounds the wait for each
     event (the first token, then each next one), so a long healthy answer never times out; a
     stuck engine does (`TimeoutError`). Used by cached and uncached requests."""
-    emit = attempt.sink
+    emit = attempt.request.sink
     loop = asyncio.get_running_loop()
     shown_tokens = shown_text = 0  # what was sent with a chunk
     async with contextlib.aclosing(events), asyncio.timeout(timeout_s) as deadline:
@@ -224,12 +227,12 @@ class Generator:
         self.check_sampling(sampling)
         prompt = self.build(question, documents, sampling, framing)
         reorder = self.reordering(question, documents, sampling, framing)
-        attempt = await self.generate(self.attempt(prompt, sampling, emit, reorder=reorder))
-        return self.finish(attempt, question, documents, framing, started, search_done=started)
+        request = await self.generate(self.request(prompt, sampling, emit, reorder=reorder))
+        return self.finish(request, question, documents, framing, started, search_done=started)
 
     def finish(
         self,
-        attempt: Attempt,
+        request: Request,
         question: str,
         documents: tuple[Document, ...],
         framing: Framing,
@@ -241,11 +244,12 @@ class Generator:
         order: tuple[int, ...] | None = None,
         search_hidden_s: float = 0.0,
     ) -> QueryResult:
-        """The caller's result, built once from the generation's last attempt (TTFT from the
-        call, counting a first token that came before the search ended as shown at its end;
-        the prompt's text when `framing` asks for it); recorded in the metrics. `documents`
+        """The caller's result, built once from the request's last try (TTFT from the call,
+        counting a first token that came before the search ended as shown at its end; the
+        prompt's text when `framing` asks for it); recorded in the metrics. `documents`
         (and their search `scores`) are in retrieval order; the sources list them as served
         (`order`, else the prompt's)."""
+        attempt = request.attempt
         ttft = max(attempt.first_token_at, search_done) - started
         prompt = attempt.prompt
         ranks = order or prompt.order or tuple(range(len(documents)))
@@ -278,14 +282,14 @@ class Generator:
             prompt_tokens=prompt.num_tokens,
             finish_reason=attempt.finish_reason,
             speculative=speculative,
-            retries=attempt.retries,
+            retries=request.retries,
             scores=scores and tuple(scores[rank] for rank in ranks),
             timings=attempt.timings,
             logprobs=attempt.logprobs,
             prompt_text=shown,
         )
 
-    def attempt(
+    def request(
         self,
         prompt: BuiltPrompt,
         sampling: SamplingConfig,
@@ -293,14 +297,14 @@ class Generator:
         *,
         final: bool = True,
         reorder: Callable[[BuiltPrompt], BuiltPrompt] | None = None,
-        retries: int = 0,
-    ) -> Attempt:
-        """A new try at generating for `prompt` (`emit`: where its text goes; `final`: not a
-        speculation). `reorder` (`reordering`): a cache-ordered request, scored in the order
-        of the tree at each pick and built again in it when it opens."""
+    ) -> Request:
+        """A request to generate for `prompt`, with its first try (`emit`: where its text
+        goes; `final`: not a speculation). `reorder` (`reordering`): a cache-ordered request,
+        scored in the order of the tree at each pick and built again in it when a try
+        opens."""
         lifecycle = self._lifecycle
         score = lifecycle.score if reorder is None else lifecycle.score_ordered
-        return Attempt(
+        return Request(
             prompt=prompt,
             sampling=sampling,
             score=functools.partial(score, prompt),
@@ -308,36 +312,28 @@ class Generator:
             blocked=functools.partial(lifecycle.blocked, prompt),
             caller=emit,
             reorder=reorder,
-            retries=retries,
         )
 
-    async def generate(self, attempt: Attempt) -> Attempt:
-        """Run one generation from its first `attempt` (`attempt()`), a new one per try
-        (retried on a timeout or an engine death); returns the try that finished. The first
-        may come holding its place in prefill (speculation: `Admission.try_acquire`), which
-        is given back on every path. An attempt that already streamed text is not retried
-        (the text cannot be taken back)."""
-        prompt = attempt.prompt  # as built: each try opens from it again
+    async def generate(self, request: Request) -> Request:
+        """Run `request` from its current try, a new one per retry (on a timeout or an engine
+        death); returns it once a try finished (`request.attempt`). The first try may come
+        holding its place in prefill (speculation: `Admission.try_acquire`), which is given
+        back on every path. A request that already streamed text is not tried again (the text
+        cannot be taken back)."""
         while True:
+            attempt = request.attempt
             attempt.request_id = f"ragcache-{next(self._ids)}"
             attempt.epoch = self._engines.epoch
             try:
                 await self._run(attempt)
-                return attempt
+                return request
             except (TimeoutError, EngineDied) as exc:
                 self._metrics.record_failure()
                 if isinstance(exc, EngineDied):
                     await self._engines.restart(attempt.epoch)
-                check_retry(exc, attempt.retries, self._config.max_retries, shown=attempt.streamed)
+                check_retry(exc, request.retries, self._config.max_retries, shown=request.streamed)
                 self._metrics.record_retry()
-                attempt = self.attempt(
-                    prompt,
-                    attempt.sampling,
-                    attempt.caller,
-                    final=attempt.final,
-                    reorder=attempt.reorder,
-                    retries=attempt.retries + 1,
-                )
+                request.try_again()
 
     # ------------------------------------------------------------------ one attempt
 
@@ -368,9 +364,10 @@ class Generator:
     def _open(self, attempt: Attempt) -> None:
         """Plan the request in the tree (`Lifecycle.open`)."""
         started = time.perf_counter()
-        if attempt.reorder is not None:
-            attempt.prompt = attempt.reorder(attempt.prompt)
-        attempt.handle, attempt.plan = self._lifecycle.open(attempt.prompt, final=attempt.final)
+        request = attempt.request
+        if request.reorder is not None:
+            attempt.prompt = request.reorder(attempt.prompt)
+        attempt.handle, attempt.plan = self._lifecycle.open(attempt.prompt, final=request.final)
         self._metrics.record_tree(self._lifecycle.tree.counters)
         attempt.timings["plan"] = time.perf_counter() - started
 
@@ -395,14 +392,15 @@ class Generator:
 
         plan = attempt.plan
         params = {PLAN_KEY: plan.to_json()} if plan is not None else None
+        sampling = attempt.request.sampling
         stream = self._engines.engine.stream(
             attempt.request_id,
             attempt.prompt.token_ids,
-            attempt.sampling,
+            sampling,
             params,
             cache_salt=attempt.prompt.root_key.salt if attempt.prompt.root_key else "",
         )
-        interval = attempt.sampling.stream_interval or 1
+        interval = sampling.stream_interval or 1
         await follow(stream, self._config.request_timeout_s, attempt, confirm, interval)
 
     def _settle(self, attempt: Attempt) -> None:

@@ -22,14 +22,17 @@ The async runtime (`generation.py`, over vLLM's `AsyncLLM`) runs every step and 
 the first token; the tests' `run_request` (tests/_sync_run.py, over the synchronous
 `vllm.LLM`, which only returns finished requests) has no first token to watch, so `settle`
 confirms its handle at the end.
+The simulator (`sim/engine.py`) and `bench overhead` drive the tree through this class too, with
+plans checked against the tree's own sizes (`Lifecycle.of`): one protocol, one implementation.
 Not thread-safe: used from RAGCache's loop (or one thread) only.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Protocol
 
-from ragcache_core.engine.connector.config import ConnectorConfig
 from ragcache_core.engine.connector.report import ConnectorResult
 from ragcache_core.engine.connector.spans import plan_problems
 from ragcache_core.engine.connector.step_costs import NO_STEPS, StepCosts
@@ -42,17 +45,42 @@ from ragcache_core.tree.request import RequestState
 logger = logging.getLogger(__name__)
 
 
+class PlanLimits(Protocol):
+    """What the connector checks a plan against (`plan_problems`): its page size and host
+    pool. `ConnectorConfig` is one; `Lifecycle.of` takes the tree's own."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def host_slots(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _TreeLimits:
+    page_size: int
+    host_slots: int
+
+
 class Lifecycle:
     """The knowledge tree's owner for one `RAGCache` (see the module docstring). `tree` is
-    readable by anyone (stats, counters); only the methods below change it."""
+    readable by anyone (stats, counters); only the methods below change it. `connector`: what
+    the engine's connector checks plans against (its `ConnectorConfig`)."""
 
-    def __init__(self, tree: KnowledgeTree, connector: ConnectorConfig) -> None:
+    def __init__(self, tree: KnowledgeTree, connector: PlanLimits) -> None:
         self.tree = tree
         self._connector = connector
         self.engine_steps: StepCosts = NO_STEPS
         """The engine's steps and copies, as its newest report said (`StepCosts`: since the
         engine started)."""
         self._steps_generation = 0
+
+    @classmethod
+    def of(cls, tree: KnowledgeTree) -> Lifecycle:
+        """The owner of a tree with no connector behind it (the simulator's, `bench
+        overhead`'s): its plans are checked against the tree's own page size and host slots,
+        as a connector built from the same configuration would check them."""
+        return cls(tree, _TreeLimits(tree.page_size, tree.stats().host_slots))
 
     # ------------------------------------------------------------------ reads
 

@@ -31,7 +31,7 @@ from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.query_result import QueryResult, StreamChunk
 from ragcache_core.runtime.admission import Admission
-from ragcache_core.runtime.attempt import Attempt
+from ragcache_core.runtime.attempt import Request
 from ragcache_core.runtime.generation import Generator
 from ragcache_core.runtime.lifecycle import Lifecycle
 from ragcache_core.search import SearchSource, StageResult, astages
@@ -78,7 +78,7 @@ class SearchClock:
 
 @dataclass(frozen=True)
 class _Run:
-    """One speculative generation in flight on the engine (its `Attempt` runs in `task`)."""
+    """One speculative generation in flight on the engine (its `Request` runs in `task`)."""
 
     documents: tuple[Document, ...]
     """As retrieved at the stage it speculated on."""
@@ -86,7 +86,7 @@ class _Run:
     """The documents' ids in the order its prompt serves them."""
     any_order: bool
     """`document_order="cache"`: final documents in another retrieval order may reuse it."""
-    task: asyncio.Task[Attempt]
+    task: asyncio.Task[Request]
     started_at: float
     chunks: asyncio.Queue[StreamChunk]
     """Text of the generation, held back until it is adopted."""
@@ -134,21 +134,21 @@ class SpeculativeQuery:
         final, spec = await self._search(question, source, k, sampling, framing)
         search_done = time.perf_counter()
         self.clock.observe(source, search_done - started)
-        attempt = await self._use(spec, final, emit, search_done)
-        speculative = attempt is not None
+        request = await self._use(spec, final, emit, search_done)
+        speculative = request is not None
         order = served_order(spec, final.documents) if spec and speculative else None
         hidden = (
             max(0.0, search_done - max(started, spec.started_at)) if spec and speculative else 0.0
         )
-        if attempt is None:
+        if request is None:
             generator = self._generator
             prompt = generator.build(question, final.documents, sampling, framing)
             reorder = generator.reordering(question, final.documents, sampling, framing)
-            attempt = await generator.generate(
-                generator.attempt(prompt, sampling, emit, reorder=reorder)
+            request = await generator.generate(
+                generator.request(prompt, sampling, emit, reorder=reorder)
             )
         return self._generator.finish(
-            attempt,
+            request,
             question,
             final.documents,
             framing,
@@ -212,13 +212,14 @@ class SpeculativeQuery:
         if self._lifecycle.blocked(prompt):
             return None  # another request is computing these documents: never twice
         chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
-        attempt = self._generator.attempt(prompt, sampling, chunks.put_nowait, final=False)
-        if not self._admission.try_acquire(attempt):
+        request = self._generator.request(prompt, sampling, chunks.put_nowait, final=False)
+        first = request.attempt
+        if not self._admission.try_acquire(first):
             return None
-        task = asyncio.ensure_future(self._generator.generate(attempt))
+        task = asyncio.ensure_future(self._generator.generate(request))
         # A task cancelled before its first step never runs its cleanup: give the place back
-        # here (a no-op when the attempt did).
-        task.add_done_callback(lambda _: self._admission.release(attempt))
+        # here (a no-op when the try did).
+        task.add_done_callback(lambda _: self._admission.release(first))
         self._metrics.record_speculation("started")
         ranks = prompt.order or range(len(documents))
         served = tuple(documents[rank].id for rank in ranks)
@@ -227,8 +228,8 @@ class SpeculativeQuery:
 
     async def _use(
         self, spec: _Run | None, final: StageResult, emit: Emit | None, search_done: float
-    ) -> Attempt | None:
-        """The speculation's finished attempt when its documents are the final ones and it
+    ) -> Request | None:
+        """The speculation's request, finished, when its documents are the final ones and it
         succeeded; otherwise it is aborted and None returned (run the final generation)."""
         if spec is None:
             return None
@@ -236,7 +237,7 @@ class SpeculativeQuery:
             await self._abort(spec)
             return None
         try:
-            attempt = await relay(spec.task, spec.chunks, emit or _discard)
+            request = await relay(spec.task, spec.chunks, emit or _discard)
         except asyncio.CancelledError:
             if not spec.task.cancelled():  # the query itself was cancelled
                 await _cancel(spec)
@@ -250,9 +251,10 @@ class SpeculativeQuery:
             "used", search_hidden_s=max(0.0, search_done - spec.started_at)
         )
         # A used speculation counts toward the policy's frequency like a final request.
-        assert attempt.handle is not None  # a finished attempt opened in the tree
-        self._lifecycle.adopt(attempt.handle)
-        return attempt
+        handle = request.attempt.handle
+        assert handle is not None  # a finished try opened in the tree
+        self._lifecycle.adopt(handle)
+        return request
 
     async def _abort(self, run: _Run) -> None:
         await _cancel(run)

@@ -28,7 +28,7 @@ from ragcache_core.loop import Emit
 from ragcache_core.metrics import Metrics
 from ragcache_core.query_result import CacheHits, QueryResult
 from ragcache_core.runtime.admission import Admission
-from ragcache_core.runtime.attempt import Attempt
+from ragcache_core.runtime.attempt import Attempt, Request
 from ragcache_core.runtime.generation import check_retry, follow
 from ragcache_core.runtime.prompt import BuiltPrompt
 from ragcache_core.runtime.supervisor import EngineSupervisor
@@ -62,18 +62,17 @@ class UncachedRunner:
         started = time.perf_counter()
         # No documents and no plan: the whole prompt is the rest, all of it computed.
         prompt = BuiltPrompt(root_ids=(), doc_ids=(), question_ids=tuple(ids), doc_specs=())
-        attempt = Attempt(prompt, sampling, score=lambda: (0, len(ids)), caller=emit)
+        request = Request(prompt, sampling, score=lambda: (0, len(ids)), caller=emit)
         while True:
             try:
-                await self._attempt(attempt)
+                await self._attempt(request.attempt)
                 break
             except (TimeoutError, EngineDied) as exc:
                 self._metrics.record_failure()
-                check_retry(exc, attempt.retries, self._config.max_retries, shown=attempt.streamed)
+                check_retry(exc, request.retries, self._config.max_retries, shown=request.streamed)
                 self._metrics.record_retry()
-                attempt = Attempt(
-                    prompt, sampling, attempt.score, caller=emit, retries=attempt.retries + 1
-                )
+                request.try_again()
+        attempt = request.attempt
         return QueryResult(
             answer=attempt.text,
             token_ids=attempt.token_ids,
@@ -84,7 +83,7 @@ class UncachedRunner:
             hits=CacheHits(computed_tokens=len(ids)),
             prompt_tokens=len(ids),
             finish_reason=attempt.finish_reason,
-            retries=attempt.retries,
+            retries=request.retries,
             logprobs=attempt.logprobs,
         )
 
@@ -101,11 +100,11 @@ class UncachedRunner:
             stream = self._engines.engine.stream(
                 attempt.request_id,
                 attempt.prompt.token_ids,
-                attempt.sampling,
+                attempt.request.sampling,
                 read_prefix_cache=False,
             )
             timeout = self._config.request_timeout_s
-            interval = attempt.sampling.stream_interval or 1
+            interval = attempt.request.sampling.stream_interval or 1
             await follow(stream, timeout, attempt, lambda _: release(attempt), interval)
         except EngineDied:
             await self._engines.restart(attempt.epoch)

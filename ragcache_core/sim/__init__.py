@@ -1,6 +1,6 @@
-"""Trace-driven simulator of the control plane (`ragcache simulate`), one replica or N
-behind a router (`--replicas`), over the paper's two pools (`Simulator`) or over the engine's
-tiers (`EngineSimulator`: vLLM's prefix-cached blocks and the host tier, `--engine`)."""
+"""Trace-driven simulator (`ragcache simulate`): the engine's tiers (vLLM's prefix-cached
+blocks under LRU and the host tier, `EngineSimulator`) in time (`Simulator`: the admission
+queue, TTFT), one replica or N behind a router (`ClusterSimulator`, `--replicas`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """N replicas behind a router: the simulator's cluster mode (`ragcache simulate --replicas N`).
 
-Each replica is one `Simulator` (its own knowledge tree; the capacities are per replica). The
-router places requests one at a time in arrival order; each replica serves its own requests
-FCFS, one at a time, so a replica's tree sees its requests in arrival order and the hit rates
-do not depend on arrival times (TTFT does: wait for the replica, then its prefill time).
+Each replica is one `Simulator`: one simulated engine (vLLM's blocks and the host tier,
+`sim/engine.py`; the capacities are per replica). The router places requests one at a time in
+arrival order; each replica serves its own requests FCFS, one at a time, so a replica's caches
+see its requests in arrival order and the hit rates do not depend on arrival times (TTFT
+does: wait for the replica, then its time to first token).
 
 Routing policies (`ROUTINGS`):
 - `round_robin`: request i to replica i mod N.
@@ -38,9 +39,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from ragcache_core.cost import CostModel, default_cost_model
+from ragcache_core.cost import CopyCost, CostModel
 from ragcache_core.errors import ConfigError
-from ragcache_core.sim.simulator import SimConfig, SimResult, Simulator, Tally, p95, ratio
+from ragcache_core.sim.engine import ratio
+from ragcache_core.sim.simulator import SimConfig, SimResult, Simulator, Tally, p95
 from ragcache_core.trace import TraceRequest
 
 ROUTINGS = ("round_robin", "prefix_affinity", "doc_affinity", "doc_affinity_unbounded", "oracle")
@@ -73,7 +75,7 @@ class ClusterConfig:
             raise ConfigError(f"load_factor must be >= 1, got {self.load_factor}")
         if self.load_window < 1 or self.imbalance_window < 1:
             raise ConfigError("load_window and imbalance_window must be >= 1")
-        if self.replica.max_prefill_bs != 1 or self.replica.reorder:
+        if self.replica.reorder:
             raise ConfigError("cluster mode serves each replica FCFS, one request at a time")
 
 
@@ -252,7 +254,7 @@ class Oracle:
     def choose(self, request: TraceRequest, loads: Loads) -> int:
         cap = loads.capacity(self._load_factor)
         open_ = [r for r in range(len(self._sims)) if loads.counts[r] < cap]
-        cached = {r: self._sims[r].score(request)[0] for r in open_}
+        cached = {r: self._sims[r].score(self._sims[r].request(request))[0] for r in open_}
         return min(open_, key=lambda r: (-cached[r], loads.counts[r], r))
 
 
@@ -271,10 +273,14 @@ def make_router(config: ClusterConfig, sims: Sequence[Simulator]) -> Router:
 class ClusterSimulator:
     """N `Simulator`s behind one router; the caches persist across `run` calls."""
 
-    def __init__(self, config: ClusterConfig, cost_model: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        cost_model: CostModel | None = None,
+        copies: CopyCost | None = None,
+    ) -> None:
         self.config = config
-        cost = cost_model or default_cost_model()
-        self.sims = [Simulator(config.replica, cost) for _ in range(config.replicas)]
+        self.sims = [Simulator(config.replica, cost_model, copies) for _ in range(config.replicas)]
         self.router = make_router(config, self.sims)
         self.loads = Loads(config.replicas, config.load_window * config.replicas)
 
@@ -288,12 +294,12 @@ class ClusterSimulator:
             replica = self.router.choose(request, self.loads)
             self.loads.add(replica)
             routed.append(replica)
+            sim = self.sims[replica]
             start = max(request.arrival_s, free_at[replica])
-            batch_s = self.sims[replica].prefill_batch([request], tallies[replica])
-            free_at[replica] = start + batch_s
-            tallies[replica].waits.append(start - request.arrival_s)
-            tallies[replica].ttfts.append(free_at[replica] - request.arrival_s)
-        per_replica = tuple(t.result(len(t.ttfts)) for t in tallies)
+            served = sim.serve(sim.request(request))
+            free_at[replica] = start + served.first_token_s + served.after_s
+            tallies[replica].add(served, start - request.arrival_s)
+        per_replica = tuple(t.result(s.engine) for t, s in zip(tallies, self.sims, strict=True))
         return self._result(routed, tallies, per_replica)
 
     def _result(
@@ -309,8 +315,7 @@ class ClusterSimulator:
             requests=len(routed),
             doc_hit_rate=ratio(sum(t.cached for t in tallies), sum(t.requested for t in tallies)),
             token_hit_rate=ratio(
-                sum(t.cached_doc_tokens for t in tallies),
-                sum(t.requested_tokens for t in tallies),
+                sum(t.cached_doc_tokens for t in tallies), sum(t.doc_tokens for t in tallies)
             ),
             requests_per_replica=counts,
             busiest_share=ratio(max(counts), len(routed)),
@@ -338,7 +343,10 @@ def window_imbalance(routed: Sequence[int], replicas: int, window: int) -> list[
 
 
 def simulate_cluster(
-    requests: list[TraceRequest], config: ClusterConfig, cost_model: CostModel | None = None
+    requests: list[TraceRequest],
+    config: ClusterConfig,
+    cost_model: CostModel | None = None,
+    copies: CopyCost | None = None,
 ) -> ClusterResult:
     """One fresh cluster, one run."""
-    return ClusterSimulator(config, cost_model).run(requests)
+    return ClusterSimulator(config, cost_model, copies).run(requests)

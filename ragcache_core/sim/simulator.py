@@ -1,11 +1,13 @@
-"""Trace-driven simulation of the control plane: hit rates, recomputation, queueing.
+"""The simulator (`ragcache simulate`): a request trace through one simulated engine, in time.
 
-One engine serves prefill batches of at most `max_prefill_bs` requests. A batch's requests
-all begin (match, plan, store) before any of them confirms, as in the real engine, so a
-request cannot hit KV that a batch-mate is still computing. Batch time is the sum of the
-requests' estimated prefill times T(cached, computed) from the cost model; every request of
-a batch gets its first token when the batch ends (TTFT = wait + batch time). Decoding is not
-modelled. Without reordering the queue is FCFS, so the same run gives the baseline.
+Requests arrive as the trace says and wait in the runtime's own admission queue
+(`runtime/reorder.py`: FCFS, or cache-aware reordering with `reorder`, scored by the runtime's
+`Lifecycle.score`); the engine (`sim/engine.py`: vLLM's blocks and the host tier) serves one at
+a time, each in the document order the runtime would give it (`document_order`). A request's
+TTFT is its wait plus its time to first token (host loads, the copies on its prefill steps'
+critical path, the prefill T(cached, computed)); the copies of its decode steps keep the
+engine busy after that. Decoding itself is not timed, and prefills are not batched (a
+prefill-bound engine; the engine overlaps a few: docs/control-plane.md, "The simulator").
 """
 
 from __future__ import annotations
@@ -14,36 +16,38 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ragcache_core.capacity import slots_in_tokens
-from ragcache_core.cost import CostModel, default_cost_model
+from ragcache_core.cost import CopyCost, CostModel
 from ragcache_core.errors import ConfigError
-from ragcache_core.plan import Tier
-from ragcache_core.policy import DEFAULT_POLICY
-from ragcache_core.runtime.reorder import make_queue
-from ragcache_core.sim.two_pools import TwoPools
+from ragcache_core.runtime.prompt import BuiltPrompt
+from ragcache_core.runtime.reorder import RequestQueue, make_queue
+from ragcache_core.sim.engine import (
+    EngineConfig,
+    EngineRequest,
+    EngineSimulator,
+    Served,
+    ratio,
+)
 from ragcache_core.trace import TraceRequest
-from ragcache_core.tree import DocKey, DocSpec, KnowledgeTree, RequestHandle, RootKey
+from ragcache_core.tree import DocSpec
 
 SIM_DOCUMENT_ORDERS = ("retrieval", "cache", "sorted", "first_seen")
-SIM_ROOT = RootKey(model="sim", tokenizer="sim", template="sim", kv_dtype="sim")
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    gpu_tokens: int
-    host_tokens: int
-    policy: str = DEFAULT_POLICY
+    """One engine (`engine`) serving a trace: the root's tokens (`system_tokens`), the queue
+    (`reorder`: cache-aware with a starvation `window` counted in overtakes; else FCFS) and
+    the documents' order in each prompt (`document_order`)."""
+
+    engine: EngineConfig
     system_tokens: int = 0
-    max_depth: int | None = None
     reorder: bool = False
-    max_prefill_bs: int = 1
     window: int = 16
-    page_size: int = 1
-    store_policy: str = "always"
     document_order: str = "retrieval"
-    """"retrieval", "cache" (`KnowledgeTree.cache_order` when the request begins), or the two
-    canonical orders measured against it (simulator only): "sorted" (by document id) and
-    "first_seen" (by when the run first met each document, scored or served)."""
+    """"retrieval", "cache" (`KnowledgeTree.cache_order` when the request opens, as
+    `document_order="cache"` serves it), or the two canonical orders measured against it
+    (simulator only): "sorted" (by document id) and "first_seen" (by when the run first met
+    each document, scored or served)."""
 
     def __post_init__(self) -> None:
         if self.document_order not in SIM_DOCUMENT_ORDERS:
@@ -51,29 +55,39 @@ class SimConfig:
                 f"unknown document_order {self.document_order!r}; "
                 f"choose one of {', '.join(SIM_DOCUMENT_ORDERS)}"
             )
-        if self.max_prefill_bs < 1:
-            raise ConfigError(f"max_prefill_bs must be >= 1, got {self.max_prefill_bs}")
-        for name in ("gpu_tokens", "host_tokens", "system_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} cannot be negative")
+        if self.system_tokens < 0:
+            raise ConfigError("system_tokens cannot be negative")
+        if self.window < 0:
+            raise ConfigError(f"reordering window cannot be negative, got {self.window}")
 
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
-    """Totals of one `Simulator.run`; rates are over requested documents/tokens."""
+    """Totals of one `Simulator.run`; rates are over requested documents/tokens (document
+    tokens: `token_hit_rate`; prompt tokens, the root included: `prompt_token_hit_rate`).
+    Seconds: `estimated_prefill_s` (T(cached, computed)), `load_s` (host loads), `copy_s`
+    (copies on the prefills' critical path), `decode_copy_s` (copies in decode steps)."""
 
     requests: int
     requested_docs: int
     cached_docs: int
     doc_hit_rate: float
     token_hit_rate: float
+    prompt_token_hit_rate: float
     gpu_doc_hit_rate: float
     host_doc_hit_rate: float
     recomputed_tokens: int
+    loaded_tokens: int
     estimated_prefill_s: float
+    load_s: float
+    copy_s: float
+    decode_copy_s: float
     wait_mean_s: float
     wait_p95_s: float
     ttft_mean_s: float
+    ttft_p95_s: float
+    host_slots_written: int
+    vllm_block_evictions: int
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,72 +100,137 @@ def p95(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-def ratio(num: float, den: float) -> float:
-    return num / den if den else 0.0
+@dataclass(slots=True)
+class Tally:
+    """Running totals of one `Simulator.run` (or of one replica of a `ClusterSimulator`)."""
+
+    served: list[Served] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+
+    def add(self, served: Served, wait_s: float) -> None:
+        self.served.append(served)
+        self.waits.append(wait_s)
+        self.ttfts.append(wait_s + served.first_token_s)
+
+    @property
+    def requested(self) -> int:
+        return sum(s.docs for s in self.served)
+
+    @property
+    def cached(self) -> int:
+        return sum(s.gpu_docs + s.host_docs for s in self.served)
+
+    @property
+    def doc_tokens(self) -> int:
+        return sum(s.doc_tokens for s in self.served)
+
+    @property
+    def cached_doc_tokens(self) -> int:
+        return sum(s.cached_doc_tokens for s in self.served)
+
+    def result(self, engine: EngineSimulator) -> SimResult:
+        served = self.served
+        counted = engine.result(served)
+        return SimResult(
+            requests=len(served),
+            requested_docs=self.requested,
+            cached_docs=self.cached,
+            doc_hit_rate=counted.doc_hit_rate,
+            token_hit_rate=counted.doc_token_hit_rate,
+            prompt_token_hit_rate=counted.token_hit_rate,
+            gpu_doc_hit_rate=counted.gpu_doc_hit_rate,
+            host_doc_hit_rate=counted.host_doc_hit_rate,
+            recomputed_tokens=sum(s.computed_tokens for s in served),
+            loaded_tokens=sum(s.loaded_tokens for s in served),
+            estimated_prefill_s=sum(s.prefill_s for s in served),
+            load_s=sum(s.load_s for s in served),
+            copy_s=sum(s.copy_s for s in served),
+            decode_copy_s=sum(s.after_s for s in served),
+            wait_mean_s=ratio(sum(self.waits), len(self.waits)),
+            wait_p95_s=p95(self.waits),
+            ttft_mean_s=ratio(sum(self.ttfts), len(self.ttfts)),
+            ttft_p95_s=p95(self.ttfts),
+            host_slots_written=counted.host_slots_written,
+            vllm_block_evictions=counted.vllm_block_evictions,
+        )
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """A request in the queue, with its prompt in the order it would be served now."""
+
+    trace: TraceRequest
+    request: EngineRequest
 
 
 class Simulator:
-    """Runs traces through one `KnowledgeTree` over the paper's two pools (`TwoPools`); the
-    tree persists across `run` calls."""
+    """One simulated engine serving traces in time; its caches persist across `run` calls
+    (time restarts at 0 each run). `cost_model`: T(cached, computed); `copies`: the copy
+    bandwidth (both default to the built-in analytic profile's)."""
 
-    def __init__(self, config: SimConfig, cost_model: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        cost_model: CostModel | None = None,
+        copies: CopyCost | None = None,
+    ) -> None:
+        from ragcache_core.cost import analytic_profile
+
         self.config = config
-        self.cost_model: CostModel = cost_model or default_cost_model()
-        self.gpu_pool = TwoPools(slots_in_tokens(config.gpu_tokens, config.page_size))
-        """The paper's GPU pool (sim/two_pools.py), above the tree's host tier."""
-        self.tree = KnowledgeTree.from_tokens(
-            SIM_ROOT,
-            gpu_pool=self.gpu_pool,
-            host_tokens=config.host_tokens,
-            page_size=config.page_size,
-            policy=config.policy,
-            cost_model=self.cost_model,
-            max_depth=config.max_depth,
-            store_policy=config.store_policy,
+        default = analytic_profile()
+        self.engine = EngineSimulator(
+            config.engine, cost_model, copies if copies is not None else default.copy_cost
         )
+        self.free_at = 0.0
+        """When the engine finishes what it is serving (seconds since the run began)."""
         self._first_seen: dict[str, int] = {}
 
-    @staticmethod
-    def specs(request: TraceRequest) -> list[DocSpec]:
-        # The trace has no content hashes; the token count stands in (same id, same text).
-        return [
-            DocSpec(DocKey(doc, str(n)), n)
-            for doc, n in zip(request.docs, request.doc_tokens, strict=True)
-        ]
+    def request(self, trace: TraceRequest) -> EngineRequest:
+        return EngineRequest.from_trace(trace, self.config.system_tokens)
 
-    def served_specs(self, request: TraceRequest) -> list[DocSpec]:
-        """`request`'s documents in the order the prompt serves them (`document_order`)
-        against the tree now."""
-        specs = self.specs(request)
+    def served_prompt(self, request: EngineRequest) -> BuiltPrompt:
+        """`request`'s prompt with its documents in the order served (`served_docs`)."""
+        return request.prompt(self.served_docs(request))
+
+    def served_docs(self, request: EngineRequest) -> tuple[DocSpec, ...]:
+        """`request`'s documents in the order served (`document_order`) against the tree
+        now."""
         order = self.config.document_order
-        if order == "cache":
-            ranks = self.tree.cache_order(specs)
-            return [specs[rank] for rank in ranks]
-        if order == "sorted":
-            return sorted(specs, key=lambda spec: spec.key.doc_id)
-        if order == "first_seen":
+        specs = request.docs
+        if order == "cache":  # as `Generator.reordering` orders it: by document id
+            ranks = self.engine.tree.cache_order([spec.key.doc_id for spec in specs])
+            specs = tuple(specs[rank] for rank in ranks)
+        elif order == "sorted":
+            specs = tuple(sorted(specs, key=lambda spec: spec.key.doc_id))
+        elif order == "first_seen":
             seen = self._first_seen
             for spec in specs:
                 seen.setdefault(spec.key.doc_id, len(seen))
-            return sorted(specs, key=lambda spec: seen[spec.key.doc_id])
+            specs = tuple(sorted(specs, key=lambda spec: seen[spec.key.doc_id]))
         return specs
 
-    def score(self, request: TraceRequest) -> tuple[int, int]:
-        """(cached tokens, tokens to compute) of `request` against the tree now, in the
-        order it would be served now (the reordering queue scores with the same order)."""
-        specs = self.served_specs(request)
-        if self.config.max_depth is not None:
-            specs = specs[: self.config.max_depth]
-        cached = self.tree.cached_tokens(specs)
-        total = self.config.system_tokens + sum(request.doc_tokens) + request.question_tokens
-        return cached, total - cached
+    def score(self, request: EngineRequest) -> tuple[int, int]:
+        """(cached tokens, tokens to compute) of `request` against the tree now, in the order
+        it would be served now: the runtime's own score (`Lifecycle.score`, or
+        `Lifecycle.score_ordered` for the order that follows the cache)."""
+        lifecycle = self.engine.lifecycle
+        if self.config.document_order == "cache":
+            return lifecycle.score_ordered(request.prompt())
+        return lifecycle.score(self.served_prompt(request))
+
+    def serve(self, request: EngineRequest) -> Served:
+        """Serve one request now (in its served order)."""
+        return self.engine.serve(request, self.served_prompt(request))
 
     def run(self, requests: list[TraceRequest]) -> SimResult:
         """Simulate `requests` (served in arrival order, or reordered). Time starts at 0."""
         cfg = self.config
         pending = sorted(requests, key=lambda r: r.arrival_s)  # stable: ties keep file order
-        queue = make_queue(
-            "cache_aware" if cfg.reorder else "fcfs", score=self.score, window=cfg.window
+        queue: RequestQueue[_Waiting] = make_queue(
+            "cache_aware" if cfg.reorder else "fcfs",
+            score=lambda waiting: self.score(waiting.request),
+            window=cfg.window,
         )
         tally = Tally()
         now, next_index = 0.0, 0
@@ -159,79 +238,22 @@ class Simulator:
             if not len(queue):
                 now = max(now, pending[next_index].arrival_s)
             while next_index < len(pending) and pending[next_index].arrival_s <= now:
-                queue.push(pending[next_index])
+                trace = pending[next_index]
+                queue.push(_Waiting(trace, self.request(trace)))
                 next_index += 1
-            batch = [queue.pop() for _ in range(min(cfg.max_prefill_bs, len(queue)))]
-            batch_s = self.prefill_batch(batch, tally)
-            for request in batch:
-                tally.waits.append(now - request.arrival_s)
-                tally.ttfts.append(now - request.arrival_s + batch_s)
-            now += batch_s
-        return tally.result(len(pending))
-
-    def prefill_batch(self, batch: list[TraceRequest], tally: Tally) -> float:
-        """One prefill batch: every request begins before any confirms (a request cannot hit
-        a batch-mate's stores). Mutates the tree and adds the batch's hits to `tally`.
-        Returns the batch time."""
-        cfg = self.config
-        handles = [
-            self.tree.begin_request(cfg.system_tokens, self.served_specs(r), r.question_tokens)
-            for r in batch
-        ]
-        batch_s = 0.0
-        for request, handle in zip(batch, handles, strict=True):
-            batch_s += self.cost_model.prefill_time(handle.cached_tokens, handle.computed_tokens)
-            tally.add(request, handle)
-        for handle in handles:
-            self.tree.confirm(handle)
-        tally.prefill_s += batch_s
-        return batch_s
-
-
-@dataclass(slots=True)
-class Tally:
-    """Running totals of one `Simulator.run` (or of one replica of a `ClusterSimulator`)."""
-
-    requested: int = 0
-    cached: int = 0
-    gpu_docs: int = 0
-    host_docs: int = 0
-    requested_tokens: int = 0
-    cached_doc_tokens: int = 0
-    recomputed: int = 0
-    prefill_s: float = 0.0
-    waits: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
-
-    def add(self, request: TraceRequest, handle: RequestHandle) -> None:
-        hits = handle.hits
-        self.requested += len(request.docs)
-        self.requested_tokens += sum(request.doc_tokens)
-        self.cached += len(hits.doc_hits)
-        self.gpu_docs += hits.docs_on(Tier.GPU)
-        self.host_docs += hits.docs_on(Tier.HOST)
-        self.cached_doc_tokens += sum(h.num_tokens for h in hits.doc_hits)
-        self.recomputed += handle.computed_tokens
-
-    def result(self, requests: int) -> SimResult:
-        return SimResult(
-            requests=requests,
-            requested_docs=self.requested,
-            cached_docs=self.cached,
-            doc_hit_rate=ratio(self.cached, self.requested),
-            token_hit_rate=ratio(self.cached_doc_tokens, self.requested_tokens),
-            gpu_doc_hit_rate=ratio(self.gpu_docs, self.requested),
-            host_doc_hit_rate=ratio(self.host_docs, self.requested),
-            recomputed_tokens=self.recomputed,
-            estimated_prefill_s=self.prefill_s,
-            wait_mean_s=ratio(sum(self.waits), len(self.waits)),
-            wait_p95_s=p95(self.waits),
-            ttft_mean_s=ratio(sum(self.ttfts), len(self.ttfts)),
-        )
+            waiting = queue.pop()
+            served = self.serve(waiting.request)
+            tally.add(served, now - waiting.trace.arrival_s)
+            now += served.first_token_s + served.after_s
+        self.free_at = now
+        return tally.result(self.engine)
 
 
 def simulate(
-    requests: list[TraceRequest], config: SimConfig, cost_model: CostModel | None = None
+    requests: list[TraceRequest],
+    config: SimConfig,
+    cost_model: CostModel | None = None,
+    copies: CopyCost | None = None,
 ) -> SimResult:
     """One fresh simulator, one run."""
-    return Simulator(config, cost_model).run(requests)
+    return Simulator(config, cost_model, copies).run(requests)

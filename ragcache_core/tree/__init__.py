@@ -1,9 +1,10 @@
-"""Knowledge tree: prefix tree over document ids, placed over GPU and host slot tiers.
+"""Knowledge tree: prefix tree over document ids, over vLLM's blocks and the slot tiers below.
 
 `KnowledgeTree` (knowledge_tree.py) is the entry point (match, begin_request -> Plan, confirm/abort,
 invalidate, clear, drop_tier, counters, check_integrity), a manager over three parts: the
-prefix structure (prefix.py), the placement over tiers (placement.py, over tier_slots.py and
-allocator.py) and the planner (planner.py). Pure Python: it never touches tensors.
+prefix structure (prefix.py), the placement over the slot tiers (placement.py, over
+tier_slots.py and allocator.py), the planner (planner.py) and the host tier's eviction-time
+writes (host_writes.py). Pure Python: it never touches tensors.
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.plan import NO_LOSSES, HostLease, Tier, WindowLosses
@@ -56,23 +55,13 @@ from ragcache_core.tree.node import Node
 from ragcache_core.tree.placement import Placement
 from ragcache_core.tree.prefix import PrefixTree
 from ragcache_core.tree.request import RequestHandle
+from ragcache_core.tree.shadow import Shadow
 
 SHADOW_LIMIT = 1 << 16
 LEASE_GROWTH = 4
 """The most the lease grows to, in multiples of its starting size (one window's take):
 at 4 the long-shuffled refusals measured at 6.64/s were gone with three windows' worth
 (docs/benchmarks.md, "The lease that grows")."""
-
-
-@dataclass(slots=True)
-class Shadow:
-    """A path the tree wants on the host tier, before it is there."""
-
-    key: int
-    root_key: RootKey
-    docs: tuple[DocKey, ...]
-    num_tokens: int
-    stats: NodeStats
 
 
 class HostWrites:
@@ -197,7 +186,7 @@ class HostWrites:
             missing = target - len(lease)
             if missing > 0:
                 if allocator.num_free < missing and may_evict:
-                    placement.make_room(Tier.HOST, missing, handle)
+                    placement.make_room(Tier.HOST, missing)
                 lease.update(allocator.allocate(min(missing, allocator.num_free)))
         self._version += 1
         victims = tuple(

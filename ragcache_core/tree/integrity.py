@@ -30,22 +30,18 @@ def fail(message: str) -> NoReturn:
 class OpenHoldings:
     """What the open requests hold, summed from their ledgers (nodes by identity).
 
-    `pins[id(node)]`: pins held on the node; `pending`: (id(node), tier) copies being written;
-    `held_gpu_slots`: GPU slots held back for reuse by the request that swapped them out.
+    `pins[id(node)]`: pins held on the node; `pending`: (id(node), tier) copies being written.
     """
 
     pins: Counter[int]
     pending: frozenset[tuple[int, Tier]]
-    held_gpu_slots: tuple[int, ...]
 
     @classmethod
     def of(cls, handles: Iterable[RequestHandle]) -> OpenHoldings:
         pins: Counter[int] = Counter()
         pending: set[tuple[int, Tier]] = set()
-        held: list[int] = []
         for handle in handles:
             ledger = handle.ledger
             pins.update(id(node) for node in ledger.pins)
             pending.update((id(node), tier) for node, tier in ledger.pending)
-            held.extend(ledger.held_gpu_slots)
-        return cls(pins, frozenset(pending), tuple(held))
+        return cls(pins, frozenset(pending))

@@ -6,8 +6,8 @@ it decides and returns `Plan`s; the data plane copies the bytes. A small manager
 parts, each of which changes only what its docstring says:
 
   * `PrefixTree` (prefix.py): nodes by path, the walk, attach/detach, the document index;
-  * `Placement` (placement.py): copies over the host tier (and a GPU pool's, `GpuPool`), pins,
-    make room, eviction (slots: tier_slots.py, allocator.py);
+  * `Placement` (placement.py): copies over the slot tiers (the host tier), pins, make room,
+    eviction (slots: tier_slots.py, allocator.py);
   * `Planner` (planner.py): `begin_request` and its steps, access statistics, store policy;
   * `HostWrites` (host_writes.py): eviction-time host writes (keeps, the host lease, reports).
 
@@ -32,7 +32,6 @@ from ragcache_core.cost import CostModel, default_cost_model
 from ragcache_core.errors import ConfigError, RAGCacheError
 from ragcache_core.plan import NO_LOSSES, Tier, WindowLosses
 from ragcache_core.policy import DEFAULT_POLICY, make_policy
-from ragcache_core.tree.gpu_pool import GpuPool
 from ragcache_core.tree.host_writes import HostWrites
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.keys import DocKey, DocSpec, RootKey
@@ -58,9 +57,9 @@ class KnowledgeTree:
     `max_depth` caches only the first j documents of a sequence (paper 2.7; None: all).
     `frequency_window` restarts the frequencies (and DGDSF's decayed ones) every that many
     final requests (None: frequencies last until `clear()`).
-    `gpu_pool` is a GPU slot pool of the tree's own (`GpuPool`; the simulator's two pools,
-    `sim.two_pools.TwoPools`): computed documents are stored on it and host hits promoted to
-    it. None (the engine): vLLM's blocks are the GPU tier, known as `Node.resident`.
+    The tiers it models (docs/design.md 2.2): vLLM's blocks, held and evicted by vLLM (known
+    as `Node.resident`), and the slot tiers below them: the host tier of `host_slots` slots
+    of `page_size` tokens, written by its write rule (`host_write`).
     `store_policy` decides which computed documents are stored: "always" (the paper), "second"
     (only a document met before at the same prefix: one-off documents never cost a store or
     an eviction) or "no_evict" (only while free room is left: stores never evict).
@@ -84,7 +83,6 @@ class KnowledgeTree:
         cost_model: CostModel | None = None,
         max_depth: int | None = None,
         frequency_window: int | None = None,
-        gpu_pool: GpuPool | None = None,
         store_policy: str = "always",
         block_size: int | None = None,
         host_write: str = "compute",
@@ -98,8 +96,6 @@ class KnowledgeTree:
             raise ConfigError(f"frequency_window must be positive, got {frequency_window}")
         if host_write not in ("compute", "eviction"):
             raise ConfigError(f"unknown host_write {host_write!r}; choose compute or eviction")
-        if host_write == "eviction" and gpu_pool is not None:
-            raise ConfigError("eviction-time host writes are the engine's: a tree of no GPU pool")
         if host_lease_slots < 0:
             raise ConfigError(f"host_lease_slots cannot be negative, got {host_lease_slots}")
         if host_lease_max_slots is not None and host_lease_max_slots < host_lease_slots:
@@ -123,7 +119,6 @@ class KnowledgeTree:
             self.policy,
             host_slots=host_slots,
             page_size=page_size,
-            gpu_pool=gpu_pool,
         )
         self.host_writes: HostWrites | None = (
             HostWrites(
@@ -186,11 +181,6 @@ class KnowledgeTree:
     @property
     def store_policy(self) -> str:
         return self._planner.store_policy
-
-    @property
-    def gpu_pool(self) -> GpuPool | None:
-        """The GPU pool of the tree's own (None: the engine's tree)."""
-        return self._placement.gpu_pool
 
     # ------------------------------------------------------------------ queries (no mutation)
 
@@ -386,9 +376,8 @@ class KnowledgeTree:
         return self._invalidate([loaded[i] for i in failed_spans if i < len(loaded)])
 
     def invalidate_written(self, handle: RequestHandle) -> int:
-        """Every copy `handle` wrote (stores; a GPU pool's swap-outs and promotions) may not
-        have run: the nodes holding them leave the tree as in `invalidate_loads`. Returns the
-        number of nodes removed."""
+        """Every copy `handle` wrote (its stores) may not have run: the nodes holding them leave
+        the tree as in `invalidate_loads`. Returns the number of nodes removed."""
         return self._invalidate(list(dict.fromkeys(node for node, _ in handle.ledger.pending)))
 
     def clear(self) -> None:

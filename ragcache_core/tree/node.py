@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ragcache_core.plan import Tier
+from ragcache_core.plan import SLOT_TIERS, Tier
 from ragcache_core.policy.base import NodeStats, Priority
 from ragcache_core.tree.keys import DocKey, RootKey
 
@@ -10,10 +10,10 @@ from ragcache_core.tree.keys import DocKey, RootKey
 class Node:
     """Mutable tree node, internal to `ragcache_core.tree` (never crosses the API boundary).
 
-    - `slots[tier]`: the slots of the node's copy in that tier (pages of that tier's storage
-      pool). A copy exists from allocation on; it is *readable* only once in `ready` (its
-      writer's request confirmed).
-    - `tier_children[tier]`: how many children have a copy in that tier (O(1) leaf test).
+    - `slots[tier]`: the slots of the node's copy in that slot tier (`SLOT_TIERS`: pages of
+      that tier's storage pool). A copy exists from allocation on; it is *readable* only once
+      in `ready` (its writer's request confirmed, or the engine reported its copy done).
+    - `tier_children[tier]`: how many children have a copy in that slot tier (O(1) leaf test).
     - `pins`: in-flight requests that read or write this node; a pinned node is never evicted.
     - `attached`: False once removed from the tree (invalidated, cleared, freed); a detached
       node that is still pinned keeps its slots until its last pin is released.
@@ -62,7 +62,7 @@ class Node:
         self.children: dict[DocKey, Node] = {}
         self.slots: dict[Tier, tuple[int, ...]] = {}
         self.ready: set[Tier] = set()
-        self.tier_children: dict[Tier, int] = {Tier.GPU: 0, Tier.HOST: 0}
+        self.tier_children: dict[Tier, int] = dict.fromkeys(SLOT_TIERS, 0)
         self.pins = 0
         self.stats = stats
         self.priority: dict[Tier, Priority] = {}
@@ -83,11 +83,11 @@ class Node:
         return bool(self.ready) or self.resident
 
     def readable_tier(self) -> Tier | None:
-        """The tier a reader should load from (GPU preferred), or None while in flight."""
-        if Tier.GPU in self.ready:
-            return Tier.GPU
-        if Tier.HOST in self.ready:
-            return Tier.HOST
+        """The slot tier a reader loads from (the highest with a ready copy), or None while
+        no copy is ready."""
+        for tier in SLOT_TIERS:
+            if tier in self.ready:
+                return tier
         return None
 
     def path_key(self) -> tuple[DocKey | RootKey, ...]:

@@ -1,17 +1,17 @@
-"""Placement over the tiers: which slots hold each node's copies, pins, eviction.
+"""Placement over the slot tiers: which slots hold each node's copies, pins, eviction.
 
-The host tier is the tree's; the GPU tier has slots only with a GPU pool of the tree's own
-(`GpuPool`, the simulator's two-pool model): the engine's GPU tier is vLLM's blocks, which the
-tree knows only as `Node.resident`. Rules it keeps (checked by `check`):
-  * a node with a GPU copy has its parent on GPU; any node with a copy has a parent with a
-    copy (never host-only below a freed parent);
+The tier model (docs/design.md 2.2): vLLM's blocks on top, held and evicted by vLLM and known
+to the tree only as `Node.resident` (no slots here), and the tree's own slot tiers below them
+(`SLOT_TIERS`: the host tier today), one `TierSlots` each. A slot tier has a write rule (the
+host tier: at compute, a plan's stores, or at eviction, `HostWrites`) and holds the slots a
+request reads or writes while it runs (pins). Rules it keeps (checked by `check`):
+  * any node with a copy has a parent with a copy (never below a freed parent);
   * eviction candidates of a tier are its unpinned leaves (no child with a copy in the tier);
-  * host eviction of a host-only node frees it; a GPU victim is the GPU pool's to place;
+  * a victim loses its copy in that tier, and leaves the tree with its subtree once nothing
+    holds it (no copy, not in vLLM's blocks);
   * a host copy lent to the engine as a victim (`lend_victims`, eviction-time host writes)
     is no candidate; it leaves when the engine reports it overwritten (`overwrite`), and its
-    slots go to the host lease, not the allocator, whenever it leaves;
-  * GPU slots freed for a request's plan (`drop_copy(hold_for=...)`) are held for it (only it
-    may reuse them) until that request completes.
+    slots go to the host lease, not the allocator, whenever it leaves.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 from ragcache_core.capacity import slots_for_tokens
 from ragcache_core.plan import Tier
 from ragcache_core.policy import EvictionPolicy
-from ragcache_core.tree.gpu_pool import GpuPool
 from ragcache_core.tree.integrity import OpenHoldings, fail
 from ragcache_core.tree.node import Node
 from ragcache_core.tree.prefix import PrefixTree
@@ -29,14 +28,13 @@ from ragcache_core.tree.tier_slots import TierSlots
 
 
 class Placement:
-    """The copies of the nodes of `tree` over the host tier (and `gpu_pool`'s GPU tier, if
-    any), and their eviction.
+    """The copies of the nodes of `tree` over the slot tiers (the host tier's `host_slots`),
+    and their eviction.
 
     Mutates the tiers' slots, nodes' `slots`/`ready`/`pins`/`priority`/`tier_children`, the
     policy's state (on evictions) and, when a node is left without a copy, the tree (the node
     leaves it with its subtree). A `handle` argument is the request on whose behalf slots are
-    taken: it may reuse the GPU slots its evictions hold for it. Raises nothing but
-    `RAGCacheError` from the allocator on a bookkeeping bug.
+    taken. Raises nothing but `RAGCacheError` from the allocator on a bookkeeping bug.
 
     What the caller must hold: `make_room` evicts any unpinned leaf, so a planner pins every
     node its plan reads or writes (`pin`) before it makes room for the next copy; a pin lasts
@@ -49,7 +47,6 @@ class Placement:
         "_next_victim",
         "_prefixes",
         "detached_pinned",
-        "gpu_pool",
         "host_lease",
         "host_victims",
         "page_size",
@@ -64,18 +61,12 @@ class Placement:
         *,
         host_slots: int,
         page_size: int,
-        gpu_pool: GpuPool | None = None,
     ) -> None:
         self._prefixes = prefixes
         self.policy = policy
         self.page_size = page_size
-        self.gpu_pool = gpu_pool
-        """The GPU pool of the tree's own (None: the engine's tree, whose GPU tier has no slots)."""
-        gpu_slots = gpu_pool.slots if gpu_pool is not None else 0
-        self.tiers = {
-            Tier.GPU: TierSlots(Tier.GPU, gpu_slots, page_size, lanes=policy.lanes),
-            Tier.HOST: TierSlots(Tier.HOST, host_slots, page_size, lanes=policy.lanes),
-        }
+        self.tiers = {Tier.HOST: TierSlots(Tier.HOST, host_slots, page_size, lanes=policy.lanes)}
+        """The slot tiers (`SLOT_TIERS`), each its allocator and eviction candidates."""
         self.detached_pinned: set[Node] = set()
         """Removed nodes still pinned by a request: they keep their slots until unpinned."""
         self.host_lease: set[int] = set()
@@ -88,15 +79,8 @@ class Placement:
         self._next_victim = 1
         self._host_evictions = 0
         self._host_written = 0
-        if gpu_pool is not None:
-            gpu_pool.bind(self)
 
     # ------------------------------------------------------------------ queries (no mutation)
-
-    @staticmethod
-    def gpu_usable(node: Node, handle: RequestHandle) -> bool:
-        """May `handle` put a GPU copy below `node`? See `usable`."""
-        return Placement.usable(node, Tier.GPU, handle)
 
     @staticmethod
     def usable(node: Node, tier: Tier, handle: RequestHandle) -> bool:
@@ -105,10 +89,9 @@ class Placement:
         aborted, which would leave the new copy below a parent without one."""
         return tier in node.ready or (node, tier) in handle.ledger.pending
 
-    def available(self, tier: Tier, handle: RequestHandle) -> int:
-        """Slots of `tier` that `handle` can take without evicting."""
-        held = len(handle.ledger.held_gpu_slots) if tier is Tier.GPU else 0
-        return self.tiers[tier].allocator.num_free + held
+    def available(self, tier: Tier) -> int:
+        """Slots of `tier` free now (taken without evicting)."""
+        return self.tiers[tier].allocator.num_free
 
     def pinned_nodes(self) -> int:
         return sum(1 for n in self._prefixes.iter_nodes() if n.pins) + len(self.detached_pinned)
@@ -127,7 +110,7 @@ class Placement:
     ) -> tuple[int, ...]:
         """Give `node` a new copy of `count` slots in `tier`, written by `handle` (readable
         once it confirms). The caller has made room (`make_room`). Returns the slots."""
-        slots = self._allocate(tier, count, handle)
+        slots = self.tiers[tier].allocator.allocate(count)
         self._add_copy(node, tier, slots)
         handle.ledger.pending.append((node, tier))
         return slots
@@ -140,28 +123,16 @@ class Placement:
         self.set_priority(node, tier)
         self.tiers[tier].push(node)
 
-    def drop_copy(
-        self,
-        node: Node,
-        tier: Tier,
-        hold_for: RequestHandle | None = None,
-        *,
-        evicted: bool = False,
-    ) -> None:
-        """Remove `node`'s copy in `tier`; its slots go back to the allocator, or to
-        `hold_for`'s held slots when its pending plan still reads them. The caller removes
-        the node if it is left without a copy. `evicted`: by the policy's choice."""
-        tier_slots = self.tiers[tier]
+    def drop_copy(self, node: Node, tier: Tier, *, evicted: bool = False) -> None:
+        """Remove `node`'s copy in `tier`; its slots go back to the allocator (or the host
+        lease). The caller removes the node if it is left without a copy. `evicted`: by the
+        policy's choice."""
         slots = node.slots.pop(tier)
         self._left(node, tier, evicted=evicted)
         node.ready.discard(tier)
         if node.pins:
-            tier_slots.pinned_slots -= len(slots)
-        if hold_for is not None:
-            hold_for.ledger.held_gpu_slots.extend(slots)
-            tier_slots.held_slots += len(slots)
-        else:
-            self._free(node, tier, slots)
+            self.tiers[tier].pinned_slots -= len(slots)
+        self._free(node, tier, slots)
         if node.parent is not None and node.attached:
             self._child_left_tier(node.parent, tier)
 
@@ -192,13 +163,9 @@ class Placement:
                 self.remove(node)
 
     def release(self, handle: RequestHandle) -> None:
-        """`handle` completed: free the GPU slots held for it and release its pins (unpinned
-        detached nodes free their slots now)."""
+        """`handle` completed: release its pins (unpinned detached nodes free their slots
+        now)."""
         ledger = handle.ledger
-        gpu = self.tiers[Tier.GPU]
-        gpu.allocator.free(ledger.held_gpu_slots)
-        gpu.held_slots -= len(ledger.held_gpu_slots)
-        ledger.held_gpu_slots = []
         for node in ledger.pins:
             self._unpin(node)
         ledger.pins = []
@@ -215,20 +182,20 @@ class Placement:
 
     # ------------------------------------------------------------------ eviction
 
-    def make_room(self, tier: Tier, count: int, handle: RequestHandle) -> bool:
-        """Evict from `tier` until `count` slots are available to `handle`. Returns False
-        (having evicted what it could) if pinned nodes leave too little room; evicts nothing
-        when even every unpinned slot could not suffice."""
+    def make_room(self, tier: Tier, count: int) -> bool:
+        """Evict from `tier` until `count` slots are free. Returns False (having evicted what
+        it could) if pinned nodes leave too little room; evicts nothing when even every
+        unpinned slot could not suffice."""
         tier_slots = self.tiers[tier]
-        if self.available(tier, handle) >= count:
+        if self.available(tier) >= count:
             return True
-        if self.available(tier, handle) + tier_slots.evictable_bound() < count:
+        if self.available(tier) + tier_slots.evictable_bound() < count:
             return False
-        while self.available(tier, handle) < count:
+        while self.available(tier) < count:
             victim = tier_slots.pop_victim(self.policy.lane_order(tier))
             if victim is None:
                 return False
-            self._evict(victim, tier, handle)
+            self._evict(victim, tier)
         return True
 
     def lend_victims(self, count: int) -> int:
@@ -281,17 +248,11 @@ class Placement:
             self.remove(node)
         return True
 
-    def _evict(self, node: Node, tier: Tier, handle: RequestHandle) -> None:
+    def _evict(self, node: Node, tier: Tier) -> None:
         """Evict candidate `node` (its lowest-priority unpinned leaf) from `tier`."""
         self.policy.on_evict(tier, node.priority[tier])
         if tier is Tier.HOST:
             self._host_evictions += 1
-        else:  # only a GPU pool's tier has slots to evict
-            assert self.gpu_pool is not None
-            if Tier.HOST not in node.slots:
-                self.gpu_pool.evict(node, handle)
-                return
-            self.gpu_pool.zero_copy_eviction()
         self.drop_copy(node, tier, evicted=True)
         if not node.has_copy:
             self.remove(node)
@@ -319,9 +280,9 @@ class Placement:
             tier_slots.clear_heap()
 
     def drop_tier(self, tier: Tier) -> None:
-        """Every copy in `tier` is gone (GPU: vLLM's blocks too, `Node.resident`): drop them;
-        nodes left without a copy leave the tree with their subtrees. The caller aborts the
-        requests that wrote or read them first."""
+        """Every copy in `tier` is gone (GPU: vLLM's blocks, `Node.resident`; a slot tier: its
+        copies): drop them; nodes left without a copy leave the tree with their subtrees. The
+        caller aborts the requests that wrote or read them first."""
         stack = list(self._prefixes.roots.values())
         while stack:
             node = stack.pop()
@@ -351,8 +312,6 @@ class Placement:
     def reset_counters(self) -> None:
         self._host_evictions = 0
         self._host_written = 0
-        if self.gpu_pool is not None:
-            self.gpu_pool.reset_counters()
 
     def count_host_written(self, slots: int) -> None:
         """The engine wrote `slots` host slots outside a plan's stores (an eviction-time copy)."""
@@ -364,18 +323,6 @@ class Placement:
             tier_slots.maybe_compact(self._prefixes.num_nodes)
 
     # ------------------------------------------------------------------ internals
-
-    def _allocate(self, tier: Tier, count: int, handle: RequestHandle) -> tuple[int, ...]:
-        """Take `count` slots of `tier`, `handle`'s held GPU slots first."""
-        held = handle.ledger.held_gpu_slots
-        tier_slots = self.tiers[tier]
-        if tier is Tier.GPU and held:
-            take = min(count, len(held))
-            reused = held[len(held) - take :]
-            del held[len(held) - take :]
-            tier_slots.held_slots -= take
-            return tuple(reused) + tier_slots.allocator.allocate(count - take)
-        return tier_slots.allocator.allocate(count)
 
     def _add_copy(self, node: Node, tier: Tier, slots: tuple[int, ...]) -> None:
         node.slots[tier] = slots
@@ -449,8 +396,8 @@ class Placement:
                 fail(f"{node!r} is listed as detached and pinned but is not")
             if node.pins != holdings.pins[id(node)]:
                 fail(f"{node!r}: pins={node.pins}, open requests hold {holdings.pins[id(node)]}")
-        for tier in Tier:
-            self._check_tier(tier, [*nodes, *self.detached_pinned], holdings)
+        for tier in self.tiers:
+            self._check_tier(tier, [*nodes, *self.detached_pinned])
         lent = [n for n in [*nodes, *self.detached_pinned] if n.lent]
         if len(lent) != len(self.host_victims) or any(
             self.host_victims.get(n.lent) is not n or Tier.HOST not in n.slots for n in lent
@@ -458,7 +405,7 @@ class Placement:
             fail(f"host victims {sorted(self.host_victims)} do not match the lent nodes {lent}")
 
     def _check_node(self, node: Node, holdings: OpenHoldings) -> None:
-        """The copy rules of one attached node (GPU parent rule, readiness, pins)."""
+        """The copy rules of one attached node (parent rule, readiness, pins)."""
         parent = node.parent
         if parent is None:
             if not node.has_copy:
@@ -467,9 +414,7 @@ class Placement:
             fail(f"{node!r} is in the tree without any copy")
         elif not parent.has_copy:
             fail(f"{node!r} holds a copy below a freed parent")
-        elif Tier.GPU in node.slots and Tier.GPU not in parent.slots:
-            fail(f"{node!r} is on GPU but its parent {parent!r} is not")
-        for tier in Tier:
+        for tier in self.tiers:
             actual = sum(1 for c in node.children.values() if tier in c.slots)
             if node.tier_children[tier] != actual:
                 fail(f"{node!r}: tier_children[{tier}]={node.tier_children[tier]}, actual {actual}")
@@ -481,9 +426,9 @@ class Placement:
         if node.pins != holdings.pins[id(node)]:
             fail(f"{node!r}: pins={node.pins}, open requests hold {holdings.pins[id(node)]}")
 
-    def _check_tier(self, tier: Tier, nodes: list[Node], holdings: OpenHoldings) -> None:
-        """owned + held + free == capacity; no slot owned twice or also free; a copy of n
-        tokens owns ceil(n / page_size) slots; the pinned and held counters match."""
+    def _check_tier(self, tier: Tier, nodes: list[Node]) -> None:
+        """owned + leased + free == capacity; no slot owned twice or also free; a copy of n
+        tokens owns ceil(n / page_size) slots; the pinned counter matches."""
         allocator = self.tiers[tier].allocator
         owners: dict[int, Node] = {}
         pinned = 0
@@ -501,23 +446,15 @@ class Placement:
                 if allocator.is_free(slot):
                     fail(f"{tier} slot {slot} owned by {node!r} but also free")
                 owners[slot] = node
-        held = holdings.held_gpu_slots if tier is Tier.GPU else ()
         leased = tuple(self.host_lease) if tier is Tier.HOST else ()
         for slot in leased:
             if slot in owners or allocator.is_free(slot):
                 fail(f"{tier} slot {slot} leased to the engine but also owned or free")
-        for slot in held:
-            if slot in owners or allocator.is_free(slot):
-                fail(f"{tier} slot {slot} held for reuse but also owned or free")
-        if len(set(held)) != len(held):
-            fail(f"{tier}: a slot is held for reuse twice")
         tier_slots = self.tiers[tier]
-        if tier_slots.held_slots != len(held):
-            fail(f"{tier}: held_slots={tier_slots.held_slots}, open requests hold {len(held)}")
         if tier_slots.pinned_slots != pinned:
             fail(f"{tier}: pinned_slots={tier_slots.pinned_slots}, pinned nodes own {pinned}")
-        if len(owners) + len(held) + len(leased) + allocator.num_free != allocator.num_slots:
+        if len(owners) + len(leased) + allocator.num_free != allocator.num_slots:
             fail(
-                f"{tier}: {len(owners)} owned + {len(held)} held + {len(leased)} leased + "
+                f"{tier}: {len(owners)} owned + {len(leased)} leased + "
                 f"{allocator.num_free} free != capacity {allocator.num_slots}"
             )

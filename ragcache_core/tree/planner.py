@@ -2,15 +2,14 @@
 
 begin_request(root_key, root_tokens, docs, question_tokens, final)
   1. walk the forest's root of `root_key` -> docs[:max_depth]; the hit prefix is the
-     leading nodes with a confirmed copy (GPU preferred)
-  2. alpha = hit tokens, beta = every other prompt token; pin the hits, touch every node
-     on the path, record a cost sample on the nodes this request computes
-  3. load the hit prefix (`_plan_hits`; with a GPU pool of the tree's own, host hits are
-     promoted to it while room can be made); then either store the uncached tail on the
-     store tier (`_plan_stores`): the host tier (the engine: its GPU tier is vLLM's own KV
-     cache, docs/design.md 3.1), or the GPU pool when the tree has one (the simulator's
-     two pools, `sim/two_pools.py`); or, with eviction-time host writes, keep the path past
-     the host's copies (`_plan_keeps`) and lend the host lease
+     leading nodes with a confirmed copy in a slot tier (the host tier)
+  2. alpha = hit tokens (with eviction-time writes, and the nodes vLLM's blocks hold after
+     them), beta = every other prompt token; pin the hits, touch every node on the path,
+     record a cost sample on the nodes this request computes
+  3. load the hit prefix (`_plan_hits`; vLLM's blocks serve what they hold first, and a
+     host hit loaded into them becomes one of them); then the host tier's write rule: at
+     compute, store the uncached tail on it (`_plan_stores`); at eviction, keep the path past
+     the host's copies (`_plan_keeps`) and lend the host lease (`HostWrites`)
   4. plan = load, store or keep and lease
 """
 
@@ -70,11 +69,8 @@ class Planner:
         self.frequency_window = frequency_window
         self.store_policy = store_policy
         self.host_writes = host_writes
-        """Eviction-time host writes (None: stores as computed, on `store_tier`)."""
-        self.store_tier = Tier.GPU if placement.tiers[Tier.GPU].allocator.num_slots else Tier.HOST
-        """Where computed documents are stored: the GPU pool when the tree has one of its own
-        (the simulator's two pools), else the host tier (the engine: vLLM's prefix cache keeps
-        the computed blocks on GPU)."""
+        """Eviction-time host writes (None: the host tier is written as documents are
+        computed, by a plan's stores)."""
         self.now = 0
         """Logical time: requests begun so far (never reset: nodes' `last_access` use it)."""
         self.final_requests = 0
@@ -116,7 +112,7 @@ class Planner:
         cost_per_new = self.cost_model.prefill_time(alpha, beta) / beta if beta > 0 else 0.0
         self._record_access(path, len(hits), num_cached, cost_per_new, handle)
 
-        load = self._plan_hits(hits, starts, handle)
+        load = self._plan_hits(hits, starts)
         store: list[StoreSpan] = []
         keep: list[KeepSpan] = []
         lease: HostLease | None = None
@@ -234,24 +230,15 @@ class Planner:
             self._touch(node, handle.final)
         handle.ledger.path = list(path)
 
-    def _plan_hits(self, hits: Hits, starts: list[int], handle: RequestHandle) -> list[LoadSpan]:
-        """Load spans for the hit prefix. With a GPU pool of the tree's own (and GPU slots),
-        host hits are promoted to it while it can (`GpuPool.promote`); the engine's host hits
-        promote themselves into vLLM's blocks."""
-        pool = self._placement.gpu_pool
-        load: list[LoadSpan] = []
-        promoting = pool is not None and self.store_tier is Tier.GPU
-        for index, (node, tier) in enumerate(hits):
-            source = tier
-            if tier is Tier.HOST and Tier.GPU not in node.slots and promoting:
-                assert pool is not None
-                if pool.promote(node, handle):
-                    source = Tier.GPU
-                else:
-                    promoting = False  # children cannot go above a parent left on host
-            if node.num_tokens:
-                load.append(LoadSpan(source, node.slots[source], starts[index], node.num_tokens))
-        return load
+    @staticmethod
+    def _plan_hits(hits: Hits, starts: list[int]) -> list[LoadSpan]:
+        """One load span per hit node of tokens, from the tier it is read from (a host hit
+        the connector loads into vLLM's blocks becomes one of them: it promotes itself)."""
+        return [
+            LoadSpan(tier, node.slots[tier], starts[index], node.num_tokens)
+            for index, (node, tier) in enumerate(hits)
+            if node.num_tokens
+        ]
 
     def _plan_stores(
         self,
@@ -263,9 +250,9 @@ class Planner:
         cost_per_new: float,
         handle: RequestHandle,
     ) -> list[StoreSpan]:
-        """Create copies on the store tier for the uncached tail (root first if absent), one
-        node at a time while the store policy admits it and room can be made; stop at the
-        first that does not fit (a node's copy needs its parent's)."""
+        """Create host copies for the uncached tail (root first if absent), one node at a time
+        while the store policy admits it and room can be made; stop at the first that does
+        not fit (a node's copy needs its parent's)."""
         wanted: list[tuple[DocKey | RootKey, int, int]] = []
         if not path:
             wanted.append((root_key, root_tokens, 0))
@@ -275,16 +262,16 @@ class Planner:
         parent = path[-1] if path else None
         prefix = tuple(spec.key for spec in cached_docs[:first])
         store: list[StoreSpan] = []
-        tier = self.store_tier
+        tier = Tier.HOST
         for key, num_tokens, start in wanted:
             if parent is not None and not self._placement.usable(parent, tier, handle):
                 break  # a copy needs its parent's in the same tier, for sure (see usable)
             count = slots_for_tokens(num_tokens, self.page_size)
             if isinstance(key, DocKey):
                 prefix = (*prefix, key)
-                if not self._admit_store(prefix, count, handle):
+                if not self._admit_store(prefix, count):
                     break
-            if not self._placement.make_room(tier, count, handle):
+            if not self._placement.make_room(tier, count):
                 break
             node, slots = self._store(key, parent, num_tokens, count, cost_per_new, handle)
             if num_tokens:
@@ -326,7 +313,7 @@ class Planner:
                 self._placement.adopt_copy(root, Tier.HOST, ())
                 continue
             if docs is not None and not self._admit_store(
-                docs, slots_for_tokens(num_tokens, self.page_size), handle
+                docs, slots_for_tokens(num_tokens, self.page_size)
             ):
                 break
             node = path[position] if position < len(path) else None
@@ -362,13 +349,13 @@ class Planner:
         cost_per_new: float,
         handle: RequestHandle,
     ) -> tuple[Node, tuple[int, ...]]:
-        """Attach a node below `parent` with a copy on the store tier this request writes and
-        pins (room is made). Returns the node and its slots."""
+        """Attach a node below `parent` with a host copy this request writes and pins (room is
+        made). Returns the node and its slots."""
         standalone = self.cost_model.prefill_time(0, num_tokens) / num_tokens if num_tokens else 0.0
         node = self._prefixes.attach(
             key, parent, num_tokens, NodeStats(num_tokens, standalone, self.now)
         )
-        slots = self._placement.write_copy(node, self.store_tier, count, handle)
+        slots = self._placement.write_copy(node, Tier.HOST, count, handle)
         self._placement.pin(node, handle)
         handle.ledger.path.append(node)
         node.stats.record_computed(cost_per_new)
@@ -379,10 +366,10 @@ class Planner:
             handle.stored_docs += 1
         return node, slots
 
-    def _admit_store(self, prefix: tuple[DocKey, ...], count: int, handle: RequestHandle) -> bool:
+    def _admit_store(self, prefix: tuple[DocKey, ...], count: int) -> bool:
         """Whether the store policy lets the document ending `prefix` be stored now."""
         if self.store_policy == "no_evict":
-            return self._placement.available(self.store_tier, handle) >= count
+            return self._placement.available(Tier.HOST) >= count
         if self.store_policy == "second":
             if prefix in self._seen:
                 del self._seen[prefix]

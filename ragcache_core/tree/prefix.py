@@ -18,8 +18,8 @@ from ragcache_core.tree.node import Node
 
 
 def readable_prefix(path: Sequence[Node]) -> list[tuple[Node, Tier]]:
-    """The leading nodes of `path` with a confirmed copy, each with the tier to read it from
-    (GPU preferred); stops at the first node in flight. Does not modify anything."""
+    """The leading nodes of `path` with a confirmed copy in a slot tier, each with the tier to
+    read it from; stops at the first node without one. Does not modify anything."""
     hits: list[tuple[Node, Tier]] = []
     for node in path:
         tier = node.readable_tier()

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from ragcache_core.plan import Plan, Tier
 from ragcache_core.tree.match import MatchResult
 from ragcache_core.tree.node import Node
-
-if TYPE_CHECKING:
-    from ragcache_core.tree.host_writes import Shadow
+from ragcache_core.tree.shadow import Shadow
 
 
 class RequestState(StrEnum):
@@ -26,12 +23,8 @@ class RequestLedger:
     planner and the placement append to it; `KnowledgeTree` releases it at confirm/abort).
 
     - `path`: the nodes it reached (hits, in-flight nodes, nodes it stores), root first;
-    - `pins`: one entry per pin it holds (a node may appear twice: read, and swapped out by
-      a GPU pool of the tree's own);
-    - `pending`: the copies it writes, readable only once it confirms;
-    - `held_gpu_slots`: GPU slots freed by its swap-outs (a GPU pool of the tree's own),
-      which only this request may reuse until it completes (its own plan reads them before
-      it writes them; anyone else might write them first);
+    - `pins`: one entry per pin it holds: the slots it reads or writes are held while it runs;
+    - `pending`: the copies it writes (write-through stores), readable only once it confirms;
     - `keeps`: the paths its plan keeps (eviction-time host writes), root first: vLLM's blocks
       hold them once it confirms (`HostWrites.settle`);
     - `computing`: the keys of those it computes (vLLM's blocks did not hold them, as last
@@ -41,7 +34,6 @@ class RequestLedger:
     path: list[Node] = field(default_factory=list)
     pins: list[Node] = field(default_factory=list)
     pending: list[tuple[Node, Tier]] = field(default_factory=list)
-    held_gpu_slots: list[int] = field(default_factory=list)
     keeps: list[Shadow] = field(default_factory=list)
     computing: list[int] = field(default_factory=list)
 

@@ -25,7 +25,7 @@ class CacheStats:
 class TreeCounters:
     """Evictions since the cache was created or last cleared (a snapshot; every field only
     grows until `clear()` resets them all to 0, which a reader of deltas sees as a drop).
-    A GPU pool of the tree's own counts its own victims (`sim.two_pools.TwoPools`).
+    vLLM's blocks are evicted by vLLM, which counts its own.
 
     - `evictions_host`: nodes chosen as host victims;
     - `host_slots_written`: host slots the engine wrote with KV: confirmed stores (written as

@@ -1,4 +1,4 @@
-"""One tier's slot bookkeeping: which slots are free, and which nodes to evict first.
+"""One slot tier's bookkeeping: which slots are free, and which nodes to evict first.
 
 Not to be confused with the *pools* of `ragcache_core.storage`, the tensors those slots index:
 this is pure bookkeeping in the application process.
@@ -15,18 +15,18 @@ from ragcache_core.tree.node import Node
 
 
 class TierSlots:
-    """Allocator + eviction-candidate heap of one tier. Mutated only by `Placement`.
+    """Allocator + eviction-candidate heap of one slot tier. Mutated only by `Placement`.
 
     Heap entries are (priority, seq, node); an entry is live only while `node.heap_seq[tier]`
     still equals its seq and the node is still a candidate, so refreshing a priority is one
     push and stale entries are skipped on pop (lazy deletion, rebuilt when mostly stale).
-    `pinned_slots` counts slots of this tier owned by pinned nodes; `held_slots` counts slots
-    freed by a swap-out but held back until the request whose plan still reads them completes.
-    With `lanes`, candidates go to one heap per lane (their priority's first element) and a
-    victim is popped from the first lane of the order the policy gives (ARC's T1 and T2).
+    `pinned_slots` counts slots of this tier owned by pinned nodes (held while read or
+    written: never evicted). With `lanes`, candidates go to one heap per lane (their
+    priority's first element) and a victim is popped from the first lane of the order the
+    policy gives (ARC's T1 and T2).
     """
 
-    __slots__ = ("_heaps", "_lanes", "_seq", "allocator", "held_slots", "pinned_slots", "tier")
+    __slots__ = ("_heaps", "_lanes", "_seq", "allocator", "pinned_slots", "tier")
 
     def __init__(self, tier: Tier, num_slots: int, page_size: int, *, lanes: bool = False) -> None:
         self.tier = tier
@@ -35,7 +35,6 @@ class TierSlots:
         self._heaps: dict[float, list[tuple[Priority, int, Node]]] = {}
         self._seq = 0
         self.pinned_slots = 0
-        self.held_slots = 0
 
     def push(self, node: Node) -> None:
         """(Re)offer `node` as a candidate with its current `priority[tier]`."""
@@ -61,8 +60,8 @@ class TierSlots:
         return None
 
     def evictable_bound(self) -> int:
-        """Upper bound on slots that evictions could free (used minus pinned and held)."""
-        return self.allocator.num_used - self.pinned_slots - self.held_slots
+        """Upper bound on slots that evictions could free (used minus pinned)."""
+        return self.allocator.num_used - self.pinned_slots
 
     def maybe_compact(self, live_nodes: int) -> None:
         """Drop stale heap entries when they dominate (keeps memory O(nodes))."""

@@ -33,7 +33,7 @@ def plan_problems(plan: Plan, *, prompt_len: int, page_size: int, host_slots: in
     prompt; keep spans lie in the prompt in order (a keep span's parent is an earlier one);
     lease slots (free and victims') are in the host pool, once each, and every victim holds
     some. The engine has no GPU pool (its GPU tier is vLLM's own KV cache), so a GPU load or
-    store (the simulator's two pools) is refused.
+    store is refused (the tree never plans one).
     """
     problems: list[str] = []
 

@@ -43,7 +43,7 @@ lease has room:
 Blocks are held only between `step_writes` and the same step's `on_report`; a block found
 still held at the next `step_writes` (no report came) is handed back and counted
 (`stranded_blocks`). Pure Python over vLLM's `BlockPool` and `KVCacheBlock`s; mutated only by
-vLLM's scheduler thread. It imports no vLLM module, so `ragcache simulate --engine` runs this
+vLLM's scheduler thread. It imports no vLLM module, so `ragcache simulate` runs this
 same window over its own copy of vLLM's block pool (`sim.blocks`).
 """
 
