@@ -1,7 +1,7 @@
 """N replicas behind a router, simulated: hit rate, load imbalance and memory per routing policy.
 
 For each trace (made by scripts/build_sim_traces.py), a stream of --length requests is
-resampled with the trace's measured first-document skew (ragcache_core/sim/resample.py), then
+resampled with the trace's measured first-document skew (scripts/resample.py), then
 run through 8, 16 and 64 replicas with every routing policy, each replica one simulated engine
 (vLLM's blocks and the host tier, `ragcache_core/sim/engine.py`). Memory: the replicas together
 hold --share of the stream's distinct prefix tokens (per replica M = share x W / N; a quarter
@@ -31,11 +31,13 @@ from ragcache_core.sim import (
     EngineConfig,
     SimConfig,
     load_trace,
-    resample,
     simulate,
     simulate_cluster,
 )
 from ragcache_core.trace import TraceRequest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from resample import resample  # scripts/resample.py, beside this script
 
 GRID = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 BLOCK_SIZE = 32

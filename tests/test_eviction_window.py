@@ -111,7 +111,7 @@ def test_a_document_at_the_head_is_copied_with_its_parent_held_then_handed_back(
     # knows the documents are on the host alone), once.
     pool.get_new_blocks(pool.get_num_free_blocks())
     assert window.take_changes() == ((), (), ((7, 1), (8, 1)))
-    assert not window.is_recorded(7) and window.take_changes() == ((), (), ())
+    assert 7 not in window._records and window.take_changes() == ((), (), ())
 
 
 def test_a_failed_copy_hands_blocks_back_returns_slots_and_drops_the_record() -> None:
@@ -121,9 +121,9 @@ def test_a_failed_copy_hands_blocks_back_returns_slots_and_drops_the_record() ->
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     writes = _ahead(window, pool)
-    assert all(w.fail for w in writes) and window.lease_free == 2
+    assert all(w.fail for w in writes) and len(window._lease) == 2
     window.on_report(set(), pool)  # the worker reported neither as run
-    assert window.held_blocks == 0 and window.lease_free == 8
+    assert window.held_blocks == 0 and len(window._lease) == 8
     assert window.take_changes() == ((), (7, 8), ((7, 1), (8, 1)))
     assert _ahead(window, pool) == []
 
@@ -159,7 +159,7 @@ def test_a_document_handed_out_without_lease_room_is_lost_for_lack_of_lease() ->
     window.record(KEEP, ids, pool, epoch=1, version=1)
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 2)
-    assert window.step_writes(pool) == ([], []) and window.lease_free == 5
+    assert window.step_writes(pool) == ([], []) and len(window._lease) == 5
     assert window.take_changes() == ((), (), ((8, 1),))
     assert window.take_losses() == WindowLosses(no_lease=1)
 
@@ -208,7 +208,7 @@ def test_a_reset_forgets_documents_handed_out_while_it_ran() -> None:
     _finish(pool, ids)
     assert pool.reset_prefix_cache()
     window.reset(pool)
-    assert window.step_writes(pool) == ([], []) and not window.is_recorded(8)
+    assert window.step_writes(pool) == ([], []) and 8 not in window._records
 
 
 def test_without_lease_room_the_document_is_let_go() -> None:
@@ -218,7 +218,7 @@ def test_without_lease_room_the_document_is_let_go() -> None:
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert _ahead(window, pool) == [] and window.held_blocks == 0
-    assert window.is_recorded(8)  # a later lease with room may still copy it
+    assert 8 in window._records  # a later lease with room may still copy it
 
 
 def test_a_lease_never_hands_out_slots_consumed_but_not_applied() -> None:
@@ -232,11 +232,11 @@ def test_a_lease_never_hands_out_slots_consumed_but_not_applied() -> None:
     used = {s for w in writes for s in w.slots}
     # A newer plan built before the tree saw the copies restates the whole lease.
     window.take_lease(HostLease(epoch=1, version=1, applied=0, slots=tuple(range(8))))
-    assert window.lease_free == 2
+    assert len(window._lease) == 2
     window.take_lease(HostLease(epoch=1, version=1, applied=0, slots=tuple(range(8, 16))))
-    assert window.lease_free == 2  # not newer: ignored
+    assert len(window._lease) == 2  # not newer: ignored
     window.take_lease(HostLease(epoch=1, version=2, applied=2, slots=tuple(range(8))))
-    assert window.lease_free == 8 and used <= set(range(8))  # the tree applied both
+    assert len(window._lease) == 8 and used <= set(range(8))  # the tree applied both
 
 
 def test_a_lease_of_another_tree_forgets_the_previous_trees_records() -> None:
@@ -244,9 +244,9 @@ def test_a_lease_of_another_tree_forgets_the_previous_trees_records() -> None:
     window = _window()
     window.record(KEEP, ids, pool, epoch=1, version=1)
     window.take_lease(HostLease(epoch=2, version=0, applied=0, slots=(20, 21)))
-    assert not window.is_recorded(7) and window.lease_free == 2
+    assert 7 not in window._records and len(window._lease) == 2
     window.record(KEEP, ids, pool, epoch=1, version=1)  # a request planned by the old tree
-    assert not window.is_recorded(7)
+    assert 7 not in window._records
 
 
 def test_blocks_held_without_a_report_are_handed_back_and_counted() -> None:
@@ -258,7 +258,7 @@ def test_blocks_held_without_a_report_are_handed_back_and_counted() -> None:
     assert _ahead(window, pool)
     assert _ahead(window, pool) == []  # no report came for the step: handed back, dropped
     assert window.stranded_blocks == 4 and window.held_blocks == 0
-    assert window.lease_free == 8 and window.take_changes()[:2] == ((), (7, 8))
+    assert len(window._lease) == 8 and window.take_changes()[:2] == ((), (7, 8))
 
 
 def test_reset_forgets_every_record_and_holds_nothing() -> None:
@@ -269,8 +269,8 @@ def test_reset_forgets_every_record_and_holds_nothing() -> None:
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     assert _ahead(window, pool)
     window.reset(pool)
-    assert window.held_blocks == 0 and window.lease_free == 8
-    assert not window.is_recorded(7) and not window.is_recorded(8)
+    assert window.held_blocks == 0 and len(window._lease) == 8
+    assert 7 not in window._records and 8 not in window._records
 
 
 def test_a_partial_block_stops_recording() -> None:
@@ -278,7 +278,7 @@ def test_a_partial_block_stops_recording() -> None:
     pool.blocks[ids[2]].reset_hash()  # the prompt's last block: not full, never cached
     window = _window()
     window.record(KEEP, ids, pool, epoch=1, version=1)
-    assert window.is_recorded(7) and not window.is_recorded(8)
+    assert 7 in window._records and 8 not in window._records
     # The tree counted both as in vLLM's blocks at the first token: the unrecorded one is gone.
     assert window.take_changes() == ((), (), ((8, 1),))
 
@@ -293,7 +293,7 @@ def test_a_let_go_document_evicted_by_vllm_is_reported_gone() -> None:
     assert window.step_writes(pool) == ([], [])  # still no room at hand-out
     # Dropped by the look-ahead, which finds it broken; the root's blocks are still cached.
     assert window.take_changes() == ((), (8,), ((8, 3),))
-    assert window.is_recorded(7) and not window.is_recorded(8)
+    assert 7 in window._records and 8 not in window._records
 
 
 def test_a_child_is_copied_after_its_copied_parent_left_vllms_blocks() -> None:
@@ -358,7 +358,7 @@ def test_the_scheduler_side_records_at_finish_copies_and_reports_on_the_next_fin
     step([SimpleNamespace(req_id="r", block_ids=[ids], num_computed_tokens=0)], {"r": 15})
     first = ConnectorResult.from_json(side.finished("r")[RESULT_KEY])  # type: ignore[index]
     assert first.host_copied == () and side.window is not None
-    assert side.window.is_recorded(7) and side.window.is_recorded(8)
+    assert 7 in side.window._records and 8 in side.window._records
     _finish(pool, ids)
     pool.get_new_blocks(pool.get_num_free_blocks() - 4)
     ops = step([], {})
@@ -371,7 +371,7 @@ def test_the_scheduler_side_records_at_finish_copies_and_reports_on_the_next_fin
     assert [(seq, key) for seq, key, _ in second.host_copied] == [(1, 7), (2, 8)]
     assert second.stranded_blocks == 0
     side.release_all()  # clear(): the records go
-    assert not side.window.is_recorded(7)
+    assert 7 not in side.window._records
 
 
 def test_an_aborted_request_records_nothing_and_the_next_report_says_so() -> None:
@@ -386,7 +386,7 @@ def test_an_aborted_request_records_nothing_and_the_next_report_says_so() -> Non
     tracked = side._tracked["r"]
     tracked.block_ids, tracked.store_sent = list(ids), True  # its prompt was computed
     assert side.finished("r", aborted=True) is not None
-    assert side.window is not None and not side.window.is_recorded(7)
+    assert side.window is not None and 7 not in side.window._records
     # The tree counted them as in vLLM's blocks if the request reached its first token: the
     # next report says they are not followed (gone, with the plan's version).
     side.track_and_count_loads("s", {PLAN_KEY: Plan(page_size=PAGE, lease=lease).to_json()}, 9, 0)
@@ -457,7 +457,7 @@ def test_a_copy_the_tree_has_not_applied_is_loaded_not_computed_nor_copied_again
     result = ConnectorResult.from_json(side.finished("r")[RESULT_KEY])  # type: ignore[index]
     assert result.loaded_tokens == 12
     # Recorded again at its finish as copied: the window never copies it twice.
-    assert window.is_recorded(8) and window._records[8].copied == 2
+    assert 8 in window._records and window._records[8].copied == 2
     assert 8 not in {k for keys in window._by_block.values() for k in keys}
     # Once the tree applied them, they are its own to plan: nothing past the plan's loads.
     window.take_lease(HostLease(epoch=5, version=2, applied=2, slots=()))
@@ -476,7 +476,7 @@ def test_a_copy_at_hand_out_never_takes_a_slot_a_load_of_the_step_reads() -> Non
     reading = frozenset({0, 1, 2})  # say, a copied load's slots just freed by a newer lease
     pool.get_new_blocks(pool.get_num_free_blocks() - 2)
     handout, _ = window.step_writes(pool, reading)
-    assert handout == [] and window.lease_free == 6  # 6 needed, 3 not read: refused
+    assert handout == [] and len(window._lease) == 6  # 6 needed, 3 not read: refused
     pool2, ids2 = _pool_with_request(8, used=4)
     window2 = _window(lease=9, window=0)
     window2.record(KEEP, ids2, pool2, epoch=1, version=1)

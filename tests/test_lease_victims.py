@@ -256,7 +256,7 @@ def test_the_window_overwrites_victims_least_wanted_first_only_when_free_slots_r
     # The lease restated before the tree applied any of it: the overwritten victims are not
     # victims any more, and their slots the copies did not take are free.
     window.take_lease(HostLease(1, 2, 0, slots=(0, 1), victims=VICTIMS))
-    assert window.lease_free == 2  # 14 and 15
+    assert len(window._lease) == 2  # 14 and 15
     # A plan made before the tree heard of the overwrites must not load from their slots;
     # one made after may (the slots hold the new copies then).
     reads = (LoadSpan(Tier.HOST, (20,), 0, 2), LoadSpan(Tier.HOST, (12, 13), 2, 4))
@@ -366,7 +366,7 @@ def test_a_failed_copy_onto_victims_tears_them_and_a_lost_report_never_makes_the
     assert window.take_overwritten() == ((1, 5), (2, 6))  # and this report is lost
     # The tree applied a later number from elsewhere; its next lease still lends 5 and 6.
     window.take_lease(HostLease(1, 2, 2, slots=(), victims=VICTIMS))
-    assert not window._victims and window.lease_free == 6  # free lent slots, not victims
+    assert not window._victims and len(window._lease) == 6  # free lent slots, not victims
     reads = (LoadSpan(Tier.HOST, (20,), 0, 2), LoadSpan(Tier.HOST, (10, 11), 2, 4))
     stale = Plan(page_size=WINDOW_PAGE, load=reads, lease=HostLease(1, 2, 2, (), VICTIMS))
     assert window.load_limit(stale) == 2  # applied is past 1, but it still lends victim 5

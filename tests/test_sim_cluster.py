@@ -4,6 +4,7 @@ known answers, the load bound, the imbalance metric, the resampler, the CLI."""
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,13 +18,14 @@ from ragcache_core.sim import (
     EngineConfig,
     SimConfig,
     TraceRequest,
-    fit_zipf,
-    resample,
     simulate,
     simulate_cluster,
     write_trace,
 )
 from ragcache_core.sim.cluster import HashRing, Loads, window_imbalance
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from resample import fit_zipf, resample  # scripts/resample.py
 
 
 def req(i: int, *docs: str, tokens: int = 10) -> TraceRequest:

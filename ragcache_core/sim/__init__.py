@@ -18,7 +18,6 @@ from ragcache_core.sim.engine import (
     EngineSimulator,
     Served,
 )
-from ragcache_core.sim.resample import ResampleFit, fit_zipf, resample
 from ragcache_core.sim.simulator import SimConfig, SimResult, Simulator, simulate
 from ragcache_core.trace import TraceRequest, load_trace, parse_request, write_trace
 
@@ -31,16 +30,13 @@ __all__ = [
     "EngineRequest",
     "EngineResult",
     "EngineSimulator",
-    "ResampleFit",
     "Served",
     "SimConfig",
     "SimResult",
     "Simulator",
     "TraceRequest",
-    "fit_zipf",
     "load_trace",
     "parse_request",
-    "resample",
     "simulate",
     "simulate_cluster",
     "write_trace",

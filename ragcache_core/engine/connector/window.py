@@ -194,13 +194,6 @@ class EvictionWindow:
         """Block references held for look-ahead copies in flight."""
         return sum(len(record.blocks) for record, _, held in self._copying.values() if held)
 
-    @property
-    def lease_free(self) -> int:
-        return len(self._lease)
-
-    def is_recorded(self, key: int) -> bool:
-        return key in self._records
-
     # ------------------------------------------------------------------ from plans and finishes
 
     def take_lease(self, lease: HostLease) -> None:
