@@ -31,6 +31,7 @@ from ragcache_core.bench.sweep import (
 )
 from ragcache_core.bench.systems import ABLATIONS
 from ragcache_core.bench.workloads import Request, chunk_articles, load_workload
+from ragcache_core.config import SamplingConfig
 
 SYSTEMS = ("vllm", "ragcache-offload-proxy-arc")
 """The smoke run's systems: plain vLLM and the proxy whose policy (ARC) is RAGCache's newest,
@@ -147,12 +148,17 @@ class _Recorder:
         self.in_flight = 0
         self.most_in_warmup = 0
         """The most requests in flight while a warm-up request was running."""
+        self.sampling: dict[int, SamplingConfig | None] = {}
+        """The sampling each request was served with (None: the system's)."""
 
     def use(self, source: object, top_k: int) -> None:
         pass
 
-    async def serve(self, request: Request, request_id: str) -> Outcome:
+    async def serve(
+        self, request: Request, request_id: str, sampling: SamplingConfig | None = None
+    ) -> Outcome:
         index = int(request_id.rsplit("-", 1)[1])
+        self.sampling[index] = sampling
         self.in_flight += 1
         if index < 10:
             self.most_in_warmup = max(self.most_in_warmup, self.in_flight)
@@ -231,6 +237,20 @@ def test_warm_up_runs_closed_loop_before_the_measured_stream(
     assert warm_end - start <= offset <= scheduled_at - start
     sent = {i: t for kind, i, t in system.log if kind == "start" and i >= 10}
     assert all(sent[i] >= start + scheduled[i][0] for i in sent)  # never sent early
+    assert set(system.sampling.values()) == {None}  # the system's own sampling throughout
+
+
+def test_the_warm_up_may_sample_apart() -> None:
+    """`warmup_sampling` (the demo's: stopped at the first token) reaches the warm-up
+    requests only; the measured ones keep the system's sampling."""
+    system = _Recorder()
+    requests = [Request(f"q{i}") for i in range(12)]
+    first_token = SamplingConfig(max_tokens=1)
+    asyncio.run(
+        run_point(system, requests, [0.0] * 12, 20.0, 10, "t", warmup_concurrency=2,  # type: ignore[arg-type]
+                  warmup_sampling=first_token)
+    )  # fmt: skip
+    assert [system.sampling[i] for i in range(12)] == [first_token] * 10 + [None, None]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -79,3 +79,9 @@ def test_cuda_only_systems_are_refused_in_one_line_before_any_model_is_read(
         baseline_settings(name, "/no/such/model", CacheConfig(host_pool_tokens=4096))
     message = str(info.value)
     assert reason in message and "\n" not in message and message.startswith(name)
+
+
+def test_only_plain_vllm_caches_nothing() -> None:
+    """The demo skips the warm-up of a system that keeps no KV between requests."""
+    keeps_nothing = {name for name, spec in SYSTEMS.items() if not spec.caches}
+    assert keeps_nothing == {"vllm", "vllm-noconn"}

@@ -35,9 +35,11 @@ TESTS = (
     "test_demo_prints_its_settings_and_one_row_per_system",
     "test_demo_answers_identically_and_ragcache_hits",
     "test_demo_prints_progress_and_results_only",
+    "test_demo_scores_its_answers_and_shows_three",
 )
-DEMO_MAX_LINES = 46
-"""What `ragcache demo` may print in all: progress (model, engines, bars) and the results."""
+DEMO_MAX_LINES = 60
+"""What `ragcache demo` may print in all: progress (model, engines, bars) and the results
+(the table, the answer quality and three example questions of three lines each)."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,7 @@ def test_demo_answers_identically_and_ragcache_hits(demo: DemoRun) -> None:
     chunk the warm-up retrieved again (the seeded stream repeats four); plain vLLM reuses
     nothing."""
     stdout = demo.stdout
-    total = WARMUP + REQUESTS
-    assert f"answers identical across systems: {total}/{total} requests" in stdout
+    assert f"answers identical across systems: {REQUESTS}/{REQUESTS} measured requests" in stdout
     vllm, ragcache = _row(stdout, "vllm"), _row(stdout, "ragcache")
     assert vllm[5] == "0%" and vllm[6] == "-"
     for apc in ("vllm-apc", "vllm-apc-total"):  # vLLM's prefix cache keeps the system prompt
@@ -117,6 +118,22 @@ def test_demo_answers_identically_and_ragcache_hits(demo: DemoRun) -> None:
     docs = re.fullmatch(r"(\d+)%", ragcache[6])
     assert docs is not None and int(docs.group(1)) > 0, ragcache
     assert re.search(r"^vllm / RAGCache: mean TTFT [\d.]+x, p95 [\d.]+x", stdout, re.M), stdout
+
+
+def test_demo_scores_its_answers_and_shows_three(demo: DemoRun) -> None:
+    """The measured answers scored against the stream's gold answers, every system (the
+    tiny model's answers are noise: only the shape is checked here; the real model's run is
+    the README's), and three questions with RAGCache's answer, the gold and the source."""
+    stdout = demo.stdout
+    header = f"answer quality against the stream's gold answers ({REQUESTS} measured questions"
+    assert header in stdout, stdout
+    for system in SYSTEMS:
+        row = re.search(rf"^{system} +(\d+) \[(\d+), (\d+)\] +(\d+) \[", stdout, re.M)
+        assert row is not None, stdout
+        value, low, high = (int(row.group(i)) for i in (1, 2, 3))
+        assert low <= value <= high, row.group(0)
+    examples = re.findall(r"^Q: .+\n   ragcache: .+\n   gold: .+   source: .+$", stdout, re.M)
+    assert len(examples) == 3, stdout
 
 
 def test_demo_prints_progress_and_results_only(demo: DemoRun) -> None:

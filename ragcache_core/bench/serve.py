@@ -91,8 +91,11 @@ class ServedSystem(Protocol):
         """Retrieve the documents of later requests from `source`, `top_k` of them."""
         ...
 
-    async def serve(self, request: Request, request_id: str) -> Outcome:
-        """Answer one request (retrieving its documents when it brings none)."""
+    async def serve(
+        self, request: Request, request_id: str, sampling: SamplingConfig | None = None
+    ) -> Outcome:
+        """Answer one request (retrieving its documents when it brings none), with
+        `sampling` (None: the system's configured sampling)."""
         ...
 
     async def reset(self) -> None:
@@ -198,7 +201,9 @@ class BaselineSystem:
     def use(self, source: SearchSource | None, top_k: int) -> None:
         self.source, self.top_k = source, top_k
 
-    async def serve(self, request: Request, request_id: str) -> Outcome:
+    async def serve(
+        self, request: Request, request_id: str, sampling: SamplingConfig | None = None
+    ) -> Outcome:
         t0 = time.perf_counter()
         documents = request.documents
         search_s = 0.0
@@ -210,7 +215,8 @@ class BaselineSystem:
             search_s = time.perf_counter() - t0
         prompt = self.prompts.build(request.question, documents)
         first, tokens, cached = 0.0, cast(tuple[int, ...], ()), 0
-        async for event in self.engine.stream(request_id, prompt.token_ids, self.config.sampling):
+        sampling = sampling or self.config.sampling
+        async for event in self.engine.stream(request_id, prompt.token_ids, sampling):
             if event.token_ids and not first:
                 first = time.perf_counter()
             tokens, cached = event.token_ids, max(cached, event.num_cached_tokens)
@@ -273,12 +279,18 @@ class RAGCacheSystem:
     def use(self, source: SearchSource | None, top_k: int) -> None:
         self.source, self.top_k = source, top_k
 
-    async def serve(self, request: Request, request_id: str) -> Outcome:
+    async def serve(
+        self, request: Request, request_id: str, sampling: SamplingConfig | None = None
+    ) -> Outcome:
         t0 = time.perf_counter()
         if request.documents is None:
-            result = await self.cache.aquery(request.question, search=self.source, top_k=self.top_k)
+            result = await self.cache.aquery(
+                request.question, search=self.source, top_k=self.top_k, sampling=sampling
+            )
         else:
-            result = await self.cache.agenerate(request.question, request.documents)
+            result = await self.cache.agenerate(
+                request.question, request.documents, sampling=sampling
+            )
         done = time.perf_counter()
         hits = result.hits
         return Outcome(
@@ -488,6 +500,7 @@ async def run_point(
     progress: Progress | None = None,
     *,
     warmup_concurrency: int = 0,
+    warmup_sampling: SamplingConfig | None = None,
 ) -> PointRun:
     """Empty the system's cache, then send request i at `arrivals[i]` (seconds from now), all
     concurrently. The first `warmup` requests fill the cache and are not measured.
@@ -495,7 +508,9 @@ async def run_point(
     With `warmup_concurrency` > 0 the warm-up requests are sent in order, that many at a time
     (a closed loop: each starts when one before it ends), and the measured ones follow at
     their arrival offsets counted from the end of the warm-up: the cache reaches its steady
-    state in the time the system needs for it, not in the stream's time."""
+    state in the time the system needs for it, not in the stream's time. `warmup_sampling`:
+    the warm-up requests' sampling instead of the system's (`ragcache demo` stops them at
+    their first token: they only fill the caches)."""
     await system.reset()
     outcomes: list[Outcome | None] = [None] * len(requests)
     sent = [0.0] * len(requests)
@@ -505,7 +520,8 @@ async def run_point(
     async def one(i: int) -> None:
         nonlocal done
         sent[i] = time.perf_counter() - start
-        outcomes[i] = await system.serve(requests[i], f"{system.name}-{tag}-{i}")
+        sampling = warmup_sampling if i < warmup else None
+        outcomes[i] = await system.serve(requests[i], f"{system.name}-{tag}-{i}", sampling)
         done += 1
         if progress:
             progress(done)

@@ -58,13 +58,19 @@ class SystemSpec:
     def ablation(self) -> bool:
         return self.parent is not None
 
+    @property
+    def caches(self) -> bool:
+        """Whether the system keeps any KV between requests (plain vLLM, prefix caching off,
+        does not: a warm-up leaves it as it was)."""
+        return self.kind == "ragcache" or self.name.startswith(("vllm-apc", "vllm-offload"))
+
 
 FCFS_NO_SPECULATION = {"reorder": False, "speculation": False}
+"""What every proxy of vLLM's offloading has: vLLM serves first come first served and starts
+a prompt only once its documents are known."""
 LOOKAHEAD_TOKENS = 4096
 """The look-ahead of the systems that have one: one step's token budget on CPU
 (`max_num_batched_tokens`), what vLLM's lazy offload watches at least."""
-"""What every proxy of vLLM's offloading has: vLLM serves first come first served and starts
-a prompt only once its documents are known."""
 
 SYSTEMS: dict[str, SystemSpec] = {
     s.name: s

