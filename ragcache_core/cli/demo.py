@@ -10,7 +10,7 @@ of ~440 tokens (whole paragraphs of three Wikipedia articles), 395 SQuAD dev que
 them, top-1 retrieval, so the document is most of each prompt and popular chunks come back
 often. Every caching system first answers the stream's first 24 requests, 4 at a time,
 unmeasured and stopped at their first token: a deployed cache has seen its popular documents,
-and this fills each cache as the stream would; plain vLLM caches nothing and skips it. Then 14
+and this fills each cache as the stream would; plain vLLM caches nothing and skips it. Then 12
 measured requests arrive as a Poisson stream. The rate is calibrated at start: vLLM answers a
 few requests one at a time and the demo sends as many per second as it served that way
 (`--load 1.0`). The measured answers are scored against the questions' gold answers (SQuAD's
@@ -40,7 +40,7 @@ from ragcache_core.policy import DEFAULT_POLICY, POLICIES
 WARMUP_CONCURRENCY = 4
 """Warm-up requests in flight at once (a closed loop)."""
 DEFAULTS = {
-    "requests": 14,
+    "requests": 12,
     "warmup": 24,
     "max_tokens": 32,
     "load": 1.0,
