@@ -196,7 +196,7 @@ class _SpecialIds:
 
 def _save_chat_tokenizer(folder: Path, recipe: ModelRecipe) -> _SpecialIds:
     """A real family's tokenizer and chat template (`chat_fixtures`), saved into `folder`."""
-    from ragcache_core.models import chat_fixtures
+    import ragcache_core.models.chat_fixtures as chat_fixtures
 
     assert recipe.chat_template is not None
     tokenizer = chat_fixtures.tokenizer(recipe.chat_template)

@@ -33,9 +33,9 @@ from pydantic import (
     model_validator,
 )
 
+import ragcache_core.serve.sampling_in as sampling_in
 from ragcache_core.config import StructuredOutputs
 from ragcache_core.documents import Document
-from ragcache_core.serve import sampling_in
 from ragcache_core.serve.fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
