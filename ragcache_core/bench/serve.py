@@ -131,7 +131,7 @@ def baseline_settings(name: str, model: str | Path, config: CacheConfig) -> Engi
     config = resolve_device_defaults(config, device)
     assert config.dtype is not None
     offload = name in ("vllm-offload", "vllm-offload-lazy")
-    apc = name.startswith("vllm-apc") or offload
+    apc = SYSTEMS[name].caches  # vLLM's prefix caching: every baseline but plain vLLM
     layout = layout_for_model(model, dtype=config.dtype, page_size=config.page_size)
     # vLLM's own cache: the same as RAGCache's, which is RAGCache's GPU tier (None on CUDA:
     # vLLM sizes it from its share of the GPU, for RAGCache as here).

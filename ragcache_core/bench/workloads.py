@@ -104,17 +104,9 @@ WORKLOADS = (
     "demo-short",
     *CAPACITY_WORKLOADS,
 )
-SHARED_WORKLOADS = frozenset(
-    {
-        "short",
-        "long",
-        "long-shuffled",
-        "long-zipf",
-        "xlong-shuffled",
-        "noreuse",
-        *CAPACITY_WORKLOADS,
-    }
-)
+SHIPPED_WORKLOADS = frozenset({"demo", "demo-short"})
+"""The workloads built from the samples shipped in the package (no data folder needed)."""
+SHARED_WORKLOADS = frozenset(WORKLOADS) - SHIPPED_WORKLOADS
 
 
 def workload_files(name: str) -> tuple[str, ...]:
