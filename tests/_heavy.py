@@ -6,6 +6,7 @@ closed only when a test asks for another (or starts its own: `close` first)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
@@ -24,14 +25,17 @@ class EnginePool(Generic[E]):
         self._key: EngineSettings | None = None
         self._engine: E | None = None
         self.starts = 0
+        self.start_seconds = 0.0
 
     def get(self, settings: EngineSettings) -> E:
         if self._engine is not None and self._key == settings:
             return self._engine
         self.close()
+        started = time.monotonic()
         self._engine = self._factory(settings)
         self._key = settings
         self.starts += 1
+        self.start_seconds += time.monotonic() - started
         return self._engine
 
     def close(self) -> None:
@@ -51,10 +55,16 @@ class Heavy:
         self._exit = contextlib.ExitStack()
         self.starts = 0
         """Things started by `hold` (engines by `get` are `engines_started`)."""
+        self.start_seconds = 0.0
+        """Seconds spent starting them (engines by `get`: `engine_start_seconds`)."""
 
     @property
     def engines_started(self) -> int:
         return self._engines.starts
+
+    @property
+    def engine_start_seconds(self) -> float:
+        return self._engines.start_seconds
 
     def get(self, settings: EngineSettings) -> Any:
         self._release()
@@ -64,11 +74,13 @@ class Heavy:
         if self._key is not None and self._key == key:
             return self._held  # type: ignore[no-any-return]
         self.close()
+        started = time.monotonic()
         with contextlib.ExitStack() as stack:
             held = stack.enter_context(start())
             self._exit = stack.pop_all()
         self._key, self._held = key, held
         self.starts += 1
+        self.start_seconds += time.monotonic() - started
         return held
 
     def _release(self) -> None:

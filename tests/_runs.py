@@ -18,6 +18,7 @@ run for those tests). The test, or a function-scoped fixture of it, asks
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +40,8 @@ class EngineRuns:
     ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="engine-run")
         self._runs: dict[tuple[str, str], Future[Any]] = {}
+        self.seconds: dict[str, float] = {}
+        """Each finished run's wall time, by its first test's name (the suite's summary)."""
         tables: dict[str, dict[str, Runner]] = {}
         started: dict[int, Future[Any]] = {}  # by runner: one run for the names it has
         for item in items:
@@ -55,8 +58,15 @@ class EngineRuns:
             runner = table[name]
             if id(runner) not in started:
                 folder = tmp.mktemp(re.sub(r"\W+", "-", name)[:40])
-                started[id(runner)] = self._pool.submit(runner, folder)
+                started[id(runner)] = self._pool.submit(self._timed, name, runner, folder)
             self._runs[(module.__name__, name)] = started[id(runner)]
+
+    def _timed(self, name: str, runner: Runner, folder: Path) -> Any:
+        began = time.monotonic()
+        try:
+            return runner(folder)
+        finally:
+            self.seconds[name] = time.monotonic() - began
 
     def result(self, request: pytest.FixtureRequest) -> Any:
         """What the requesting test's run returned (waits for it; re-raises its error)."""

@@ -56,6 +56,7 @@ def engine_pool() -> Iterator[Heavy]:
     from ragcache_core.engine.llm import Engine
 
     heavy = Heavy(EnginePool(Engine, Engine.close))
+    _POOLS.append(heavy)
     yield heavy
     heavy.close()
 
@@ -67,6 +68,7 @@ def engine_runs(
     """Every selected test's engine run (`_runs`), all started at the session's first test
     (`_start_engine_runs`), two at a time, beside the rest of the suite."""
     runs = EngineRuns(request.session.items, tiny_model, tmp_path_factory)
+    _RUNS.append(runs)
     yield runs
     runs.close()
 
@@ -91,6 +93,10 @@ SLOWEST_MODULES = 8
 """How many modules the closing summary names, slowest first."""
 _MODULE_SECONDS: defaultdict[str, float] = defaultdict(float)
 _STARTED = pytest.StashKey[float]()
+_POOLS: list[Heavy] = []
+"""The session's `engine_pool`, for the closing summary's count of its starts."""
+_RUNS: list[EngineRuns] = []
+"""The session's `engine_runs`, for the closing summary's run times."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -114,3 +120,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", f"suite time {wall:.1f} s ({wall / 60:.1f} min)")
     for module, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
+    for pool in _POOLS:
+        terminalreporter.write_line(
+            f"engine_pool: {pool.engines_started} engines started in "
+            f"{pool.engine_start_seconds:.0f} s, {pool.starts} held things "
+            f"(RAGCache, server) in {pool.start_seconds:.0f} s"
+        )
+    for runs in _RUNS:
+        slow = sorted(runs.seconds.items(), key=lambda kv: -kv[1])
+        terminalreporter.write_line(
+            f"engine_runs: {len(slow)} runs, {sum(runs.seconds.values()):.0f} s in all "
+            f"(two at a time, beside the suite); slowest: "
+            + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in slow[:SLOWEST_MODULES])
+        )

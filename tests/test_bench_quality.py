@@ -8,6 +8,7 @@ did, warm caches and all. Needs the benchmark data (skipped without it)."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import subprocess
 import sys
@@ -172,3 +173,46 @@ def test_a_missing_model_folder_is_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert "does not exist" in _refused(capsys, "--model", str(tmp_path / "no-model"))
+
+
+def test_warm_requests_stop_at_their_first_token_and_each_window_warms_first() -> None:
+    """The loop alone (a recording stand-in for the served system): each window's requests
+    go once with one-token sampling, then measured with the system's own (None), and the
+    measured outcomes come back in stream order."""
+    import asyncio
+
+    from ragcache_core.bench.quality import WARM_SAMPLING, serve_windows
+    from ragcache_core.bench.serve import Outcome
+    from ragcache_core.bench.workloads import Request
+
+    sent: list[tuple[str, Any]] = []
+
+    class Recording:
+        name = "rec"
+
+        async def reset(self) -> None:
+            sent.clear()
+
+        async def serve(self, request: Request, request_id: str, sampling: Any = None) -> Outcome:
+            sent.append((request_id, sampling))
+            return Outcome(0.0, 0.0, (int(request.question),), 1, 0)
+
+    requests = [Request(str(i)) for i in range(5)]
+    outcomes = asyncio.run(
+        serve_windows(Recording(), requests, True, lambda done: None, window=2)  # type: ignore[arg-type]
+    )
+    assert [o.token_ids for o in outcomes] == [(i,) for i in range(5)]
+    assert WARM_SAMPLING.max_tokens == 1
+    windows = [["rec-warm-0", "rec-warm-1", "rec-q-0", "rec-q-1"]]
+    windows += [["rec-warm-2", "rec-warm-3", "rec-q-2", "rec-q-3"], ["rec-warm-4", "rec-q-4"]]
+    assert sorted(i for i, _ in sent) == sorted(i for w in windows for i in w)
+    for request_id, sampling in sent:
+        assert sampling is (WARM_SAMPLING if "-warm-" in request_id else None), request_id
+    positions = {request_id: n for n, (request_id, _) in enumerate(sent)}
+    spans = []
+    for window in windows:  # a window's warm requests all go before its measured ones
+        warm = [positions[i] for i in window if "-warm-" in i]
+        measured = [positions[i] for i in window if "-q-" in i]
+        assert max(warm) < min(measured)
+        spans.append((min(warm), max(measured)))
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(spans))  # one window after another

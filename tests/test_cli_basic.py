@@ -104,3 +104,13 @@ def test_demo_takes_any_system_of_bench_serve_that_runs_here() -> None:
 
     args = build_parser().parse_args(["demo", "--systems", "ragcache,ragcache-writethrough"])
     assert _check(args) == ["ragcache", "ragcache-writethrough"]
+
+
+def test_demo_runs_the_four_systems_unless_told_otherwise() -> None:
+    """The suite's demo run names three of them (`test_demo.SYSTEMS`): the default stays all four
+    of the README's table."""
+    from ragcache_core.cli import build_parser
+    from ragcache_core.cli.demo import DEMO_SYSTEMS, _check
+
+    assert DEMO_SYSTEMS == ("vllm", "vllm-apc", "vllm-apc-total", "ragcache")
+    assert _check(build_parser().parse_args(["demo"])) == list(DEMO_SYSTEMS)

@@ -38,7 +38,7 @@ from ragcache_core.retrieval.corpus import load_corpus
 from ragcache_core.runtime.ragcache import RAGCache
 from ragcache_core.storage.pool_layout import layout_for_model
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
 
 PAGE = 16
 MAX_MODEL_LEN = 1024

@@ -170,7 +170,10 @@ def test_readme_quickstarts_are_the_quickstart_scripts() -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", NAMES + CHATS)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.real_model) if n == REAL else n for n in NAMES + CHATS],
+)
 def test_example_script(name: str, request: pytest.FixtureRequest, engine_runs: EngineRuns) -> None:
     run: Run = engine_runs.result(request)
     done, log = run.done, run.log

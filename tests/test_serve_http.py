@@ -426,13 +426,19 @@ def test_headers_and_bodies_are_bounded_in_size_and_time(
     huge.sendall(b"GET /health HTTP/1.1\r\nX-Pad: " + b"x" * 70_000)
     slow = socket.create_connection(("127.0.0.1", port), timeout=20)
     slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-    # (h11 refuses large headers itself, with 400, before the guard's 431.)
-    for sock, statuses in [(partial, [b"408"]), (huge, [b"431", b"400"]), (slow, [b"408"])]:
+    # (h11 refuses large headers itself, with 400, before the guard's 431. A server that closes
+    # with the 70 kB still unread makes the kernel send a reset, which may reach this socket
+    # before the answer is read and discard it: refused too, not served.)
+    refused = [(partial, [b"408"]), (huge, [b"431", b"400", b"reset"]), (slow, [b"408"])]
+    for sock, statuses in refused:
         with sock:
             answer = b""
-            while chunk := sock.recv(4096):  # until the server closes the connection
-                answer += chunk
-            assert answer[9:12] in statuses, answer[:200]
+            try:
+                while chunk := sock.recv(4096):  # until the server closes the connection
+                    answer += chunk
+            except ConnectionResetError:
+                answer = answer or b"HTTP/1.1 reset"
+            assert answer[9:12] in statuses or answer[9:14] in statuses, answer[:200]
     body = {"prompt": "x" * 2000, "max_tokens": 2}
     too_big = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
     assert too_big.status_code == 413 and "1024 bytes" in too_big.json()["error"]["message"]

@@ -15,14 +15,14 @@ default `AppPrompt` layout) and greedy decoding up to `max_tokens`, stopping at 
 of turn.
 
 **Warm caches.** A deployed cache has seen the documents it serves. The RAGCache systems take
-the stream in windows of `WINDOW` questions: each window is sent once unmeasured, then again
-measured, so every measured request's documents were served a window ago (hits: a window's
-documents fit the default host tier three times over; the whole stream would not).
-`ragcache-docorder` serves a request out of retrieval order when the documents it retrieved
-are cached in another order: on the warm pass when earlier requests cached them so, on the
-measured pass as the warm pass served it; the count of reordered answers is reported with
-it. vllm answers the measured pass only (no cache to warm). Requests go `CONCURRENCY` at a
-time (a closed loop), in stream order.
+the stream in windows of `WINDOW` questions: each window is sent once unmeasured (stopped at its
+first token: `WARM_SAMPLING`), then again measured, so every measured request's documents were
+served a window ago (hits: a window's documents fit the default host tier three times over; the
+whole stream would not). `ragcache-docorder` serves a request out of retrieval order when the
+documents it retrieved are cached in another order: on the warm pass when earlier requests
+cached them so, on the measured pass as the warm pass served it; the count of reordered answers
+is reported with it. vllm answers the measured pass only (no cache to warm). Requests go
+`CONCURRENCY` at a time (a closed loop), in stream order.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ WINDOW = 50
 """Questions per warm-up window: at most 150 documents, about 21k tokens of SmolLM2's
 tokenizer, a third of the default host tier."""
 CONCURRENCY = 4
+WARM_SAMPLING = SamplingConfig(max_tokens=1, temperature=0.0)
+"""A warm-up request stops at its first token: its prefill caches the documents, its answer
+is not read (32 tokens each would double a RAGCache system's time for nothing)."""
 FIGURES = tuple(SCORES)
 """The per-reply figures (exact_match, f1, contains), in table order."""
 
@@ -139,24 +142,23 @@ async def serve_windows(
     concurrency: int = CONCURRENCY,
 ) -> list[Outcome]:
     """The measured outcome of every request, in order, from an emptied cache; with `warm`
-    each window of `window` requests is sent once unmeasured before it is measured."""
+    each window of `window` requests is sent once unmeasured (`WARM_SAMPLING`: one token)
+    before it is measured."""
     await system.reset()
     measured: dict[int, Outcome] = {}
     done = 0
 
-    async def send(i: int, tag: str, keep: bool) -> None:
+    async def warm_one(i: int) -> None:
         nonlocal done
-        outcome = await system.serve(requests[i], f"{system.name}-{tag}-{i}")
-        if keep:
-            measured[i] = outcome
+        await system.serve(requests[i], f"{system.name}-warm-{i}", WARM_SAMPLING)
         done += 1
         progress(done)
 
-    async def warm_one(i: int) -> None:
-        await send(i, "warm", False)
-
     async def measure_one(i: int) -> None:
-        await send(i, "q", True)
+        nonlocal done
+        measured[i] = await system.serve(requests[i], f"{system.name}-q-{i}")
+        done += 1
+        progress(done)
 
     for start in range(0, len(requests), window):
         indices = range(start, min(start + window, len(requests)))
@@ -335,8 +337,8 @@ def run_quality(
         "system_prompt": SHORT_ANSWER,
         "systems": describe_systems(settings.systems),
         "reference": REFERENCE,
-        "warm": f"RAGCache systems: each window of {WINDOW} questions sent once unmeasured, "
-        "then measured",
+        "warm": f"RAGCache systems: each window of {WINDOW} questions sent once unmeasured "
+        "(stopped at its first token), then measured",
         "concurrency": CONCURRENCY,
         "vllm_kv_gib": settings.vllm_kv_gib,
         "host_pool_tokens": settings.host_pool_tokens,
