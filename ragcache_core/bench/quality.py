@@ -110,9 +110,13 @@ def answer_stream(
     stream: QualityStream,
     decode: Callable[[Sequence[int]], str],
     progress: Progress,
+    reference: SystemRun | None = None,
 ) -> SystemRun:
     """Start system `name`, answer the stream (warm windows first for RAGCache's systems: the
-    module doc), check a reordering system against plain vLLM on its own prompts, stop it."""
+    module doc), check a reordering system against plain vLLM on its own prompts, stop it.
+    With `reference` (vllm's run: plain vLLM, prefix caching off, the same prompt ids in
+    retrieval order), its answers stand for plain vLLM's on the prompts a reordering system
+    kept in retrieval order, so only the reordered prompts are generated again."""
     engines.start([name], None)
     system = engines.systems[name]
     warm = SYSTEMS[name].kind == "ragcache"
@@ -126,7 +130,15 @@ def answer_stream(
         from ragcache_core.bench.serve import RAGCacheSystem
 
         assert isinstance(system, RAGCacheSystem)
-        own = engines.run(system.same_as_plain_vllm(requests, outcomes))
+        known = None
+        if reference is not None:
+            build = system.cache.prompts.build
+            known = {
+                tuple(build(r.question, r.documents).token_ids): o.token_ids
+                for r, o in zip(requests, reference.outcomes, strict=True)
+                if r.documents is not None  # a quality stream's requests bring theirs
+            }
+        own = engines.run(system.same_as_plain_vllm(requests, outcomes, known))
     engines.stop([name])
     replies = tuple(decode(o.token_ids) for o in outcomes)
     print(f"{name}: {len(outcomes)} answers in {wall:.0f} s", file=engines.log, flush=True)
@@ -351,7 +363,8 @@ def run_quality(
     try:
         ordered = sorted(settings.systems, key=lambda n: n != REFERENCE)
         for name in ordered:
-            runs[name] = answer_stream(engines, name, stream, decode, progress)
+            reference = runs.get(REFERENCE)
+            runs[name] = answer_stream(engines, name, stream, decode, progress, reference)
     finally:
         engines.close()
     meta["wall_s"] = time.perf_counter() - started
