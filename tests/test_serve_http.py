@@ -437,8 +437,9 @@ def test_headers_and_bodies_are_bounded_in_size_and_time(
                 while chunk := sock.recv(4096):  # until the server closes the connection
                     answer += chunk
             except ConnectionResetError:
-                answer = answer or b"HTTP/1.1 reset"
-            assert answer[9:12] in statuses or answer[9:14] in statuses, answer[:200]
+                answer = answer or b"reset"
+            status = b"reset" if answer == b"reset" else answer[9:12]
+            assert status in statuses, answer[:200]
     body = {"prompt": "x" * 2000, "max_tokens": 2}
     too_big = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
     assert too_big.status_code == 413 and "1024 bytes" in too_big.json()["error"]["message"]

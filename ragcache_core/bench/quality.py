@@ -127,18 +127,17 @@ def answer_stream(
     wall = time.perf_counter() - started
     own = None
     if reorders(name):
-        from ragcache_core.bench.serve import RAGCacheSystem
+        from ragcache_core.bench.serve import RAGCacheSystem, same_as_plain_vllm
 
         assert isinstance(system, RAGCacheSystem)
-        known = None
-        if reference is not None:
-            build = system.cache.prompts.build
-            known = {
-                tuple(build(r.question, r.documents).token_ids): o.token_ids
-                for r, o in zip(requests, reference.outcomes, strict=True)
-                if r.documents is not None  # a quality stream's requests bring theirs
-            }
-        own = engines.run(system.same_as_plain_vllm(requests, outcomes, known))
+        build = system.cache.prompts.build
+        answered = zip(requests, reference.outcomes, strict=True) if reference else ()
+        known = {  # same_as_plain_vllm's memo of plain answers, by prompt ids
+            tuple(build(r.question, r.documents).token_ids): o.token_ids
+            for r, o in answered
+            if r.documents is not None  # a quality stream's requests bring theirs
+        }
+        own = engines.run(same_as_plain_vllm(system.cache, requests, outcomes, known))
     engines.stop([name])
     replies = tuple(decode(o.token_ids) for o in outcomes)
     print(f"{name}: {len(outcomes)} answers in {wall:.0f} s", file=engines.log, flush=True)

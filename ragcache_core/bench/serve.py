@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -311,15 +311,10 @@ class RAGCacheSystem:
         )
 
     async def same_as_plain_vllm(
-        self,
-        requests: Sequence[Request],
-        outcomes: Sequence[Outcome],
-        known: Mapping[tuple[int, ...], tuple[int, ...]] | None = None,
+        self, requests: Sequence[Request], outcomes: Sequence[Outcome]
     ) -> tuple[int, int]:
         """`same_as_plain_vllm` on this system's engine, plain answers remembered across
-        calls (the rounds repeat the stream); `known`: plain vLLM's answers already had, by
-        prompt ids (another engine's: `bench quality`'s reference run), not generated again."""
-        self._plain.update(known or {})
+        calls (the rounds repeat the stream)."""
         return await same_as_plain_vllm(self.cache, requests, outcomes, self._plain)
 
     def counters(self) -> dict[str, Any]:
