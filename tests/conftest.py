@@ -93,6 +93,7 @@ SLOWEST_MODULES = 8
 """How many modules the closing summary names, slowest first."""
 _MODULE_SECONDS: defaultdict[str, float] = defaultdict(float)
 _STARTED = pytest.StashKey[float]()
+_CPU_AT_START = pytest.StashKey["tuple[float, float] | None"]()
 _POOLS: list[Heavy] = []
 """The session's `engine_pool`, for the closing summary's count of its starts."""
 _RUNS: list[EngineRuns] = []
@@ -103,8 +104,22 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _machine_cpu() -> tuple[float, float] | None:
+    """The machine's (busy, all) CPU seconds since boot, summed over its cores (Linux's
+    /proc/stat; None elsewhere): every process counts, the suite's engines and other jobs."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(f) for f in fields)
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = user + nice + system + irq + softirq + steal
+    return busy / tick, (busy + idle + iowait) / tick
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_STARTED] = time.monotonic()
+    session.config.stash[_CPU_AT_START] = _machine_cpu()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -120,6 +135,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", f"suite time {wall:.1f} s ({wall / 60:.1f} min)")
     for module, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
+    began, now = terminalreporter.config.stash[_CPU_AT_START], _machine_cpu()
+    if began is not None and now is not None and now[1] > began[1]:
+        busy, total = now[0] - began[0], now[1] - began[1]
+        terminalreporter.write_line(
+            f"machine CPU: {busy / 60:.1f} of {total / 60:.1f} core-min busy "
+            f"({busy / total:.0%}; every process, other jobs included, {os.cpu_count()} cores)"
+        )
     for pool in _POOLS:
         terminalreporter.write_line(
             f"engine_pool: {pool.engines_started} engines started in "
